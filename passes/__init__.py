@@ -1,0 +1,1 @@
+"""Compiler passes: pure functions from frozen IR to frozen IR (installed as ``meshshard.passes``)."""
