@@ -1,0 +1,41 @@
+"""The one place meshshard touches JAX's semi-public interpreter APIs.
+
+Defining a new primitive needs rule tables that JAX exposes under
+``jax.interpreters`` (autodiff, batching, MLIR lowering) rather than in its top-level
+API.  Keeping every such import here means a JAX upgrade breaks one file, not many.
+Nothing here imports ``jax._src``.
+"""
+
+from __future__ import annotations
+
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Primitive, Var
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Primitive",
+    "Var",
+    "register_identity_rules",
+    "instantiate_zeros",
+]
+
+
+def instantiate_zeros(x):
+    """Turn a symbolic zero cotangent/tangent into a real zero array."""
+    return ad.instantiate_zeros(x)
+
+
+def register_identity_rules(prim: Primitive, jvp_rule, transpose_rule) -> None:
+    """Register autodiff, vmap and lowering rules for an identity-like primitive."""
+    ad.primitive_jvps[prim] = jvp_rule
+    ad.primitive_transposes[prim] = transpose_rule
+
+    def batch_rule(args, dims, **params):
+        return prim.bind(*args, **params), dims
+
+    batching.primitive_batchers[prim] = batch_rule
+    mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))

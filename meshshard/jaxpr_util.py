@@ -1,0 +1,76 @@
+"""Small helpers over jaxprs shared by the compiler and the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from meshshard._compat import DropVar, JaxprEqn, Literal
+from meshshard.primitives import boundary_p
+
+
+def is_marker(eqn: JaxprEqn, *kinds: str) -> bool:
+    """True if ``eqn`` is a pipeline-boundary marker (of one of ``kinds`` when given)."""
+    return eqn.primitive is boundary_p and (not kinds or eqn.params["kind"] in kinds)
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence) -> list:
+    """Evaluate one equation on concrete values or tracers; returns its outputs as a list."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def eval_eqns(
+    eqns: Sequence[JaxprEqn],
+    env: dict,
+    *,
+    on_eqn: Callable[[int, JaxprEqn, dict], bool] | None = None,
+) -> dict:
+    """Evaluate ``eqns`` in order, reading and writing ``env`` (Var -> value).
+
+    ``on_eqn(i, eqn, env)`` may handle an equation itself and return True to skip the
+    default evaluation (used to rewrite markers).  Returns ``env``.
+    """
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for i, eqn in enumerate(eqns):
+        if on_eqn is not None and on_eqn(i, eqn, env):
+            continue
+        outs = bind_eqn(eqn, [read(v) for v in eqn.invars])
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, DropVar):
+                env[var] = val
+    return env
+
+
+def read_var(env: dict, v):
+    """Value of a jaxpr atom (a Var in ``env`` or a Literal)."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def is_dropvar(v) -> bool:
+    """True for the ``_`` placeholder jaxprs use for unused outputs."""
+    return isinstance(v, DropVar)
+
+
+def var_ids(jaxpr) -> dict:
+    """Stable integer ids for every variable: inputs, then constants, then equation outputs.
+
+    Two traces of the same program give the same ids, which is how a plan names values.
+    """
+    ids: dict = {}
+    for v in (*jaxpr.invars, *jaxpr.constvars):
+        ids[v] = len(ids)
+    for e in jaxpr.eqns:
+        for v in e.outvars:
+            if not isinstance(v, DropVar):
+                ids[v] = len(ids)
+    return ids
+
+
+def is_literal(v) -> bool:
+    """True for a jaxpr literal operand."""
+    return isinstance(v, Literal)

@@ -1,0 +1,106 @@
+"""Parallelization methods: frozen, validated descriptions of how to split a step.
+
+>>> PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)])
+PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b', num_stages=None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshshard.errors import MeshshardInputError
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def _check_shape(shape, what: str) -> tuple[int, int]:
+    if (
+        not isinstance(shape, tuple | list)
+        or len(shape) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in shape)
+    ):
+        raise MeshshardInputError(
+            f"{what} must be a mesh shape (hosts, devices_per_host) of two positive ints, "
+            f"got {shape!r}; e.g. (1, 2) for two devices of one host"
+        )
+    return (int(shape[0]), int(shape[1]))
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """One mesh runs the whole step, the batch sharded over all its devices.
+
+    Args:
+        mesh_shape: (hosts, devices per host); None takes the whole cluster.
+        num_micro_batches: gradient-accumulation micro-batches per step (default 1).
+    """
+
+    mesh_shape: tuple[int, int] | None = None
+    num_micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mesh_shape is not None:
+            object.__setattr__(self, "mesh_shape", _check_shape(self.mesh_shape, "DataParallel.mesh_shape"))
+        _check_micro_batches(self.num_micro_batches, "DataParallel")
+
+
+@dataclass(frozen=True)
+class PipeshardParallel:
+    """Pipeline stages on separate meshes, data parallel inside each mesh.
+
+    Args:
+        num_micro_batches: micro-batches per step; the batch must divide by it.
+        stages: ``"uniform"`` (``num_stages`` equal meshes, default one per host) or a list
+            of mesh shapes ``(hosts, devices_per_host)``, one per stage, in order.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        num_stages: with ``stages="uniform"``, how many stages (default: one per host).
+    """
+
+    num_micro_batches: int
+    stages: str | tuple[tuple[int, int], ...] = "uniform"
+    schedule: str = "1f1b"
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        if isinstance(self.stages, str):
+            if self.stages != "uniform":
+                raise MeshshardInputError(
+                    f"PipeshardParallel.stages={self.stages!r} is not understood; pass "
+                    "'uniform' or a list of mesh shapes such as [(1, 2), (1, 2)]"
+                )
+        else:
+            if not isinstance(self.stages, tuple | list) or not self.stages:
+                raise MeshshardInputError(
+                    f"PipeshardParallel.stages must be 'uniform' or a non-empty list of mesh "
+                    f"shapes, got {self.stages!r}"
+                )
+            shapes = tuple(
+                _check_shape(s, f"PipeshardParallel.stages[{i}]") for i, s in enumerate(self.stages)
+            )
+            object.__setattr__(self, "stages", shapes)
+            if self.num_stages is not None and self.num_stages != len(shapes):
+                raise MeshshardInputError(
+                    f"PipeshardParallel.num_stages={self.num_stages} disagrees with the "
+                    f"{len(shapes)} mesh shapes in stages; drop num_stages"
+                )
+        if self.schedule not in SCHEDULES:
+            raise MeshshardInputError(
+                f"PipeshardParallel.schedule={self.schedule!r} is not one of {SCHEDULES}"
+            )
+        if self.num_stages is not None and (
+            not isinstance(self.num_stages, int) or self.num_stages < 1
+        ):
+            raise MeshshardInputError(
+                f"PipeshardParallel.num_stages must be a positive int, got {self.num_stages!r}"
+            )
+
+
+def _check_micro_batches(m, owner: str) -> None:
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise MeshshardInputError(
+            f"{owner}.num_micro_batches must be a positive int, got {m!r}"
+        )
+
+
+Method = DataParallel | PipeshardParallel

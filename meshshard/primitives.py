@@ -1,0 +1,68 @@
+"""The pipeline-boundary primitive.
+
+``mark_pipeline_boundary()`` in a model's forward pass records where one layer ends
+and the next begins.  It is an identity: a single-device ``jax.jit`` of the same step
+computes exactly what it would without it.  Under ``meshshard.grad`` each boundary
+carries the values that cross it; its JVP marks the tangents and its transpose marks
+the cotangents, so the backward pass holds a *mirrored* boundary for every forward one.
+The compiler slices the traced step at these markers.
+"""
+
+from __future__ import annotations
+
+from meshshard._compat import Primitive, instantiate_zeros, register_identity_rules
+
+__all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
+
+#: ``mark``: a user's marker (no operands); ``fwd``/``bwd``: a layer boundary in the forward
+#: pass and its mirror in the backward pass; ``loss``/``loss_bwd``: the loss value and its
+#: seed cotangent; ``grad_end``: the values ``meshshard.grad`` returns (loss, gradients).
+MARKER_KINDS = ("mark", "fwd", "bwd", "loss", "loss_bwd", "grad_end")
+
+boundary_p = Primitive("pipeline_boundary")
+boundary_p.multiple_results = True
+
+
+def _impl(*args, kind, index):
+    return list(args)
+
+
+def _abstract_eval(*avals, kind, index):
+    return list(avals)
+
+
+_MIRROR = {"fwd": "bwd", "bwd": "fwd", "loss": "loss_bwd", "loss_bwd": "loss"}
+
+
+def _jvp(primals, tangents, *, kind, index):
+    outs = boundary_p.bind(*primals, kind=kind, index=index)
+    tangents = [instantiate_zeros(t) for t in tangents]
+    return outs, boundary_p.bind(*tangents, kind=kind, index=index)
+
+
+def _transpose(cts, *args, kind, index):
+    cts = [instantiate_zeros(c) for c in cts]
+    return boundary_p.bind(*cts, kind=_MIRROR.get(kind, kind), index=index)
+
+
+boundary_p.def_impl(_impl)
+boundary_p.def_abstract_eval(_abstract_eval)
+register_identity_rules(boundary_p, _jvp, _transpose)
+
+
+def mark_pipeline_boundary(*values):
+    """Mark the end of a layer in a model's forward pass.
+
+    Called with no arguments (the usual form, between layers inside a Flax module's
+    ``__call__``) it records a boundary and returns ``None``; ``meshshard.grad`` later
+    decides which values cross it.  Called with arrays it returns them unchanged and
+    marks exactly those as the boundary's values.  Either way it computes nothing.
+
+    >>> import jax.numpy as jnp
+    >>> mark_pipeline_boundary(jnp.ones(2))[0].shape
+    (2,)
+    """
+    if not values:
+        boundary_p.bind(kind="mark", index=-1)
+        return None
+    return boundary_p.bind(*values, kind="fwd", index=-1)

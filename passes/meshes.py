@@ -1,0 +1,72 @@
+"""Pass: choose each stage's layers and mesh, and place meshes on the cluster's hosts.
+
+Each mesh gets whole host-actors of its own (a host-actor runs one instruction stream),
+allocated in stage order, so stage ``i`` runs on mesh ``i``.
+"""
+
+from __future__ import annotations
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.methods import DataParallel, Method, PipeshardParallel
+from meshshard.plan import MeshSpec
+from passes.stage_graph import group_layers
+
+
+def stage_layout(
+    method: Method, cluster: ClusterSpec, num_layers: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[MeshSpec, ...]]:
+    """Layer groups per stage and the mesh of each stage, validated against the cluster."""
+    if isinstance(method, DataParallel):
+        shape = method.mesh_shape or (cluster.num_hosts, cluster.devices_per_host)
+        return (tuple(range(num_layers)),), allocate_meshes([shape], cluster)
+    assert isinstance(method, PipeshardParallel)
+    if method.stages == "uniform":
+        s = method.num_stages or min(cluster.num_hosts, num_layers)
+        _check_stage_count(s, num_layers)
+        if cluster.num_hosts % s:
+            raise MeshshardInputError(
+                f"stages='uniform' with {s} stages cannot split the {cluster.num_hosts} hosts "
+                f"evenly; choose num_stages dividing {cluster.num_hosts} or list mesh shapes"
+            )
+        shapes = [(cluster.num_hosts // s, cluster.devices_per_host)] * s
+    else:
+        shapes = list(method.stages)
+        _check_stage_count(len(shapes), num_layers)
+    return group_layers(num_layers, len(shapes)), allocate_meshes(shapes, cluster)
+
+
+def _check_stage_count(num_stages: int, num_layers: int) -> None:
+    if num_stages <= num_layers:
+        return
+    if num_layers == 1:
+        raise MeshshardInputError(
+            f"{num_stages} pipeline stages were asked for, but the model has no pipeline "
+            "boundary: call meshshard.mark_pipeline_boundary() between layers in the "
+            "forward pass, or use one stage (DataParallel)"
+        )
+    raise MeshshardInputError(
+        f"{num_stages} pipeline stages were asked for, but the model's "
+        f"{num_layers - 1} pipeline boundaries allow at most {num_layers} stages; add "
+        "mark_pipeline_boundary() calls or ask for fewer stages"
+    )
+
+
+def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tuple[MeshSpec, ...]:
+    """Give each mesh shape its own consecutive hosts; error if the cluster is too small."""
+    need_hosts = sum(h for h, _ in shapes)
+    need_devices = sum(h * d for h, d in shapes)
+    too_wide = [d for _, d in shapes if d > cluster.devices_per_host]
+    if need_hosts > cluster.num_hosts or too_wide:
+        raise MeshshardInputError(
+            f"the stages ask for meshes {shapes} ({need_devices} devices on {need_hosts} "
+            f"hosts), but the cluster {cluster} has {cluster.num_devices} devices; each mesh "
+            f"needs whole hosts of at most {cluster.devices_per_host} devices. Ask for fewer or "
+            "smaller meshes, or start a bigger cluster (meshshard.init(num_hosts=..., "
+            "devices_per_host=...))"
+        )
+    meshes, next_host = [], 0
+    for i, (h, d) in enumerate(shapes):
+        meshes.append(MeshSpec(i, (h, d), tuple(range(next_host, next_host + h))))
+        next_host += h
+    return tuple(meshes)

@@ -1,0 +1,114 @@
+"""The compiler driver: run every pass in order and assemble the :class:`Plan`.
+
+Pure: it reads a function, example arguments, a method and a described cluster, and
+never touches Ray, so a plan for a GPU cluster can be made and inspected on a laptop.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from meshshard.cluster import ClusterSpec
+from meshshard.methods import DataParallel, Method
+from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
+from passes.emit import emit_streams
+from passes.meshes import stage_layout
+from passes.schedules import make_schedule
+from passes.sharding import build_buffers
+from passes.slicing import slice_layers
+from passes.stage_graph import StageGraph, build_stage_graph
+from passes.trace import TracedStep, trace_step
+from passes.transfers import plan_transfers
+
+
+def plan_step(
+    fn: Callable,
+    args: Sequence,
+    *,
+    method: Method,
+    cluster: ClusterSpec,
+    batch_argnums: Sequence[int] = (1,),
+) -> tuple[Plan, TracedStep]:
+    """Compile ``fn(*args)`` under ``method`` for ``cluster``; returns the plan and the trace."""
+    traced = trace_step(
+        fn, args, batch_argnums=tuple(batch_argnums), num_micro_batches=method.num_micro_batches
+    )
+    return plan_traced(traced, method=method, cluster=cluster), traced
+
+
+def plan_traced(traced: TracedStep, *, method: Method, cluster: ClusterSpec) -> Plan:
+    """Every pass after tracing."""
+    slicing = slice_layers(traced.jaxpr)
+    layer_groups, meshes = stage_layout(method, cluster, slicing.num_layers)
+    graph = build_stage_graph(traced, slicing, layer_groups)
+    buffers = build_buffers(traced, graph, meshes)
+    transfers = plan_transfers(traced, graph, meshes)
+    sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
+    schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
+    streams = emit_streams(graph, schedule, meshes, transfers)
+    programs = tuple(
+        ProgramSpec(
+            name=p.name,
+            mesh=p.stage,
+            eqns=p.eqns,
+            inputs=tuple(g for g, _ in p.inputs),
+            outputs=tuple(g for g, _ in p.outputs),
+        )
+        for p in graph.programs
+    )
+    notes = []
+    if slicing.num_layers > 1 and isinstance(method, DataParallel):
+        notes.append(f"{slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
+    return Plan(
+        method=repr(method),
+        cluster=cluster,
+        num_micro_batches=traced.num_micro_batches,
+        fingerprint=traced.fingerprint,
+        meshes=meshes,
+        stages=_stage_specs(traced, graph),
+        programs=programs,
+        buffers=buffers,
+        transfers=transfers,
+        schedule=schedule,
+        streams=streams,
+        inputs=_input_specs(traced, graph),
+        outputs=_output_specs(traced, graph),
+        notes=tuple(notes),
+    )
+
+
+def _summary(traced: TracedStep, eqns: tuple[int, ...]) -> str:
+    counts = Counter(traced.jaxpr.eqns[i].primitive.name for i in eqns)
+    counts.pop("pipeline_boundary", None)
+    top = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:4])
+    return f"{len(eqns)} eqns ({top})"
+
+
+def _stage_specs(traced: TracedStep, graph: StageGraph) -> tuple[StageSpec, ...]:
+    out = []
+    for s, layers in enumerate(graph.layer_groups):
+        f, b = graph.program(f"s{s}.F"), graph.program(f"s{s}.B")
+        summary = f"F: {_summary(traced, f.eqns)}; B: {_summary(traced, b.eqns)}"
+        out.append(StageSpec(s, s, layers, f.name, b.name, summary))
+    return tuple(out)
+
+
+def _input_specs(traced: TracedStep, graph: StageGraph) -> tuple[InputSpec, ...]:
+    out = []
+    for leaf, slots in graph.input_slots:
+        info = traced.inputs[leaf]
+        kind = "batch" if info.is_batch else ("state" if slots else "unused")
+        if info.is_batch and not slots:
+            kind = "unused"
+        out.append(InputSpec(leaf, info.path, kind, info.shape, info.dtype, slots))
+    return tuple(out)
+
+
+def _output_specs(traced: TracedStep, graph: StageGraph) -> tuple[OutputSpec, ...]:
+    out = []
+    for leaf, source, slots, input_leaf, literal in graph.output_slots:
+        info = traced.outputs[leaf]
+        lit = literal.item() if hasattr(literal, "item") else literal
+        out.append(OutputSpec(leaf, info.path, info.shape, info.dtype, source, slots, input_leaf, lit))
+    return tuple(out)

@@ -1,0 +1,68 @@
+"""Pass: data-parallel shardings inside each mesh, as buffer groups with specs.
+
+Inside a mesh every value computed from the batch whose leading dim is the micro-batch
+is split along that dim over all the mesh's devices; everything else (parameters,
+gradients, optimizer state) is replicated.  Later sharding inference replaces this rule
+without changing the buffer format.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshshard.jaxpr_util import var_ids
+from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
+from passes.stage_graph import StageGraph
+from passes.trace import TracedStep
+
+PER_MICRO_BATCH = ("X", "R", "t")
+
+
+def data_parallel_spec(
+    shape: tuple[int, ...], batch_dependent: bool, micro_batch_sizes: set[int], mesh: MeshSpec
+) -> Spec:
+    """``P(('host', 'device'))`` for batch-shaped values that divide over the mesh, else ``P()``."""
+    n = mesh.num_devices
+    if n > 1 and batch_dependent and shape and shape[0] in micro_batch_sizes and shape[0] % n == 0:
+        return (MESH_AXES,)
+    return ()
+
+
+def micro_batch_sizes(traced: TracedStep) -> set[int]:
+    """Leading dims of the batch leaves at micro-batch shape."""
+    m = traced.num_micro_batches
+    return {leaf.shape[0] // m for leaf in traced.inputs if leaf.is_batch}
+
+
+def tensor_specs(traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]) -> dict:
+    """Var id -> (readable name, shape, dtype) for every value a buffer may hold."""
+    jaxpr = traced.jaxpr
+    ids = var_ids(jaxpr)
+    info = {}
+    for v, i in ids.items():
+        info[i] = (f"%{i}", tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
+    for leaf, li in enumerate(traced.inputs):
+        info[leaf] = (li.path, tuple(jaxpr.invars[leaf].aval.shape), li.dtype)
+    return info
+
+
+def build_buffers(
+    traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]
+) -> tuple[BufferSpec, ...]:
+    """One BufferSpec per non-empty group of the stage graph, with a spec per array."""
+    info = tensor_specs(traced, graph, meshes)
+    mbs = micro_batch_sizes(traced)
+    out = []
+    for name, content in graph.groups:
+        if not content:
+            continue
+        kind = name[0]
+        mesh = meshes[int(name[1:])]
+        tensors = []
+        for var in content:
+            label, shape, dtype = info[var]
+            dep = var in graph.batch_dependent and kind in PER_MICRO_BATCH
+            spec = data_parallel_spec(shape, dep, mbs, mesh)
+            tensors.append(TensorSpec(var, label, shape, dtype, spec))
+        out.append(BufferSpec(name, mesh.id, kind in PER_MICRO_BATCH, tuple(tensors)))
+    return tuple(out)
