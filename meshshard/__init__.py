@@ -7,7 +7,27 @@ from meshshard._layout import extend_package_path as _extend_package_path
 
 _extend_package_path(__path__)
 
+from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
+from meshshard.autodiff import grad, value_and_grad  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
+from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
+from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
+from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
+from meshshard.runtime.cluster import init, shutdown  # noqa: E402
 
-__all__ = ["ClusterSpec", "Plan"]
+__all__ = [
+    "ClusterSpec",
+    "DataParallel",
+    "MeshshardInputError",
+    "MeshshardRuntimeError",
+    "ParallelizedFunction",
+    "PipeshardParallel",
+    "Plan",
+    "grad",
+    "init",
+    "mark_pipeline_boundary",
+    "parallelize",
+    "shutdown",
+    "value_and_grad",
+]

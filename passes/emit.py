@@ -22,7 +22,7 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import MeshSpec, Schedule, TransferSpec
-from passes.stage_graph import StageGraph
+from meshshard.passes.stage_graph import StageGraph
 
 PER_MB_PREFIXES = ("X", "R", "t")
 

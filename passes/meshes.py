@@ -10,7 +10,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.methods import DataParallel, Method, PipeshardParallel
 from meshshard.plan import MeshSpec
-from passes.stage_graph import group_layers
+from meshshard.passes.stage_graph import group_layers
 
 
 def stage_layout(

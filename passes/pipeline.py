@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 from meshshard.cluster import ClusterSpec
 from meshshard.methods import DataParallel, Method
 from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
-from passes.emit import emit_streams
-from passes.meshes import stage_layout
-from passes.schedules import make_schedule
-from passes.sharding import build_buffers
-from passes.slicing import slice_layers
-from passes.stage_graph import StageGraph, build_stage_graph
-from passes.trace import TracedStep, trace_step
-from passes.transfers import plan_transfers
+from meshshard.passes.emit import emit_streams
+from meshshard.passes.meshes import stage_layout
+from meshshard.passes.schedules import make_schedule
+from meshshard.passes.sharding import build_buffers
+from meshshard.passes.slicing import slice_layers
+from meshshard.passes.stage_graph import StageGraph, build_stage_graph
+from meshshard.passes.trace import TracedStep, trace_step
+from meshshard.passes.transfers import plan_transfers
 
 
 def plan_step(

@@ -12,8 +12,8 @@ import numpy as np
 
 from meshshard.jaxpr_util import var_ids
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
-from passes.stage_graph import StageGraph
-from passes.trace import TracedStep
+from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.trace import TracedStep
 
 PER_MICRO_BATCH = ("X", "R", "t")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
-from passes.apply_placement import ApplyPlacement, place_apply
-from passes.slicing import APPLY, BWD, FWD, LayerSlicing
-from passes.trace import TracedStep
+from meshshard.passes.apply_placement import ApplyPlacement, place_apply
+from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
+from meshshard.passes.trace import TracedStep
 
 
 @dataclass(frozen=True)

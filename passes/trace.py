@@ -43,6 +43,7 @@ class TracedStep:
     outputs: tuple[LeafInfo, ...]
     num_micro_batches: int
     fingerprint: str
+    out_tree: object = None
 
     @property
     def jaxpr(self):
@@ -116,6 +117,7 @@ def trace_step(
         outputs=outputs,
         num_micro_batches=num_micro_batches,
         fingerprint=fingerprint(closed),
+        out_tree=jax.tree.structure(out_shape),
     )
 
 

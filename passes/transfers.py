@@ -12,9 +12,9 @@ import numpy as np
 
 from meshshard.plan import Message, MeshSpec, TensorSpec, TransferSpec
 from meshshard.tiles import block_nbytes, device_blocks
-from passes.sharding import data_parallel_spec, micro_batch_sizes, tensor_specs
-from passes.stage_graph import StageGraph
-from passes.trace import TracedStep
+from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes, tensor_specs
+from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.trace import TracedStep
 
 
 def whole_array_messages(

@@ -1,0 +1,122 @@
+"""``meshshard.parallelize``: turn a train step into a planned, distributed step."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.methods import DataParallel, Method, PipeshardParallel
+from meshshard.plan import Plan
+
+
+class ParallelizedFunction:
+    """A train step compiled for a cluster on first call; ``lower`` shows the plan without running.
+
+    Calls with new argument shapes recompile.  See :func:`parallelize`.
+    """
+
+    def __init__(self, fn: Callable, method: Method, donate_argnums: Sequence[int], batch_argnums: Sequence[int]):
+        if not isinstance(method, DataParallel | PipeshardParallel):
+            raise MeshshardInputError(
+                f"method must be DataParallel() or PipeshardParallel(...), got {method!r}"
+            )
+        self.fn = fn
+        self.method = method
+        self.donate_argnums = tuple(donate_argnums)
+        self.batch_argnums = tuple(batch_argnums)
+        self._executables: dict = {}
+        self.last_compile_seconds: float | None = None
+        functools.update_wrapper(self, fn)
+
+    def lower(self, *args, cluster: ClusterSpec | None = None) -> Plan:
+        """The plan for these arguments on ``cluster`` (default: the running cluster, else
+        ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray."""
+        from meshshard.passes.pipeline import plan_step
+
+        if cluster is None:
+            from meshshard.runtime.cluster import current_cluster
+
+            running = current_cluster()
+            cluster = running.spec if running is not None else ClusterSpec()
+        plan, _ = plan_step(
+            self.fn, _abstract(args), method=self.method, cluster=cluster, batch_argnums=self.batch_argnums
+        )
+        return plan
+
+    def __call__(self, *args):
+        from meshshard.passes.pipeline import plan_step
+        from meshshard.runtime.cluster import require_cluster
+        from meshshard.runtime.executable import Executable
+
+        cluster = require_cluster()
+        abstract = _abstract(args)
+        key = (
+            jax.tree.structure(abstract),
+            tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
+                  for a in jax.tree.leaves(abstract)),
+        )
+        exe = self._executables.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            plan, traced = plan_step(
+                self.fn, abstract, method=self.method, cluster=cluster.spec, batch_argnums=self.batch_argnums
+            )
+            exe = Executable(plan, cluster.backend(), self.fn, abstract, self.batch_argnums, self.donate_argnums)
+            exe.set_out_tree(traced.out_tree)
+            self.last_compile_seconds = time.perf_counter() - t0
+            self._executables[key] = exe
+        return exe(*args)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the most recent compilation (None before the first call)."""
+        if not self._executables:
+            return None
+        return list(self._executables.values())[-1].plan
+
+    @property
+    def executable(self):
+        """The most recent compiled executable (None before the first call)."""
+        return list(self._executables.values())[-1] if self._executables else None
+
+
+def parallelize(
+    fn: Callable | None = None,
+    *,
+    method: Method,
+    donate_argnums: Sequence[int] = (),
+    batch_argnums: Sequence[int] = (1,),
+):
+    """Parallelize a train step ``fn(state, batch, ...)`` with ``method``.
+
+    Use as ``parallelize(step, method=...)`` or as a decorator
+    ``@parallelize(method=PipeshardParallel(num_micro_batches=4))``.  Arguments in
+    ``batch_argnums`` are split into micro-batches along their first dimension; the
+    others (parameters, optimizer state) live on the meshes between steps.  Inside
+    ``fn`` compute gradients with ``meshshard.grad``/``meshshard.value_and_grad``.
+    """
+    if fn is None:
+        return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums)
+    return ParallelizedFunction(fn, method, donate_argnums, batch_argnums)
+
+
+def _abstract(args):
+    """Arguments with every array leaf replaced by a ShapeDtypeStruct."""
+
+    def one(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+        if isinstance(x, bool | int | float | complex):
+            a = np.asarray(x)
+            return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+        return x
+
+    return jax.tree.map(one, tuple(args))

@@ -1,0 +1,667 @@
+"""Discrete-event execution of a plan's instruction streams on a described cluster.
+
+Every worker runs its stream through queues; time advances from event to event (a
+program ends, a flow activates or finishes).
+
+Execution model
+---------------
+With ``overlap=True`` (an asynchronous runtime, CUDA-stream style) each worker has
+
+- a **compute queue** in stream order: ``RUN``, ``LOAD``, ``ZEROS``, ``WAIT``,
+  ``WAITALL``, ``FREE``.  A ``RUN`` starts when the previous compute op is done and
+  every buffer it reads is ready; a program of a multi-host mesh is one SPMD program,
+  started when all of the mesh's workers reach it.  ``WAIT buf`` blocks the queue
+  until the receive or collective into ``buf`` is complete; ``WAITALL`` until every
+  earlier send of the worker is.
+- a **communication queue** in stream order: ``SEND``, ``RECV``, ``COLL``.  An op is
+  issued once the previous one is issued and (``SEND``/``COLL``) its buffer is ready;
+  issued ops proceed concurrently.  A collective starts when all its group members
+  have issued it.
+
+With ``overlap=False`` (a blocking runtime) a worker does one thing at a time: each
+instruction starts when the previous one has completed, and ``SEND``/``RECV``/``COLL``
+complete only when their data has moved.
+
+Data movement: a send's flow starts when the ``SEND`` issues (the receiver buffers
+it), and the matching ``RECV`` (same transfer, message, buffer, peer pair) completes
+when that flow finishes.  With ``serial_comm=True`` (NCCL-like: one op at a time per
+worker's comm stream, both sides must be there) a comm op starts only after the
+previous one completed, and a flow starts only when both its ``SEND`` and ``RECV``
+have been reached, which exposes head-of-line blocking and order effects.
+
+A buffer is ready when the last instruction before the reader (in that worker's
+stream) that writes it has completed; buffers nobody wrote (parameters, optimizer
+state) are ready at time 0.  If some instruction can never run the engine raises
+:class:`SimulationDeadlock` naming the stuck instructions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from meshshard.cluster import ClusterSpec
+from meshshard.instructions import (
+    Collective,
+    Free,
+    Instruction,
+    Load,
+    Recv,
+    Run,
+    Send,
+    Wait,
+    WaitAll,
+    Zeros,
+)
+from meshshard.plan import Plan
+from meshshard.sim.collectives import decompose
+from meshshard.sim.costs import ProgramCost, program_cost
+from meshshard.sim.network import FlowNetwork
+from meshshard.sim.topology import Topology
+
+__all__ = ["SimOptions", "SimulationDeadlock", "Timeline", "OpRecord", "execute", "check_fits"]
+
+_INF = math.inf
+PENDING, ARRIVED, STARTED, DONE = 0, 1, 2, 3
+
+
+class SimulationDeadlock(RuntimeError):
+    """Some instructions can never run (unmatched communication or a dependency cycle)."""
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the plan executes (see the module docstring).
+
+    Args:
+        overlap: asynchronous compute and communication queues (True) or a blocking
+            runtime that does one thing at a time per worker (False).
+        serial_comm: one communication at a time per worker, point-to-point flows
+            start only when both sides reached them (NCCL-stream semantics).
+        allreduce: ``"ring"``, ``"hierarchical"`` or ``"auto"`` (see collectives).
+        chunk_bytes: pipelining chunk of broadcasts; None takes the cluster's.
+        max_chunks: cap on chunks per broadcast channel (chunks grow beyond it).
+        record: keep spans and per-link load samples (for the trace).
+    """
+
+    overlap: bool = True
+    serial_comm: bool = False
+    allreduce: str = "auto"
+    chunk_bytes: int | None = None
+    max_chunks: int = 256
+    record: bool = True
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """When one instruction of a worker's stream reached its queue head, started and ended."""
+
+    worker: int
+    index: int
+    instruction: Instruction
+    head: float
+    start: float
+    end: float
+
+
+class _Op:
+    __slots__ = (
+        "id",
+        "worker",
+        "index",
+        "ins",
+        "code",
+        "queue",
+        "deps",
+        "dep_i",
+        "registered",
+        "blocking",
+        "state",
+        "head",
+        "start",
+        "end",
+        "key",
+        "dur",
+    )
+
+    def __init__(self, oid, worker, index, ins, code):
+        self.id = oid
+        self.worker = worker
+        self.index = index
+        self.ins = ins
+        self.code = code
+        self.queue = None
+        self.deps: list[int] = []
+        self.dep_i = 0
+        self.registered = -1
+        self.blocking = True
+        self.state = PENDING
+        self.head = _INF
+        self.start = _INF
+        self.end = _INF
+        self.key = None
+        self.dur = 0.0
+
+
+class _Queue:
+    __slots__ = ("worker", "name", "ops", "pos", "queued")
+
+    def __init__(self, worker: int, name: str):
+        self.worker = worker
+        self.name = name
+        self.ops: list[_Op] = []
+        self.pos = 0
+        self.queued = False
+
+
+class _P2P:
+    """A matched SEND/RECV pair."""
+
+    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel")
+
+    def __init__(self):
+        self.send: _Op | None = None
+        self.recv: _Op | None = None
+        self.nbytes = 0.0
+        self.flow_done = False
+
+
+class _Rendezvous:
+    __slots__ = ("expected", "arrived")
+
+    def __init__(self, expected: int):
+        self.expected = expected
+        self.arrived: list[_Op] = []
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Raw engine output: every instruction's times, program costs, network accounting."""
+
+    records: tuple[tuple[OpRecord, ...], ...]  # per worker, in stream order
+    workers: tuple[int, ...]
+    end: float
+    costs: tuple[ProgramCost, ...]
+    topology: Topology
+    network: FlowNetwork
+    notes: tuple[str, ...]
+
+
+_CODES = {Run: "RUN", Load: "LOAD", Zeros: "ZEROS", Send: "SEND", Recv: "RECV",
+          Collective: "COLL", Wait: "WAIT", WaitAll: "WAITALL", Free: "FREE"}
+_COMM = ("SEND", "RECV", "COLL")
+
+
+def check_fits(plan: Plan, cluster: ClusterSpec) -> None:
+    """Raise ValueError, naming ``num_hosts``/``--hosts``, if the plan needs more than ``cluster`` has."""
+    need_hosts = 1 + max(
+        [w for w in plan.workers] + [h for m in plan.meshes for h in m.hosts], default=-1
+    )
+    need_devices = max((m.shape[1] for m in plan.meshes), default=1)
+    problems = []
+    if need_hosts > cluster.num_hosts:
+        problems.append(
+            f"the plan uses {need_hosts} hosts (workers w0..w{need_hosts - 1}) but cluster "
+            f"{cluster} has {cluster.num_hosts}; pass --hosts {need_hosts} "
+            f"(or ClusterSpec.preset(name, num_hosts={need_hosts}))"
+        )
+    if need_devices > cluster.devices_per_host:
+        problems.append(
+            f"the plan's meshes need {need_devices} devices per host but cluster {cluster} has "
+            f"{cluster.devices_per_host}; choose a cluster with devices_per_host >= {need_devices}"
+        )
+    if problems:
+        raise ValueError("plan does not fit the cluster: " + "; ".join(problems))
+
+
+class _Engine:
+    def __init__(self, plan: Plan, cluster: ClusterSpec, options: SimOptions, program_times):
+        self.plan = plan
+        self.cluster = cluster
+        self.opt = options
+        self.topo = Topology(cluster)
+        self.net = FlowNetwork(self.topo.capacity, record=options.record)
+        self.now = 0.0
+        self.heap: list = []
+        self.seq = 0
+        self.notes: list[str] = []
+        self.ops: list[_Op] = []
+        self.waiters: dict[int, list[_Op]] = {}
+        self.to_pump: deque[_Queue] = deque()
+        self.rdv: dict = {}
+        self.p2p: dict = {}
+        self.coll_cache: dict = {}
+        self.mesh_of_program = {p.name: p.mesh for p in plan.programs}
+        self.mesh_workers = {m.id: tuple(m.hosts) for m in plan.meshes}
+        self.costs: dict[str, ProgramCost] = {}
+        for p in plan.programs:
+            self.costs[p.name] = program_cost(plan, p, cluster, program_times)
+        missing = sorted(n for n, c in self.costs.items() if c.source == "none")
+        if missing:
+            self.notes.append(
+                "no flops/bytes or measured time for " + ", ".join(missing)
+                + f": each costs only the launch overhead ({cluster.launch_overhead * 1e6:.3g} us)"
+            )
+        if program_times:
+            unknown = sorted(set(program_times) - set(self.costs))
+            if unknown:
+                self.notes.append(f"program_times for unknown programs ignored: {unknown}")
+        self.queues: dict[int, list[_Queue]] = {}
+        self._build()
+
+    # --- building ------------------------------------------------------------------
+    def _build(self) -> None:
+        overlap, serial = self.opt.overlap, self.opt.serial_comm
+        counts: dict = {}
+        for stream in self.plan.streams:
+            w = stream.worker
+            if overlap:
+                qs = [_Queue(w, "compute"), _Queue(w, "comm")]
+            else:
+                qs = [_Queue(w, "all")]
+            self.queues[w] = qs
+            last_writer: dict[str, int] = {}
+            unwaited: dict[str, list[int]] = {}
+            sends: list[int] = []
+            occ: dict = {}
+            for i, ins in enumerate(stream.instructions):
+                code = _CODES.get(type(ins))
+                if code is None:
+                    raise TypeError(f"w{w}: cannot simulate instruction {ins!r}")
+                op = _Op(len(self.ops), w, i, ins, code)
+                self.ops.append(op)
+                is_comm = code in _COMM
+                op.queue = qs[1] if (overlap and is_comm) else qs[0]
+                op.queue.ops.append(op)
+                op.blocking = (not overlap) or (not is_comm) or serial
+                deps: list[int] = []
+                if code in ("RUN", "SEND", "COLL"):
+                    deps = [last_writer[b] for b in ins.reads if b in last_writer]
+                if code == "RUN":
+                    mesh = self.mesh_of_program.get(ins.program)
+                    if mesh is None:
+                        raise ValueError(f"w{w}: {ins} runs program {ins.program!r}, which the plan lacks")
+                    op.dur = self.costs[ins.program].seconds
+                    if len(self.mesh_workers.get(mesh, ())) > 1:
+                        n = occ[("run", ins.program, ins.mb)] = occ.get(("run", ins.program, ins.mb), -1) + 1
+                        op.key = ("run", ins.program, ins.mb, n)
+                elif code in ("SEND", "RECV"):
+                    src, dst = (w, ins.peer) if code == "SEND" else (ins.peer, w)
+                    base = ("p2p", ins.transfer, ins.message, ins.buffer, src, dst)
+                    n = occ[(code,) + base] = occ.get((code,) + base, -1) + 1
+                    op.key = base + (n,)
+                    pair = self.p2p.get(op.key)
+                    if pair is None:
+                        pair = self.p2p[op.key] = _P2P()
+                    if code == "SEND":
+                        pair.send = op
+                        sends.append(op.id)
+                    else:
+                        pair.recv = op
+                        unwaited.setdefault(ins.buffer, []).append(op.id)
+                elif code == "COLL":
+                    base = ("coll", ins.kind, ins.transfer, ins.message, ins.buffer, ins.group, ins.root)
+                    n = occ[base] = occ.get(base, -1) + 1
+                    op.key = base + (n,)
+                    unwaited.setdefault(ins.buffer, []).append(op.id)
+                elif code == "WAIT":
+                    deps = unwaited.pop(ins.buffer, [])
+                elif code == "WAITALL":
+                    deps, sends = sends, []
+                op.deps = deps
+                for b in ins.writes:
+                    last_writer[b] = op.id
+                if op.key is not None:
+                    counts[op.key] = counts.get(op.key, 0) + 1
+        # validate matches
+        for key, pair in self.p2p.items():
+            if pair.send is None or pair.recv is None:
+                have = pair.send or pair.recv
+                peer = have.ins.peer
+                raise SimulationDeadlock(
+                    f"w{have.worker}: {have.ins} has no matching "
+                    f"{'RECV' if pair.send else 'SEND'} on w{peer} "
+                    f"(same transfer {have.ins.transfer}, message #{have.ins.message}, buffer "
+                    f"{have.ins.buffer}); the plan's streams are inconsistent"
+                )
+            pair.nbytes = self._message_bytes(pair.send.ins)
+            pair.channel = pair.send.ins.message % self.cluster.nics_per_host
+        for key, n in counts.items():
+            if key[0] == "run":
+                mesh = self.mesh_of_program[key[1]]
+                if n != len(self.mesh_workers[mesh]):
+                    self.notes.append(
+                        f"RUN {key[1]} mb{key[2]} appears on {n} of mesh{mesh}'s "
+                        f"{len(self.mesh_workers[mesh])} workers; started when those {n} reach it"
+                    )
+                self.rdv[key] = _Rendezvous(n)
+            elif key[0] == "coll":
+                group = key[5]
+                if n != len(group):
+                    missing = sorted(
+                        set(group) - {op.worker for op in self.ops if op.key == key}
+                    )
+                    raise SimulationDeadlock(
+                        f"COLL {key[1]} {key[4]} #{key[3]} over {list(group)} is missing on "
+                        f"workers {missing}; every group member must issue it"
+                    )
+                self.rdv[key] = _Rendezvous(n)
+
+    def _message_bytes(self, ins: Send) -> float:
+        try:
+            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+        except (KeyError, IndexError):
+            pass
+        try:
+            nbytes = float(self.plan.buffer(ins.buffer).nbytes)
+        except KeyError:
+            nbytes = 0.0
+        self.notes.append(
+            f"message {ins.transfer} #{ins.message} is not in the plan's transfers; "
+            f"sized from buffer {ins.buffer} ({nbytes:.0f} B)"
+        )
+        return nbytes
+
+    def _coll_bytes(self, ins: Collective) -> float:
+        try:
+            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+        except (KeyError, IndexError):
+            pass
+        try:
+            return float(self.plan.buffer(ins.buffer).nbytes)
+        except KeyError:
+            self.notes.append(f"COLL {ins.kind} {ins.buffer}: size unknown, taken as 0 bytes")
+            return 0.0
+
+    # --- the event loop ------------------------------------------------------------
+    def at(self, t: float, fn, arg) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, fn, arg))
+
+    def run(self) -> None:
+        for qs in self.queues.values():
+            for q in qs:
+                self._schedule_pump(q)
+        self._drain()
+        net, heap = self.net, self.heap
+        while True:
+            t_net = net.next_time()
+            t_ev = heap[0][0] if heap else _INF
+            if t_net == _INF and t_ev == _INF:
+                break
+            if t_net <= t_ev:
+                self.now = t_net
+                net.advance(t_net)
+            else:
+                t, _, fn, arg = heapq.heappop(heap)
+                self.now = t
+                fn(arg)
+            self._drain()
+        self._check_done()
+
+    def _schedule_pump(self, q: _Queue) -> None:
+        if not q.queued:
+            q.queued = True
+            self.to_pump.append(q)
+
+    def _drain(self) -> None:
+        while self.to_pump:
+            q = self.to_pump.popleft()
+            q.queued = False
+            self._pump(q)
+
+    def _pump(self, q: _Queue) -> None:
+        ops = q.ops
+        while q.pos < len(ops):
+            op = ops[q.pos]
+            st = op.state
+            if st == DONE or (st >= ARRIVED and not op.blocking):
+                q.pos += 1
+                continue
+            if st != PENDING:
+                return  # waiting for peers or for completion
+            if op.head == _INF:
+                op.head = self.now
+            if not self._deps_done(op):
+                return
+            self._arrive(op)
+
+    def _deps_done(self, op: _Op) -> bool:
+        deps, ops = op.deps, self.ops
+        while op.dep_i < len(deps):
+            d = deps[op.dep_i]
+            if ops[d].state != DONE:
+                if op.registered != d:
+                    op.registered = d
+                    self.waiters.setdefault(d, []).append(op)
+                return False
+            op.dep_i += 1
+        return True
+
+    def _arrive(self, op: _Op) -> None:
+        op.state = ARRIVED
+        code = op.code
+        if code == "RUN" or code == "COLL":
+            if op.key is None:
+                self._start(op)
+                return
+            r = self.rdv[op.key]
+            r.arrived.append(op)
+            if len(r.arrived) == r.expected:
+                for member in r.arrived:
+                    member.state = STARTED
+                    member.start = self.now
+                if code == "RUN":
+                    for member in r.arrived:
+                        self._start(member)
+                else:
+                    self._start_collective(r.arrived)
+            return
+        if code == "SEND" or code == "RECV":
+            self._arrive_p2p(op)
+            return
+        self._start(op)
+
+    def _start(self, op: _Op) -> None:
+        op.state = STARTED
+        op.start = self.now
+        if op.code == "RUN" and op.dur > 0:
+            self.at(self.now + op.dur, self._complete, op)
+        else:
+            self._complete(op)
+
+    def _complete(self, op: _Op) -> None:
+        op.state = DONE
+        op.end = self.now
+        if op.start == _INF:
+            op.start = self.now
+        waiting = self.waiters.pop(op.id, None)
+        if waiting:
+            for other in waiting:
+                self._schedule_pump(other.queue)
+        self._schedule_pump(op.queue)
+
+    # --- point to point --------------------------------------------------------------
+    def _arrive_p2p(self, op: _Op) -> None:
+        pair: _P2P = self.p2p[op.key]
+        op.state = STARTED
+        op.start = self.now
+        rendezvous = self.opt.serial_comm
+        if op.code == "SEND":
+            if not rendezvous or pair.recv.state >= STARTED:
+                self._start_flow(pair)
+        else:
+            if pair.flow_done:
+                self._complete(op)
+            elif rendezvous and pair.send.state >= STARTED:
+                self._start_flow(pair)
+
+    def _start_flow(self, pair: _P2P) -> None:
+        send = pair.send
+        src = send.worker
+        dst = send.ins.peer
+        if src == dst:
+            g = self.cluster.devices_per_host
+            a, b = (src, 0), (dst, g - 1)
+        else:
+            a = self.topo.nic_device(src, pair.channel)
+            b = self.topo.nic_device(dst, pair.channel)
+        self.net.start(
+            self.now,
+            self.topo.path(a, b),
+            pair.nbytes,
+            latency=self.topo.latency(a, b),
+            on_done=lambda flow, pair=pair: self._p2p_done(pair),
+            label=str(send.ins),
+        )
+
+    def _p2p_done(self, pair: _P2P) -> None:
+        pair.flow_done = True
+        self._complete(pair.send)
+        if pair.recv.state >= STARTED:
+            self._complete(pair.recv)
+
+    # --- collectives -------------------------------------------------------------------
+    def _start_collective(self, members: list[_Op]) -> None:
+        ins: Collective = members[0].ins
+        nbytes = self._coll_bytes(ins)
+        key = (ins.kind, ins.group, ins.root, nbytes)
+        prep = self.coll_cache.get(key)
+        if prep is None:
+            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes)
+        paths, lats, sizes, succ, ndeps, touching, per_member = prep
+        by_worker = {op.worker: op for op in members}
+        left = dict(per_member)
+        remaining = list(ndeps)
+        for w, n in left.items():
+            if n == 0:
+                self._complete(by_worker[w])
+
+        def launch(i: int) -> None:
+            self.net.start(
+                self.now, paths[i], sizes[i], latency=lats[i], on_done=lambda f, i=i: done(i)
+            )
+
+        def done(i: int) -> None:
+            for s in succ[i]:
+                remaining[s] -= 1
+                if remaining[s] == 0:
+                    launch(s)
+            for w in touching[i]:
+                left[w] -= 1
+                if left[w] == 0:
+                    self._complete(by_worker[w])
+
+        for i, n in enumerate(ndeps):
+            if n == 0:
+                launch(i)
+
+    def _prepare_collective(self, ins: Collective, nbytes: float):
+        d = decompose(
+            ins.kind,
+            ins.group,
+            ins.root,
+            nbytes,
+            self.cluster,
+            allreduce=self.opt.allreduce,
+            chunk_bytes=self.opt.chunk_bytes,
+            max_chunks=self.opt.max_chunks,
+        )
+        steps = d.steps
+        paths = [self.topo.path(s.src, s.dst) for s in steps]
+        lats = [self.topo.latency(s.src, s.dst) for s in steps]
+        sizes = [s.nbytes for s in steps]
+        succ: list[list[int]] = [[] for _ in steps]
+        for i, s in enumerate(steps):
+            for dep in s.deps:
+                succ[dep].append(i)
+        ndeps = [len(s.deps) for s in steps]
+        members = set(ins.group)
+        touching = [
+            tuple(sorted({s.src[0], s.dst[0]} & members)) for s in steps
+        ]
+        per_member = {w: 0 for w in ins.group}
+        for t in touching:
+            for w in t:
+                per_member[w] += 1
+        return paths, lats, sizes, succ, ndeps, touching, per_member
+
+    # --- the end -----------------------------------------------------------------------
+    def _check_done(self) -> None:
+        stuck = [op for op in self.ops if op.state != DONE]
+        if not stuck:
+            return
+        lines = ["the plan cannot finish: these instructions never completed"]
+        for w, qs in sorted(self.queues.items()):
+            for q in qs:
+                if q.pos < len(q.ops):
+                    op = q.ops[q.pos]
+                    lines.append(f"  w{w} {q.name} queue: {op.ins}  <-- {self._why(op)}")
+        hint = (
+            " (with overlap=False every SEND/RECV blocks; the streams must order them so each "
+            "blocking send finds its receiver)"
+            if not self.opt.overlap
+            else ""
+        )
+        raise SimulationDeadlock("\n".join(lines) + hint)
+
+    def _why(self, op: _Op) -> str:
+        if op.state == PENDING:
+            for d in op.deps[op.dep_i :]:
+                other = self.ops[d]
+                if other.state != DONE:
+                    return f"waits for w{other.worker}#{other.index} {other.ins}"
+            return "never reached"
+        if op.state == ARRIVED and op.key in self.rdv:
+            r = self.rdv[op.key]
+            here = sorted(o.worker for o in r.arrived)
+            return f"rendezvous: {len(here)} of {r.expected} arrived ({here})"
+        if op.code in ("SEND", "RECV"):
+            pair = self.p2p[op.key]
+            other = pair.recv if op.code == "SEND" else pair.send
+            return f"waits for w{other.worker}#{other.index} {other.ins}"
+        return "in flight"
+
+    def timeline(self) -> Timeline:
+        end = max((op.end for op in self.ops), default=0.0)
+        end = max(end, self.net.now)
+        self.net.finish_stats(end)
+        records = []
+        workers = []
+        by_worker: dict[int, list[OpRecord]] = {}
+        for op in self.ops:
+            by_worker.setdefault(op.worker, []).append(
+                OpRecord(op.worker, op.index, op.ins, min(op.head, op.start), op.start, op.end)
+            )
+        for w in sorted(by_worker):
+            workers.append(w)
+            records.append(tuple(by_worker[w]))
+        return Timeline(
+            tuple(records),
+            tuple(workers),
+            end,
+            tuple(self.costs.values()),
+            self.topo,
+            self.net,
+            tuple(self.notes),
+        )
+
+
+def execute(
+    plan: Plan,
+    cluster: ClusterSpec,
+    options: SimOptions = SimOptions(),
+    program_times: Mapping[str, float] | None = None,
+) -> Timeline:
+    """Run ``plan``'s streams on ``cluster`` and return every instruction's times.
+
+    Raises ValueError if the plan does not fit the cluster and
+    :class:`SimulationDeadlock` if its streams cannot finish.
+    """
+    check_fits(plan, cluster)
+    engine = _Engine(plan, cluster, options, program_times)
+    engine.run()
+    return engine.timeline()

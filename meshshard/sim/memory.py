@@ -1,0 +1,149 @@
+"""Peak device memory from buffer sizes and the live ranges the streams give them.
+
+A buffer instance (``R1@3``, ``P0``) lives on a worker from the start of the first
+instruction that writes it (``LOAD``, ``ZEROS``, ``RUN`` output, ``RECV``, ``COLL``)
+until its ``FREE``, or later if a ``SEND`` reading it is still in flight then, or to
+the end of the iteration if never freed.  Buffers a worker reads but never writes
+(parameters, optimizer state) are resident all along.
+
+Bytes per device: a tensor of ``nbytes`` sharded by its spec over the mesh axes
+(``host`` = mesh rows, ``device`` = mesh columns) holds ``nbytes / prod(axis sizes)``
+on each device; a transfer's array is sharded by its source spec on the sending mesh
+and by ``dst_spec`` on the receiving mesh.  Categories follow the buffer naming
+convention of :mod:`meshshard.instructions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshshard.instructions import Free
+from meshshard.plan import MeshSpec, Plan, Spec
+from meshshard.sim.engine import OpRecord
+
+__all__ = ["category", "bytes_per_device", "memory_profile"]
+
+_CATEGORIES = {
+    "P": "params",
+    "S": "optimizer",
+    "O": "optimizer",
+    "A": "grads",
+    "X": "activations",
+    "R": "activations",
+    "t": "activations",
+}
+CATEGORY_ORDER = ("params", "optimizer", "grads", "activations", "other")
+
+
+def category(buffer: str) -> str:
+    """The memory category of a buffer by the naming convention (``R1@3`` -> activations)."""
+    return _CATEGORIES.get(buffer[:1], "other")
+
+
+def _shards(spec: Spec, mesh: MeshSpec | None) -> int:
+    if mesh is None:
+        return 1
+    size = {"host": mesh.shape[0], "device": mesh.shape[1]}
+    n = 1
+    for entry in spec:
+        if entry is None:
+            continue
+        for axis in (entry,) if isinstance(entry, str) else entry:
+            n *= size.get(axis, 1)
+    return n
+
+
+def bytes_per_device(plan: Plan, buffer: str, worker: int) -> float | None:
+    """Bytes one device of ``worker`` holds for ``buffer`` (None when the plan does not describe it)."""
+    meshes = {m.id: m for m in plan.meshes}
+    base = buffer.split("@", 1)[0]
+    transfer = next((t for t in plan.transfers if t.name == base), None)
+    if transfer is not None:
+        dst = meshes.get(transfer.dst_mesh)
+        if dst is not None and worker in dst.hosts:
+            return transfer.tensor.nbytes / _shards(transfer.dst_spec, dst)
+        src = meshes.get(transfer.src_mesh)
+        return transfer.tensor.nbytes / _shards(transfer.tensor.spec, src)
+    spec = next((b for b in plan.buffers if b.name == base), None)
+    if spec is None:
+        return None
+    mesh = meshes.get(spec.mesh)
+    return float(sum(t.nbytes / _shards(t.spec, mesh) for t in spec.tensors))
+
+
+def memory_profile(
+    plan: Plan, records: Sequence[Sequence[OpRecord]], end: float
+) -> tuple[dict[int, tuple[float, float, dict[str, float]]], dict[int, list[tuple[float, float]]], list[str]]:
+    """Per worker: (peak bytes per device, time of the peak, breakdown at the peak), the
+    step function of bytes held over time, and notes on undescribed buffers."""
+    peaks: dict[int, tuple[float, float, dict[str, float]]] = {}
+    curves: dict[int, list[tuple[float, float]]] = {}
+    unknown: set[str] = set()
+    sizes: dict[tuple[str, int], float] = {}
+
+    def size(buf: str, w: int) -> float:
+        key = (buf.split("@", 1)[0], w)
+        if key not in sizes:
+            n = bytes_per_device(plan, buf, w)
+            if n is None:
+                unknown.add(key[0])
+                n = 0.0
+            sizes[key] = n
+        return sizes[key]
+
+    for recs in records:
+        if not recs:
+            continue
+        w = recs[0].worker
+        alive: dict[str, float] = {}  # buffer -> alloc time
+        readers_end: dict[str, float] = {}  # latest end of an in-flight reader (sends)
+        events: list[tuple[float, int, str]] = []  # (time, +1 alloc / -1 free, buffer)
+        written: set[str] = set()
+        for r in recs:
+            ins = r.instruction
+            for b in ins.reads:
+                if b not in alive and b not in written:
+                    alive[b] = 0.0
+                    written.add(b)
+                    events.append((0.0, 1, b))
+                readers_end[b] = max(readers_end.get(b, 0.0), r.end)
+            if isinstance(ins, Free):
+                b = ins.buffer
+                if b in alive:
+                    t = max(r.start, readers_end.get(b, 0.0))
+                    events.append((t, -1, b))
+                    del alive[b]
+                continue
+            for b in ins.writes:
+                if b not in alive:
+                    alive[b] = r.start
+                    written.add(b)
+                    events.append((r.start, 1, b))
+        for b in alive:
+            events.append((end, -1, b))
+        # allocations before frees at the same instant: outputs coexist with inputs
+        events.sort(key=lambda e: (e[0], -e[1]))
+        held = 0.0
+        by_cat: dict[str, float] = {}
+        best = (-1.0, 0.0, {})
+        curve: list[tuple[float, float]] = []
+        for t, sign, b in events:
+            n = size(b, w)
+            held += sign * n
+            c = category(b)
+            by_cat[c] = by_cat.get(c, 0.0) + sign * n
+            if held > best[0] + 1e-9:
+                best = (held, t, dict(by_cat))
+            if curve and curve[-1][0] == t:
+                curve[-1] = (t, held)
+            else:
+                curve.append((t, held))
+        peaks[w] = (max(best[0], 0.0), best[1], best[2])
+        curves[w] = curve
+    notes = []
+    if unknown:
+        notes.append(
+            "memory: buffers not described in the plan counted as 0 bytes: "
+            + ", ".join(sorted(unknown))
+        )
+    return peaks, curves, notes

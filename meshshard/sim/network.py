@@ -1,0 +1,268 @@
+"""Flow-level network model: concurrent flows share links max-min fairly.
+
+A *flow* moves ``nbytes`` over a fixed set of links (one direction of a port each).
+It first waits out its latency, then joins the active set.  Whenever a flow joins or
+leaves, the rates of all active flows are re-solved by progressive filling (the
+max-min fair allocation): raise every unfrozen flow's rate together until some link
+is full, freeze the flows crossing it at that share, repeat.  Between two such events
+every rate is constant, so each flow's finish time is exact.
+
+This is the contention model PAPER_NOTES section 4.1 asks for: many sends through one
+NIC slow each other down, a full-duplex NIC's two directions do not.
+
+    >>> net = FlowNetwork([10.0])  # one link of 10 bytes/s
+    >>> a = net.start(0.0, (0,), 10.0, latency=0.0)
+    >>> b = net.start(0.0, (0,), 10.0, latency=0.0)
+    >>> net.run()
+    >>> a.end, b.end   # both share the link: 5 bytes/s each
+    (2.0, 2.0)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+
+__all__ = ["Flow", "FlowNetwork", "max_min_rates"]
+
+_INF = math.inf
+
+
+def max_min_rates(paths: Sequence[Sequence[int]], capacity: Sequence[float]) -> list[float]:
+    """Max-min fair rates of flows over links (progressive filling).
+
+    ``paths[i]`` lists the links flow ``i`` crosses; ``capacity[l]`` is link ``l``'s
+    bytes/s.  A flow with no links (a copy on one device) gets an infinite rate.
+
+        >>> max_min_rates([(0,), (0, 1), (1,)], [2.0, 10.0])
+        [1.0, 1.0, 9.0]
+    """
+    n = len(paths)
+    rates = [_INF] * n
+    flows_on: dict[int, list[int]] = {}
+    for i, path in enumerate(paths):
+        for link in path:
+            flows_on.setdefault(link, []).append(i)
+    remaining = {link: float(capacity[link]) for link in flows_on}
+    count = {link: len(fs) for link, fs in flows_on.items()}
+    fixed = [False] * n
+    while count:
+        best, share = -1, _INF
+        for link, c in count.items():
+            s = remaining[link] / c
+            if s < share:
+                best, share = link, s
+        share = max(share, 0.0)
+        for i in flows_on[best]:
+            if fixed[i]:
+                continue
+            fixed[i] = True
+            rates[i] = share
+            for link in paths[i]:
+                remaining[link] -= share
+                c = count[link] - 1
+                if c:
+                    count[link] = c
+                else:
+                    del count[link]
+    return rates
+
+
+class Flow:
+    """One flow: ``nbytes`` over ``links``; ``start`` when issued, ``end`` when done."""
+
+    __slots__ = (
+        "id",
+        "links",
+        "nbytes",
+        "remaining",
+        "rate",
+        "start",
+        "active_at",
+        "finish",
+        "end",
+        "on_done",
+        "label",
+    )
+
+    def __init__(self, fid, links, nbytes, start, latency, on_done, label):
+        self.id = fid
+        self.links = links
+        self.nbytes = float(nbytes)
+        self.remaining = float(nbytes)
+        self.rate = 0.0
+        self.start = start
+        self.active_at = start + latency
+        self.finish = _INF
+        self.end: float | None = None
+        self.on_done = on_done
+        self.label = label
+
+    def __repr__(self) -> str:
+        return f"Flow({self.label or self.id}, {self.nbytes:.0f} B, start={self.start}, end={self.end})"
+
+    def __lt__(self, other: Flow) -> bool:  # heap tie-break
+        return self.id < other.id
+
+
+class FlowNetwork:
+    """Active flows over links of ``capacity`` bytes/s, advanced event by event.
+
+    Drive it from an event loop: :meth:`start` flows, ask :meth:`next_time` for the
+    next moment a flow activates or finishes, and :meth:`advance` to it, which calls
+    each finished flow's ``on_done(flow)``.  :meth:`run` does that until idle.
+
+    With ``record=True`` it keeps, per link, the (time, bytes/s) samples of its load
+    (for the Chrome trace); busy time and bytes moved per link are always kept.
+    """
+
+    def __init__(self, capacity: Sequence[float], *, record: bool = False) -> None:
+        self.capacity = [float(c) for c in capacity]
+        self.record = record
+        self.now = 0.0
+        self._pending: list[tuple[float, int, Flow]] = []  # (activation time, id, flow)
+        self._active: list[Flow] = []
+        self._dirty = False
+        self._next_finish = _INF
+        self._ids = 0
+        n = len(self.capacity)
+        self.load = [0.0] * n  # current bytes/s per link
+        self.busy = [0.0] * n  # seconds with load > 0
+        self.moved = [0.0] * n  # bytes carried
+        self._since = [0.0] * n  # time of the last load change per link
+        self._loaded: set[int] = set()  # links with load > 0
+        self.samples: list[list[tuple[float, float]]] = [[] for _ in range(n)] if record else []
+        self.flows_started = 0
+
+    # --- issuing -----------------------------------------------------------------
+    def start(
+        self,
+        now: float,
+        links: Sequence[int],
+        nbytes: float,
+        *,
+        latency: float = 0.0,
+        on_done: Callable[[Flow], None] | None = None,
+        label: str = "",
+    ) -> Flow:
+        """Issue a flow at ``now``; it pays ``latency`` first, then moves ``nbytes`` over ``links``."""
+        if now < self.now - 1e-12 * max(1.0, self.now):
+            raise ValueError(f"cannot start a flow at t={now} before the network's time {self.now}")
+        flow = Flow(self._ids, tuple(links), nbytes, now, latency, on_done, label)
+        self._ids += 1
+        self.flows_started += 1
+        heapq.heappush(self._pending, (flow.active_at, flow.id, flow))
+        return flow
+
+    @property
+    def idle(self) -> bool:
+        """True when no flow is pending or active."""
+        return not self._pending and not self._active
+
+    # --- time --------------------------------------------------------------------
+    def next_time(self) -> float:
+        """When the next flow activates or finishes (``inf`` when idle)."""
+        if self._dirty:
+            self._solve()
+        t = self._next_finish
+        if self._pending and self._pending[0][0] < t:
+            t = self._pending[0][0]
+        return t
+
+    def advance(self, t: float) -> list[Flow]:
+        """Move time to ``t`` (at most :meth:`next_time`); finish and return flows done by ``t``."""
+        if self._dirty:
+            self._solve()
+        self._progress(t)
+        done: list[Flow] = []
+        tol = 1e-12 * max(1.0, t) + 1e-15
+        if self._next_finish <= t + tol:
+            keep = []
+            for f in self._active:
+                if f.finish <= t + tol:
+                    done.append(f)
+                else:
+                    keep.append(f)
+            self._active = keep
+            self._dirty = True
+        while self._pending and self._pending[0][0] <= t + tol:
+            _, _, f = heapq.heappop(self._pending)
+            if f.nbytes <= 0 or not f.links:
+                done.append(f)  # nothing to move (or a same-device copy): done at activation
+            else:
+                self._active.append(f)
+                self._dirty = True
+        if self._dirty:
+            self._solve()
+        for f in done:
+            f.end = t
+            f.remaining = 0.0
+            f.rate = 0.0
+        for f in done:
+            if f.on_done is not None:
+                f.on_done(f)
+        return done
+
+    def run(self) -> None:
+        """Advance until no flow is left (for tests and stand-alone use)."""
+        while True:
+            t = self.next_time()
+            if t == _INF:
+                return
+            self.advance(t)
+
+    def finish_stats(self, t_end: float) -> None:
+        """Close the busy/bytes accounting of every link at ``t_end``."""
+        for link in sorted(self._loaded):
+            load = self.load[link]
+            if load > 0:
+                dt = t_end - self._since[link]
+                self.busy[link] += dt
+                self.moved[link] += load * dt
+                self._since[link] = t_end
+                self.load[link] = 0.0
+                if self.record:
+                    self.samples[link].append((t_end, 0.0))
+        self._loaded = set()
+
+    # --- internals ---------------------------------------------------------------
+    def _progress(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            for f in self._active:
+                f.remaining -= f.rate * dt
+            self.now = t
+
+    def _solve(self) -> None:
+        """Re-solve max-min rates of the active flows; update finish times and link loads."""
+        self._dirty = False
+        now = self.now
+        active = self._active
+        rates = max_min_rates([f.links for f in active], self.capacity)
+        nxt = _INF
+        new_load: dict[int, float] = {}
+        for f, r in zip(active, rates, strict=True):
+            f.rate = r
+            rem = f.remaining if f.remaining > 0 else 0.0
+            f.finish = now + (rem / r if r > 0 else _INF)
+            if f.finish < nxt:
+                nxt = f.finish
+            for link in f.links:
+                new_load[link] = new_load.get(link, 0.0) + r
+        self._next_finish = nxt
+        load = self.load
+        changed = [link for link in self._loaded if link not in new_load]
+        changed += [link for link, v in new_load.items() if v != load[link]]
+        self._loaded = set(new_load)
+        for link in changed:
+            old = load[link]
+            dt = now - self._since[link]
+            if old > 0:
+                self.busy[link] += dt
+                self.moved[link] += old * dt
+            self._since[link] = now
+            new = new_load.get(link, 0.0)
+            load[link] = new
+            if self.record:
+                self.samples[link].append((now, new))

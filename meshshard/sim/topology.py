@@ -1,0 +1,113 @@
+"""The links of a described cluster and the path a message takes over them.
+
+Every link is one *direction* of a physical port, so a full-duplex NIC is two links
+(``out`` and ``in``) that never contend with each other.  Per host there are:
+
+- ``h{h}.d{d}.out`` / ``h{h}.d{d}.in``: device ``d``'s port into the intra-host fabric
+  (NVLink/NVSwitch, or memcpy between emulated CPU devices), ``intra_bandwidth``;
+- ``h{h}.nic{k}.out`` / ``h{h}.nic{k}.in``: NIC ``k``, ``nic_bandwidth`` each way;
+- ``switch``: only when ``oversubscription > 1``, the switch core shared by all
+  inter-host traffic, ``num_hosts * nics_per_host * nic_bandwidth / oversubscription``.
+
+A message between hosts runs device -> fabric -> NIC out -> (switch) -> NIC in ->
+device; inside a host it runs device out -> device in.  It pays ``nic_latency`` or
+``intra_latency`` once.
+
+    >>> topo = Topology(ClusterSpec.preset("aws-p3.8xlarge", num_hosts=2))
+    >>> [topo.links[i].name for i in topo.path((0, 0), (1, 0))]
+    ['h0.d0.out', 'h0.nic0.out', 'h1.nic0.in', 'h1.d0.in']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshshard.cluster import ClusterSpec
+
+__all__ = ["Link", "Topology", "Endpoint"]
+
+Endpoint = tuple[int, int]
+"""A (host, device) pair."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of one port: ``capacity`` bytes/s shared max-min fairly by its flows."""
+
+    id: int
+    name: str
+    capacity: float
+    kind: str  # "device", "nic" or "switch"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.capacity / 1e9:.4g} GB/s)"
+
+
+class Topology:
+    """The link table of ``cluster`` and path/latency lookups (cached: paths repeat a lot)."""
+
+    def __init__(self, cluster: ClusterSpec) -> None:
+        self.cluster = cluster
+        links: list[Link] = []
+        self._dev: dict[tuple[int, int, str], int] = {}
+        self._nic: dict[tuple[int, int, str], int] = {}
+        g, k = cluster.devices_per_host, cluster.nics_per_host
+        for h in range(cluster.num_hosts):
+            for d in range(g):
+                for io in ("out", "in"):
+                    self._dev[h, d, io] = len(links)
+                    links.append(
+                        Link(len(links), f"h{h}.d{d}.{io}", float(cluster.intra_bandwidth), "device")
+                    )
+            for n in range(k):
+                for io in ("out", "in"):
+                    self._nic[h, n, io] = len(links)
+                    links.append(
+                        Link(len(links), f"h{h}.nic{n}.{io}", float(cluster.nic_bandwidth), "nic")
+                    )
+        self.switch: int | None = None
+        if cluster.oversubscription > 1:
+            self.switch = len(links)
+            cap = cluster.num_hosts * k * cluster.nic_bandwidth / cluster.oversubscription
+            links.append(Link(len(links), "switch", cap, "switch"))
+        self.links: tuple[Link, ...] = tuple(links)
+        self.capacity: list[float] = [link.capacity for link in links]
+        self._paths: dict[tuple[Endpoint, Endpoint], tuple[int, ...]] = {}
+
+    def path(self, src: Endpoint, dst: Endpoint) -> tuple[int, ...]:
+        """Link ids a message from device ``src`` to device ``dst`` crosses (empty: same device)."""
+        key = (src, dst)
+        cached = self._paths.get(key)
+        if cached is not None:
+            return cached
+        (sh, sd), (dh, dd) = src, dst
+        if src == dst:
+            links: tuple[int, ...] = ()
+        elif sh == dh:
+            links = (self._dev[sh, sd, "out"], self._dev[dh, dd, "in"])
+        else:
+            c = self.cluster
+            mid = () if self.switch is None else (self.switch,)
+            links = (
+                self._dev[sh, sd, "out"],
+                self._nic[sh, c.nic_of(sd), "out"],
+                *mid,
+                self._nic[dh, c.nic_of(dd), "in"],
+                self._dev[dh, dd, "in"],
+            )
+        self._paths[key] = links
+        return links
+
+    def latency(self, src: Endpoint, dst: Endpoint) -> float:
+        """Seconds a message from ``src`` to ``dst`` pays once, before its bytes move."""
+        if src == dst:
+            return 0.0
+        if src[0] == dst[0]:
+            return float(self.cluster.intra_latency)
+        return float(self.cluster.nic_latency)
+
+    def nic_device(self, host: int, channel: int) -> Endpoint:
+        """The device a host uses for traffic on channel ``channel`` (one channel per NIC)."""
+        nic = channel % self.cluster.nics_per_host
+        devices = self.cluster.devices_of_nic(nic) or (0,)
+        return (host, devices[0])

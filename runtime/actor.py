@@ -1,0 +1,102 @@
+"""The Ray host-actor: one process per host, owning that host's devices.
+
+A thin wrapper: all the work is in :class:`~meshshard.runtime.worker.Worker`.  The
+actor sets up the process (emulated device count, ``jax.distributed`` for meshes that
+span hosts, the torch.distributed group for cross-mesh transfers) and forwards calls.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+class HostActor:
+    """Owns one host's devices; wrapped with ``ray.remote`` by the cluster."""
+
+    def __init__(self, host: int, devices_per_host: int, platform: str = "cpu"):
+        if platform == "cpu":
+            flags = os.environ.get("XLA_FLAGS", "")
+            flags = " ".join(f for f in flags.split() if "force_host_platform_device_count" not in f)
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
+            os.environ["JAX_PLATFORMS"] = "cpu"
+        self.host = host
+        self.devices_per_host = devices_per_host
+        self.platform = platform
+        self.workers: dict[str, object] = {}
+        self.store: dict = {}
+        self.jax_group: tuple[int, ...] | None = None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def free_port(self) -> tuple[str, int]:
+        """An address other processes can reach this one on, with a port free now."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_jax_distributed(self, coordinator: str, num_processes: int, process_id: int, group) -> None:
+        """Join the SPMD group of a mesh that spans several hosts (before any JAX use)."""
+        import jax
+
+        if self.platform == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+        self.jax_group = tuple(group)
+
+    def init_transport(self, init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
+        """(Re)join the torch.distributed group used for cross-mesh transfers."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        backend = "gloo" if self.platform == "cpu" else "nccl"
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
+        import jax
+
+        from meshshard.plan import Plan
+        from meshshard.runtime.transport import TorchTransport
+        from meshshard.runtime.worker import Worker
+
+        plan = Plan.from_json(plan_json)
+        mesh = next(m for m in plan.meshes if self.host in m.workers)
+        h, d = mesh.shape
+        if h > 1:
+            devs = sorted(jax.devices(), key=lambda x: (x.process_index, x.id))
+            per = len(devs) // h
+            devices = [devs[i * per + j] for i in range(h) for j in range(d)]
+        else:
+            devices = jax.local_devices()[:d]
+        worker = Worker(self.host, devices, TorchTransport(self.host), store=self.store)
+        seconds = worker.compile(fn, abstract_args, batch_argnums, plan)
+        self.workers[plan_id] = worker
+        return seconds
+
+    def run_step(self, plan_id: str, batch, state, out_keys, free):
+        t0 = time.perf_counter()
+        result = self.workers[plan_id].run_step(batch, state, out_keys, free)
+        return result, time.perf_counter() - t0
+
+    def fetch(self, key: int):
+        return next(iter(self.workers.values())).fetch(key)
+
+    def free(self, keys) -> None:
+        for k in keys:
+            self.store.pop(k, None)

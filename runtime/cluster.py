@@ -1,0 +1,273 @@
+"""Start, join and stop the cluster of host-actors; the backend that runs plans on it.
+
+``meshshard.init()`` makes one :class:`RayCluster` (or, with ``backend="threads"``, a
+:class:`ThreadsCluster` in this process) current; ``parallelize``d steps run there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
+from meshshard.plan import Plan
+from meshshard.runtime.executable import raise_worker_errors
+
+_CURRENT = None
+
+#: Seconds a blocked receive waits before the transfer is declared lost.
+TRANSFER_TIMEOUT_S = 300.0
+
+
+def current_cluster():
+    """The running cluster, or None."""
+    return _CURRENT
+
+
+def require_cluster():
+    """The running cluster; a clear error if there is none."""
+    if _CURRENT is None:
+        raise MeshshardRuntimeError(
+            "no meshshard cluster is running: call meshshard.init() first (or use "
+            ".lower(*args, cluster=ClusterSpec(...)) to inspect a plan without one)"
+        )
+    return _CURRENT
+
+
+def init(
+    address: str | None = None,
+    *,
+    num_hosts: int | None = None,
+    devices_per_host: int | None = None,
+    backend: str = "ray",
+    name: str | None = None,
+):
+    """Start (or join) the cluster that parallelized steps run on.
+
+    With no arguments: an embedded local Ray instance with 4 host-actors of 2
+    emulated CPU devices each.  ``address=...`` joins an existing Ray cluster and
+    uses one host-actor per node (its GPUs, or ``devices_per_host`` CPU devices).
+    ``backend="threads"`` runs the workers as threads of this process instead (fast
+    tests; this process must have ``num_hosts * devices_per_host`` devices).
+    """
+    global _CURRENT
+    if _CURRENT is not None:
+        shutdown()
+    if backend == "threads":
+        _CURRENT = ThreadsCluster(num_hosts or 4, devices_per_host or 2)
+    elif backend == "ray":
+        _CURRENT = RayCluster(address, num_hosts, devices_per_host, name)
+    else:
+        raise MeshshardInputError(f"init(backend={backend!r}): use 'ray' or 'threads'")
+    return _CURRENT
+
+
+def shutdown() -> None:
+    """Stop the current cluster's actors (and the embedded Ray instance, if we started it)."""
+    global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.close()
+    _CURRENT = None
+
+
+class ThreadsCluster:
+    """Workers as threads in this process (see ``runtime.local``)."""
+
+    def __init__(self, num_hosts: int, devices_per_host: int):
+        self.spec = ClusterSpec(f"threads-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host)
+        self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
+
+    def backend(self):
+        from meshshard.runtime.local import LocalBackend
+
+        return LocalBackend(self.spec.devices_per_host, self.stores)
+
+    def close(self) -> None:
+        pass
+
+
+class RayCluster:
+    """Host-actors on Ray, one per host; owns the embedded Ray instance if it started it."""
+
+    def __init__(self, address, num_hosts, devices_per_host, name):
+        import ray
+
+        self._started_ray = False
+        if not ray.is_initialized():
+            env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+            kwargs = dict(
+                include_dashboard=False,
+                log_to_driver=True,
+                configure_logging=False,
+                runtime_env={"env_vars": env},
+            )
+            if address is None:
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
+            ray.init(address=address, **kwargs)
+            self._started_ray = address is None
+        self.platform = "cpu"
+        if address is not None:
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
+            if all(g > 0 for g in gpus):
+                self.platform = "gpu"
+                devices_per_host = devices_per_host or min(gpus)
+            num_hosts = num_hosts or len(nodes)
+            self._nodes = [n["NodeID"] for n in nodes][:num_hosts]
+        else:
+            self._nodes = None
+        num_hosts = num_hosts or 4
+        devices_per_host = devices_per_host or 2
+        self.spec = ClusterSpec(name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host)
+        self._actors: list = [None] * num_hosts
+        self._groups: list = ["fresh"] * num_hosts
+        self._transport_ready = False
+        for h in range(num_hosts):
+            self._start_actor(h)
+        import ray as _ray
+
+        _ray.get([a.ping.remote() for a in self._actors])
+
+    # --- actors ------------------------------------------------------------------
+    def _start_actor(self, h: int) -> None:
+        import ray
+
+        from meshshard.runtime.actor import HostActor
+
+        opts = dict(num_cpus=0, max_concurrency=4)
+        if self.platform == "gpu":
+            opts["num_gpus"] = self.spec.devices_per_host
+        if self._nodes is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._nodes[h], soft=False)
+        self._actors[h] = ray.remote(HostActor).options(**opts).remote(h, self.spec.devices_per_host, self.platform)
+        self._groups[h] = "fresh"
+        self._transport_ready = False
+
+    def _restart(self, hosts: Sequence[int]) -> None:
+        import ray
+
+        for h in hosts:
+            ray.kill(self._actors[h], no_restart=True)
+        for h in hosts:
+            self._start_actor(h)
+
+    def prepare(self, plan: Plan) -> None:
+        """Make every actor's process layout match ``plan`` (restarting actors if needed)."""
+        import ray
+
+        need: dict[int, object] = {}
+        for m in plan.meshes:
+            for h in m.hosts:
+                need[h] = tuple(m.hosts) if len(m.hosts) > 1 else "local"
+        conflict = [h for h, g in need.items() if self._groups[h] not in ("fresh", g)]
+        if conflict:
+            self._restart(conflict)
+        if not self._transport_ready:
+            host, port = ray.get(self._actors[0].free_port.remote())
+            addr = f"tcp://{host}:{port}"
+            n = self.spec.num_hosts
+            _get([a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S) for r, a in enumerate(self._actors)])
+            self._transport_ready = True
+        for m in plan.meshes:
+            if len(m.hosts) > 1 and self._groups[m.hosts[0]] == "fresh":
+                host, port = ray.get(self._actors[m.hosts[0]].free_port.remote())
+                coord = f"{host}:{port}"
+                _get(
+                    [
+                        self._actors[h].init_jax_distributed.remote(coord, len(m.hosts), i, m.hosts)
+                        for i, h in enumerate(m.hosts)
+                    ]
+                )
+        for h, g in need.items():
+            self._groups[h] = g
+
+    def backend(self):
+        return RayBackend(self)
+
+    def close(self) -> None:
+        import ray
+
+        for a in self._actors:
+            if a is not None:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # already gone
+                    pass
+        self._actors = []
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+class RayBackend:
+    """Runs a plan's workers on the cluster's host-actors."""
+
+    def __init__(self, cluster: RayCluster):
+        self.cluster = cluster
+        self.plan_id = uuid.uuid4().hex[:8]
+        self.worker_seconds: dict[int, float] = {}
+
+    def _actor(self, w: int):
+        return self.cluster._actors[w]
+
+    def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
+        self.cluster.prepare(plan)
+        plan_json = plan.to_json()
+        refs = {w: self._actor(w).compile.remote(self.plan_id, fn, abstract_args, batch_argnums, plan_json) for w in plan.workers}
+        return dict(zip(refs, _get(list(refs.values())), strict=True))
+
+    def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
+        import ray
+
+        refs = {w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()}
+        pending = list(refs.values())
+        errors: dict[int, BaseException] = {}
+        results = {}
+        by_ref = {r: w for w, r in refs.items()}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            w = by_ref[done[0]]
+            try:
+                results[w], self.worker_seconds[w] = ray.get(done[0])
+            except Exception as exc:  # a failed worker leaves its peers blocked: reset them
+                errors[w] = _unwrap(exc)
+                self.cluster._restart(range(self.cluster.spec.num_hosts))
+                break
+        raise_worker_errors(errors)
+        return results
+
+    def fetch(self, worker: int, key: int) -> list:
+        return _get([self._actor(worker).fetch.remote(key)])[0]
+
+    def free(self, worker: int, keys: Sequence[int]) -> None:
+        self._actor(worker).free.remote(list(keys))
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    cause = getattr(exc, "cause", None)
+    return cause if cause is not None else exc
+
+
+def _get(refs: list):
+    import ray
+
+    try:
+        return ray.get(refs)
+    except Exception as exc:
+        raise MeshshardRuntimeError(f"a host-actor failed: {_unwrap(exc)}") from None
+
+
+def wait_for(fn, timeout_s: float = 30.0, interval_s: float = 0.1):
+    """Poll ``fn`` until it returns a truthy value or the timeout passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return None

@@ -1,0 +1,79 @@
+"""An in-process backend: every worker is a thread over its own slice of local devices.
+
+Same interpreter, same streams, same programs as on Ray, with an in-memory transport:
+fast tests of the whole runtime path without starting processes.  Each worker's mesh
+takes ``devices_per_host`` consecutive local devices per host, so this process needs
+``num_hosts * devices_per_host`` devices (``--xla_force_host_platform_device_count``).
+Meshes spanning several hosts need real processes (the Ray backend).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import jax
+
+from meshshard.errors import MeshshardInputError
+from meshshard.plan import Plan
+from meshshard.runtime.executable import raise_worker_errors
+from meshshard.runtime.transport import QueueTransport
+from meshshard.runtime.worker import Worker
+
+
+class LocalBackend:
+    """Workers as threads of this process (see module docstring)."""
+
+    def __init__(self, devices_per_host: int, stores: dict[int, dict]):
+        self.devices_per_host = devices_per_host
+        self.stores = stores
+        self.workers: dict[int, Worker] = {}
+
+    def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
+        devices = jax.local_devices()
+        need = max(w for m in plan.meshes for w in m.workers) + 1
+        if need * self.devices_per_host > len(devices):
+            raise MeshshardInputError(
+                f"the in-process backend needs {need * self.devices_per_host} local devices "
+                f"for this plan but has {len(devices)}; set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={need * self.devices_per_host}"
+            )
+        transports = QueueTransport.group(plan.workers)
+        times = {}
+        for m in plan.meshes:
+            if m.shape[0] != 1:
+                raise MeshshardInputError(
+                    f"mesh{m.id} spans {m.shape[0]} hosts; the in-process backend runs "
+                    "single-host meshes only: use meshshard.init() (Ray) for multi-host meshes"
+                )
+            w = m.workers[0]
+            start = w * self.devices_per_host
+            store = self.stores.setdefault(w, {})
+            worker = Worker(w, devices[start : start + m.shape[1]], transports[w], store=store)
+            times[w] = worker.compile(fn, abstract_args, batch_argnums, plan)
+            self.workers[w] = worker
+        return times
+
+    def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
+        results: dict[int, dict] = {}
+        errors: dict[int, BaseException] = {}
+
+        def run(w: int) -> None:
+            try:
+                results[w] = self.workers[w].run_step(*per_worker[w])
+            except BaseException as exc:  # reported below with every worker's failure
+                errors[w] = exc
+
+        threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in per_worker]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        raise_worker_errors(errors)
+        return results
+
+    def fetch(self, worker: int, key: int) -> list:
+        return self.workers[worker].fetch(key)
+
+    def free(self, worker: int, keys: Sequence[int]) -> None:
+        self.workers[worker].free(keys)

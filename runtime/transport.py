@@ -1,0 +1,112 @@
+"""Point-to-point transports between workers.
+
+``TorchTransport`` is the real data plane (torch.distributed: gloo on CPU, NCCL on
+GPU); ``QueueTransport`` moves bytes between threads of one process for fast tests of
+the interpreter.  Both send raw bytes: the plan knows every message's dtype and shape.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Protocol
+
+import numpy as np
+
+
+class Handle(Protocol):
+    def wait(self): ...
+
+
+class Transport(Protocol):
+    """Issue sends and receives of raw bytes; ``wait()`` on the handle completes them."""
+
+    def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle: ...
+
+    def irecv(self, nbytes: int, peer: int, tag: int) -> Handle: ...
+
+
+class _Done:
+    def __init__(self, value=None):
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+class QueueTransport:
+    """In-process transport: one queue per (src, dst, tag), shared by all workers' views."""
+
+    def __init__(self, rank: int, queues: dict, lock: threading.Lock, timeout_s: float = 60.0):
+        self.rank = rank
+        self._queues = queues
+        self._lock = lock
+        self.timeout_s = timeout_s
+
+    @staticmethod
+    def group(ranks) -> dict[int, QueueTransport]:
+        """One transport per rank, all sharing the same queues."""
+        queues: dict = {}
+        lock = threading.Lock()
+        return {r: QueueTransport(r, queues, lock) for r in ranks}
+
+    def _q(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst, tag), queue.Queue())
+
+    def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle:
+        self._q(self.rank, peer, tag).put(np.frombuffer(data.tobytes(), np.uint8))
+        return _Done()
+
+    def irecv(self, nbytes: int, peer: int, tag: int) -> Handle:
+        q = self._q(peer, self.rank, tag)
+        timeout = self.timeout_s
+
+        class _Recv:
+            def wait(self_inner):
+                try:
+                    raw = q.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"message from w{peer} with tag {tag} did not arrive in {timeout}s"
+                    ) from None
+                if raw.nbytes != nbytes:
+                    raise ValueError(f"expected {nbytes} bytes from w{peer} (tag {tag}), got {raw.nbytes}")
+                return raw
+
+        return _Recv()
+
+
+class TorchTransport:
+    """torch.distributed point-to-point over the default process group (gloo on CPU)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(np.frombuffer(data.tobytes(), np.uint8).copy())
+        work = dist.isend(tensor, dst=peer, tag=tag)
+
+        class _Send:
+            def wait(self_inner):
+                work.wait()
+                return tensor  # keeps the buffer alive until the send completes
+
+        return _Send()
+
+    def irecv(self, nbytes: int, peer: int, tag: int) -> Handle:
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        work = dist.irecv(tensor, src=peer, tag=tag)
+
+        class _Recv:
+            def wait(self_inner):
+                work.wait()
+                return tensor.numpy()
+
+        return _Recv()
