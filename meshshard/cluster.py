@@ -34,21 +34,23 @@ def gbit(gbits_per_s: float) -> float:
     return gbits_per_s * 1e9 / 8
 
 
-# Figures of this development machine (2 cores), measured with ``meshshard calibrate``:
-# the defaults describe a ``local`` CPU cluster emulated on one machine.  Re-run the
+# Figures of the development machine (2 cores, 23.5 GiB, emulating 4 hosts x 2 CPU
+# devices), from ``meshshard calibrate`` and DESIGN.md's measurements: gloo p2p between
+# two processes 2.2-2.7 GB/s, ~150 us one way; float32 matmul ~80 GFLOP/s for the
+# machine; memcpy 3.9 GB/s.  They describe the default ``local`` cluster; re-run the
 # calibration on another machine and pass ``--cluster local.json``.
 _LOCAL = dict(
     device="cpu",
-    peak_flops=(("float32", 2.0e10),),
-    device_memory=4.0e9,
-    memory_bandwidth=4.0e9,
+    peak_flops=(("float32", 1.0e10),),
+    device_memory=3.0e9,
+    memory_bandwidth=2.8e9,
     launch_overhead=5e-5,
     intra_fabric="memcpy",
     intra_bandwidth=3.9e9,
     intra_latency=5e-6,
     nics_per_host=1,
     nic_bandwidth=2.2e9,
-    nic_latency=1e-4,
+    nic_latency=1.5e-4,
     oversubscription=1.0,
 )
 
@@ -97,7 +99,7 @@ class ClusterSpec:
     nic_latency: float = _LOCAL["nic_latency"]
     nic_of_device: tuple[int, ...] = ()
     oversubscription: float = _LOCAL["oversubscription"]
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import time
 import uuid
 from collections.abc import Sequence
 
@@ -262,12 +262,13 @@ def _get(refs: list):
         raise MeshshardRuntimeError(f"a host-actor failed: {_unwrap(exc)}") from None
 
 
-def wait_for(fn, timeout_s: float = 30.0, interval_s: float = 0.1):
-    """Poll ``fn`` until it returns a truthy value or the timeout passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return None
+@contextlib.contextmanager
+def use_cluster(cluster):
+    """Make ``cluster`` current inside a ``with`` block, then restore the previous one
+    (without closing either): lets tests switch between a Ray and a threads cluster."""
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, cluster
+    try:
+        yield cluster
+    finally:
+        _CURRENT = previous

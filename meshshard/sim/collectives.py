@@ -13,8 +13,9 @@ parallel copies of the algorithm, channel ``c`` on NIC ``c``.
 Rules (one entry per kind in :data:`COLLECTIVE_RULES`):
 
 - ``broadcast``: pipelined chain from the root through the other members in group
-  order, in chunks of ``chunk_bytes``; each host boundary is crossed once, and the
-  time is about ``(chunks + k - 2) * (alpha + chunk / B)``, i.e. ``n / B`` plus the fill.
+  order, in chunks of ``chunk_bytes``; each host boundary is crossed once.  Chunks
+  stream back to back, so each edge pays its latency once and the time is
+  ``(k - 1) * alpha + (chunks + k - 2) * chunk / B``: ``n / B`` plus the pipeline fill.
 - ``allreduce``: ring (reduce-scatter then all-gather, ``2(p-1)`` steps of ``n/p``), or
   hierarchical (ring reduce-scatter inside each host over the fabric, one inter-host
   ring per device on its NIC, ring all-gather inside the host).
@@ -54,12 +55,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class FlowStep:
-    """Move ``nbytes`` from device ``src`` to device ``dst`` after steps ``deps`` finish."""
+    """Move ``nbytes`` from device ``src`` to device ``dst`` after steps ``deps`` finish.
+
+    ``latency=False`` marks a chunk that streams right behind an earlier one on the
+    same edge: the pipeline already paid the edge's latency once.
+    """
 
     src: Endpoint
     dst: Endpoint
     nbytes: float
     deps: tuple[int, ...] = ()
+    latency: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,8 @@ class _Builder:
     def __init__(self) -> None:
         self.steps: list[FlowStep] = []
 
-    def add(self, src: Endpoint, dst: Endpoint, nbytes: float, deps=()) -> int:
-        self.steps.append(FlowStep(src, dst, float(nbytes), tuple(sorted(set(deps)))))
+    def add(self, src: Endpoint, dst: Endpoint, nbytes: float, deps=(), latency=True) -> int:
+        self.steps.append(FlowStep(src, dst, float(nbytes), tuple(sorted(set(deps))), latency))
         return len(self.steps) - 1
 
     def ring(
@@ -136,7 +142,7 @@ def chain_broadcast(
     cluster: ClusterSpec,
     *,
     chunk_bytes: int | None = None,
-    max_chunks: int = 256,
+    max_chunks: int = 1024,
 ) -> Decomposition:
     """Pipelined chain broadcast (NCCL's ring broadcast): root -> next member -> ... in chunks.
 
@@ -162,7 +168,7 @@ def chain_broadcast(
                     deps.append(prev_edge[j])
                 if j:
                     deps.append(edge[j - 1])
-                edge.append(b.add(nodes[e], nodes[e + 1], size, deps))
+                edge.append(b.add(nodes[e], nodes[e + 1], size, deps, latency=j == 0))
             prev_edge = edge
     return Decomposition("broadcast", "chain", order, float(nbytes), tuple(b.steps))
 
@@ -274,7 +280,7 @@ def decompose(
     *,
     allreduce: str = "ring",
     chunk_bytes: int | None = None,
-    max_chunks: int = 256,
+    max_chunks: int = 1024,
 ) -> Decomposition:
     """The flow DAG of collective ``kind`` over member hosts ``hosts`` moving ``nbytes``.
 

@@ -91,13 +91,18 @@ class SimOptions:
     serial_comm: bool = False
     allreduce: str = "auto"
     chunk_bytes: int | None = None
-    max_chunks: int = 256
+    max_chunks: int = 1024
     record: bool = True
 
 
 @dataclass(frozen=True)
 class OpRecord:
-    """When one instruction of a worker's stream reached its queue head, started and ended."""
+    """When one instruction of a worker's stream reached its queue head, started and ended.
+
+    For communication, ``comm_start``/``comm_end`` bound the time its data moved (a
+    send's flow, a collective from rendezvous to this member's completion); a posted
+    receive waiting for its sender is started but not yet moving.
+    """
 
     worker: int
     index: int
@@ -105,6 +110,8 @@ class OpRecord:
     head: float
     start: float
     end: float
+    comm_start: float | None = None
+    comm_end: float | None = None
 
 
 class _Op:
@@ -125,6 +132,8 @@ class _Op:
         "end",
         "key",
         "dur",
+        "comm_start",
+        "comm_end",
     )
 
     def __init__(self, oid, worker, index, ins, code):
@@ -144,6 +153,8 @@ class _Op:
         self.end = _INF
         self.key = None
         self.dur = 0.0
+        self.comm_start = _INF
+        self.comm_end = _INF
 
 
 class _Queue:
@@ -509,6 +520,7 @@ class _Engine:
         else:
             a = self.topo.nic_device(src, pair.channel)
             b = self.topo.nic_device(dst, pair.channel)
+        send.comm_start = pair.recv.comm_start = self.now
         self.net.start(
             self.now,
             self.topo.path(a, b),
@@ -520,6 +532,7 @@ class _Engine:
 
     def _p2p_done(self, pair: _P2P) -> None:
         pair.flow_done = True
+        pair.send.comm_end = pair.recv.comm_end = self.now
         self._complete(pair.send)
         if pair.recv.state >= STARTED:
             self._complete(pair.recv)
@@ -572,7 +585,7 @@ class _Engine:
         )
         steps = d.steps
         paths = [self.topo.path(s.src, s.dst) for s in steps]
-        lats = [self.topo.latency(s.src, s.dst) for s in steps]
+        lats = [self.topo.latency(s.src, s.dst) if s.latency else 0.0 for s in steps]
         sizes = [s.nbytes for s in steps]
         succ: list[list[int]] = [[] for _ in steps]
         for i, s in enumerate(steps):
@@ -633,8 +646,13 @@ class _Engine:
         workers = []
         by_worker: dict[int, list[OpRecord]] = {}
         for op in self.ops:
+            comm = (None, None)
+            if op.code == "COLL":
+                comm = (op.start, op.end)
+            elif op.code in ("SEND", "RECV"):
+                comm = (op.comm_start, op.comm_end)
             by_worker.setdefault(op.worker, []).append(
-                OpRecord(op.worker, op.index, op.ins, min(op.head, op.start), op.start, op.end)
+                OpRecord(op.worker, op.index, op.ins, min(op.head, op.start), op.start, op.end, *comm)
             )
         for w in sorted(by_worker):
             workers.append(w)

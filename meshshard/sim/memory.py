@@ -97,37 +97,37 @@ def memory_profile(
         w = recs[0].worker
         alive: dict[str, float] = {}  # buffer -> alloc time
         readers_end: dict[str, float] = {}  # latest end of an in-flight reader (sends)
-        events: list[tuple[float, int, str]] = []  # (time, +1 alloc / -1 free, buffer)
+        events: list[tuple[float, int, int, str]] = []  # (time, stream index, +1/-1, buffer)
         written: set[str] = set()
         for r in recs:
             ins = r.instruction
             for b in ins.reads:
-                if b not in alive and b not in written:
+                if b not in alive and b not in written and b not in ins.writes:
                     alive[b] = 0.0
                     written.add(b)
-                    events.append((0.0, 1, b))
+                    events.append((0.0, -1, 1, b))
                 readers_end[b] = max(readers_end.get(b, 0.0), r.end)
             if isinstance(ins, Free):
                 b = ins.buffer
                 if b in alive:
                     t = max(r.start, readers_end.get(b, 0.0))
-                    events.append((t, -1, b))
+                    events.append((t, r.index, -1, b))
                     del alive[b]
                 continue
             for b in ins.writes:
                 if b not in alive:
                     alive[b] = r.start
                     written.add(b)
-                    events.append((r.start, 1, b))
+                    events.append((r.start, r.index, 1, b))
         for b in alive:
-            events.append((end, -1, b))
-        # allocations before frees at the same instant: outputs coexist with inputs
-        events.sort(key=lambda e: (e[0], -e[1]))
+            events.append((end, len(recs), -1, b))
+        # at one instant, stream order decides (a FREE before the next RUN releases first)
+        events.sort(key=lambda e: (e[0], e[1]))
         held = 0.0
         by_cat: dict[str, float] = {}
         best = (-1.0, 0.0, {})
         curve: list[tuple[float, float]] = []
-        for t, sign, b in events:
+        for t, _, sign, b in events:
             n = size(b, w)
             held += sign * n
             c = category(b)

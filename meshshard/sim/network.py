@@ -171,7 +171,18 @@ class FlowNetwork:
         return t
 
     def advance(self, t: float) -> list[Flow]:
-        """Move time to ``t`` (at most :meth:`next_time`); finish and return flows done by ``t``."""
+        """Move time to ``t``, processing every activation and finish up to it in order;
+        returns the flows that finished (their ``on_done`` has been called)."""
+        done: list[Flow] = []
+        while True:
+            nxt = self.next_time()
+            if nxt >= t:
+                break
+            done += self._step(nxt)
+        return done + self._step(t)
+
+    def _step(self, t: float) -> list[Flow]:
+        """Move to ``t`` (at most the next event time) and handle what happens at ``t``."""
         if self._dirty:
             self._solve()
         self._progress(t)

@@ -85,10 +85,10 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
                 if record:
                     mb = f" mb{ins.mb}" if ins.mb is not None else ""
                     spans.append(Span(track, "compute", f"{ins.program}{mb}", r.start, r.end, "run"))
-            elif kind in _COMM:
-                comm.append((r.start, r.end))
+            elif kind in _COMM and r.comm_start is not None:
+                comm.append((r.comm_start, r.comm_end))
                 if record:
-                    spans.append(Span(track, "comm", str(ins), r.start, r.end, kind.lower()))
+                    spans.append(Span(track, "comm", str(ins), r.comm_start, r.comm_end, kind.lower()))
             elif kind in ("Wait", "WaitAll") and record and r.end > r.head:
                 spans.append(Span(track, "compute", str(ins), r.head, r.end, "wait"))
         workers.append(

@@ -1,0 +1,128 @@
+"""The ``meshshard`` command line.
+
+    meshshard simulate PLAN.json --cluster dgx-a100 --hosts 2 --trace out.json
+    meshshard calibrate --out local.json
+    meshshard clusters
+
+``simulate`` prints the predicted iteration (summary table) and writes the Chrome
+trace; ``--cluster`` takes a preset name or a ClusterSpec JSON file (default: the
+cluster the plan was made for).  ``calibrate`` measures this machine into a
+ClusterSpec JSON.  ``clusters`` lists the presets with their figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from meshshard.cluster import ClusterSpec
+
+__all__ = ["main", "load_cluster"]
+
+
+def load_cluster(name_or_path: str, num_hosts: int | None = None) -> ClusterSpec:
+    """A preset by name, or a ClusterSpec JSON file by path; ``num_hosts`` overrides its hosts."""
+    if name_or_path in ClusterSpec.presets():
+        return ClusterSpec.preset(name_or_path, num_hosts=num_hosts)
+    if os.path.isfile(name_or_path):
+        spec = ClusterSpec.load(name_or_path)
+        return spec if num_hosts is None else replace(spec, num_hosts=num_hosts)
+    raise ValueError(
+        f"--cluster {name_or_path!r} is neither a preset ({', '.join(ClusterSpec.presets())}) "
+        "nor a ClusterSpec JSON file (write one with `meshshard calibrate --out local.json`)"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshshard", description="meshshard command line tools")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("simulate", help="predict a plan's iteration on a described cluster")
+    s.add_argument("plan", help="plan JSON file (Plan.to_json())")
+    s.add_argument("--cluster", help="preset name or ClusterSpec JSON (default: the plan's cluster)")
+    s.add_argument("--hosts", type=int, help="number of hosts of the cluster (overrides the preset's)")
+    s.add_argument("--trace", help="write the Chrome trace (Perfetto) here")
+    s.add_argument("--json", dest="json_out", help="write the headline results as JSON here")
+    s.add_argument("--no-overlap", action="store_true", help="blocking runtime: one thing at a time per worker")
+    s.add_argument("--serial-comm", action="store_true", help="one communication at a time per worker (NCCL-stream)")
+    s.add_argument("--allreduce", choices=("auto", "ring", "hierarchical"), default="auto")
+    s.add_argument("--program-times", help='JSON file {"s0.F": seconds, ...} of measured program times')
+    s.add_argument("--links", type=int, default=8, help="how many of the busiest links to list")
+
+    c = sub.add_parser("calibrate", help="measure this machine into a ClusterSpec JSON")
+    c.add_argument("--out", required=True, help="where to write the ClusterSpec JSON")
+    c.add_argument("--hosts", type=int, default=4, help="emulated hosts (default 4)")
+    c.add_argument("--devices-per-host", type=int, default=2, help="emulated devices per host (default 2)")
+    c.add_argument("--name", default="local")
+    c.add_argument("--quick", action="store_true", help="small, fast measurements (less accurate)")
+
+    sub.add_parser("clusters", help="list the cluster presets")
+    return p
+
+
+def _simulate(args) -> int:
+    from meshshard.plan import Plan
+    from meshshard.sim import SimOptions, SimulationDeadlock, simulate
+
+    with open(args.plan) as f:
+        plan = Plan.from_json(f.read())
+    if args.cluster:
+        cluster = load_cluster(args.cluster, args.hosts)
+    else:
+        cluster = plan.cluster if args.hosts is None else replace(plan.cluster, num_hosts=args.hosts)
+    times = None
+    if args.program_times:
+        with open(args.program_times) as f:
+            times = {str(k): float(v) for k, v in json.load(f).items()}
+    options = SimOptions(
+        serial_comm=args.serial_comm, allreduce=args.allreduce, record=bool(args.trace)
+    )
+    try:
+        result = simulate(plan, cluster, overlap=not args.no_overlap, program_times=times, options=options)
+    except SimulationDeadlock as e:
+        print(f"meshshard simulate: {e}", file=sys.stderr)
+        return 1
+    print(result.summary(max_links=args.links))
+    if args.trace:
+        result.write_trace(args.trace)
+        print(f"\ntrace written to {args.trace} (open in https://ui.perfetto.dev)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result.to_dict(), f, indent=2)
+    return 0
+
+
+def _calibrate(args) -> int:
+    from meshshard.sim.calibrate import calibrate
+
+    spec = calibrate(args.hosts, args.devices_per_host, quick=args.quick, name=args.name)
+    with open(args.out, "w") as f:
+        f.write(spec.to_json())
+    print(spec.describe())
+    print(f"\nwritten to {args.out}; use it with `meshshard simulate PLAN.json --cluster {args.out}`")
+    return 0
+
+
+def _clusters(args) -> int:
+    for name in ClusterSpec.presets():
+        print(ClusterSpec.preset(name).describe())
+        print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``meshshard`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    handlers = {"simulate": _simulate, "calibrate": _calibrate, "clusters": _clusters}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, OSError) as e:
+        print(f"meshshard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Train a model a few steps with meshshard and with plain jax.jit; compare after each step."""
+
+import jax
+
+import meshshard
+from examples import gpt, mlp
+from tests.conftest import assert_trees_close
+
+MODELS = {
+    "mlp": lambda: (mlp, mlp.MLP(num_layers=4), mlp.make_batch(batch_size=16)),
+    "gpt": lambda: (gpt, gpt.GPT(num_layers=4), gpt.make_batch(batch_size=8)),
+}
+
+
+def check_parity(model_name: str, method, steps: int = 3):
+    """Parameters and loss after each of ``steps`` steps equal a single-device jax.jit run."""
+    module, model, batch = MODELS[model_name]()
+    key = "x" if model_name == "mlp" else "inputs"
+    state = module.make_state(model, batch[key])
+    ref_step = jax.jit(module.train_step)
+    step = meshshard.parallelize(module.train_step, method=method)
+    ref, got = state, state
+    for i in range(steps):
+        batch_i = module.make_batch(seed=i, **({"batch_size": batch[key].shape[0]}))
+        ref, ref_loss = ref_step(ref, batch_i)
+        got, got_loss = step(got, batch_i)
+        assert_trees_close(ref.params, got.params)
+        assert_trees_close(ref.opt_state, got.opt_state)
+        assert_trees_close(ref_loss, got_loss)
+        assert int(got.step) == i + 1
+    return step

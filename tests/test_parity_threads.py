@@ -1,0 +1,25 @@
+"""Parity with single-device JAX, workers as threads of this process (fast path)."""
+
+import pytest
+
+from meshshard import PipeshardParallel
+from tests.parity import check_parity
+
+CASES = [
+    ("mlp", "1f1b", [(1, 2)] * 2, 1),
+    ("mlp", "1f1b", [(1, 2)] * 2, 2),
+    ("mlp", "gpipe", [(1, 2)] * 4, 4),
+    ("mlp", "1f1b", [(1, 1)] * 4, 8),
+    ("mlp", "gpipe", [(1, 2)] * 2, 8),
+    ("gpt", "1f1b", [(1, 2)] * 2, 2),
+    ("gpt", "gpipe", [(1, 2)] * 4, 4),
+    ("gpt", "1f1b", [(1, 1)] * 4, 8),
+]
+
+
+@pytest.mark.parametrize("model,schedule,stages,micro_batches", CASES)
+def test_pipeline_matches_single_device(threads_cluster, model, schedule, stages, micro_batches):
+    method = PipeshardParallel(num_micro_batches=micro_batches, stages=stages, schedule=schedule)
+    step = check_parity(model, method)
+    assert len(step.plan.stages) == len(stages)
+    assert len(step.plan.schedule.ticks) == 2 * (micro_batches + len(stages) - 1)
