@@ -42,20 +42,34 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="predict a plan's iteration on a described cluster")
     s.add_argument("plan", help="plan JSON file (Plan.to_json())")
-    s.add_argument("--cluster", help="preset name or ClusterSpec JSON (default: the plan's cluster)")
-    s.add_argument("--hosts", type=int, help="number of hosts of the cluster (overrides the preset's)")
+    s.add_argument(
+        "--cluster", help="preset name or ClusterSpec JSON (default: the plan's cluster)"
+    )
+    s.add_argument(
+        "--hosts", type=int, help="number of hosts of the cluster (overrides the preset's)"
+    )
     s.add_argument("--trace", help="write the Chrome trace (Perfetto) here")
     s.add_argument("--json", dest="json_out", help="write the headline results as JSON here")
-    s.add_argument("--no-overlap", action="store_true", help="blocking runtime: one thing at a time per worker")
-    s.add_argument("--serial-comm", action="store_true", help="one communication at a time per worker (NCCL-stream)")
+    s.add_argument(
+        "--no-overlap", action="store_true", help="blocking runtime: one thing at a time per worker"
+    )
+    s.add_argument(
+        "--serial-comm",
+        action="store_true",
+        help="one communication at a time per worker (NCCL-stream)",
+    )
     s.add_argument("--allreduce", choices=("auto", "ring", "hierarchical"), default="auto")
-    s.add_argument("--program-times", help='JSON file {"s0.F": seconds, ...} of measured program times')
+    s.add_argument(
+        "--program-times", help='JSON file {"s0.F": seconds, ...} of measured program times'
+    )
     s.add_argument("--links", type=int, default=8, help="how many of the busiest links to list")
 
     c = sub.add_parser("calibrate", help="measure this machine into a ClusterSpec JSON")
     c.add_argument("--out", required=True, help="where to write the ClusterSpec JSON")
     c.add_argument("--hosts", type=int, default=4, help="emulated hosts (default 4)")
-    c.add_argument("--devices-per-host", type=int, default=2, help="emulated devices per host (default 2)")
+    c.add_argument(
+        "--devices-per-host", type=int, default=2, help="emulated devices per host (default 2)"
+    )
     c.add_argument("--name", default="local")
     c.add_argument("--quick", action="store_true", help="small, fast measurements (less accurate)")
 
@@ -72,7 +86,9 @@ def _simulate(args) -> int:
     if args.cluster:
         cluster = load_cluster(args.cluster, args.hosts)
     else:
-        cluster = plan.cluster if args.hosts is None else replace(plan.cluster, num_hosts=args.hosts)
+        cluster = (
+            plan.cluster if args.hosts is None else replace(plan.cluster, num_hosts=args.hosts)
+        )
     times = None
     if args.program_times:
         with open(args.program_times) as f:
@@ -81,7 +97,9 @@ def _simulate(args) -> int:
         serial_comm=args.serial_comm, allreduce=args.allreduce, record=bool(args.trace)
     )
     try:
-        result = simulate(plan, cluster, overlap=not args.no_overlap, program_times=times, options=options)
+        result = simulate(
+            plan, cluster, overlap=not args.no_overlap, program_times=times, options=options
+        )
     except SimulationDeadlock as e:
         print(f"meshshard simulate: {e}", file=sys.stderr)
         return 1
@@ -102,7 +120,9 @@ def _calibrate(args) -> int:
     with open(args.out, "w") as f:
         f.write(spec.to_json())
     print(spec.describe())
-    print(f"\nwritten to {args.out}; use it with `meshshard simulate PLAN.json --cluster {args.out}`")
+    print(
+        f"\nwritten to {args.out}; use it with `meshshard simulate PLAN.json --cluster {args.out}`"
+    )
     return 0
 
 

@@ -55,7 +55,13 @@ def test_presets_carry_their_published_figures():
     assert a100.intra_fabric == "nvswitch" and a100.flops_for("bfloat16") == 312e12
     h100 = ClusterSpec.preset("dgx-h100")
     assert (h100.nics_per_host, h100.nic_bandwidth) == (8, 50e9)
-    assert set(ClusterSpec.presets()) >= {"aws-p3.8xlarge", "aws-p3.16xlarge", "dgx-a100", "dgx-h100", "local"}
+    assert set(ClusterSpec.presets()) >= {
+        "aws-p3.8xlarge",
+        "aws-p3.16xlarge",
+        "dgx-a100",
+        "dgx-h100",
+        "local",
+    }
     for spec in PRESETS.values():
         assert spec.source
 
@@ -67,7 +73,9 @@ def test_preset_num_hosts_override():
 
 
 def test_unknown_preset_names_the_choices():
-    with pytest.raises(ValueError, match=r"unknown cluster preset 'tpu'; choose one of \[.*'dgx-a100'"):
+    with pytest.raises(
+        ValueError, match=r"unknown cluster preset 'tpu'; choose one of \[.*'dgx-a100'"
+    ):
         ClusterSpec.preset("tpu")
 
 
@@ -86,7 +94,10 @@ def test_nic_sharing():
         ({"nic_bandwidth": -1.0}, r"ClusterSpec.nic_bandwidth must be a positive number"),
         ({"nic_latency": -1e-6}, r"ClusterSpec.nic_latency must be a number of seconds >= 0"),
         ({"oversubscription": 0.5}, r"oversubscription must be >= 1"),
-        ({"nic_of_device": (0, 1)}, r"nic_of_device must give one NIC index in \[0, 1\) for each of the 2"),
+        (
+            {"nic_of_device": (0, 1)},
+            r"nic_of_device must give one NIC index in \[0, 1\) for each of the 2",
+        ),
         ({"peak_flops": {}}, r"peak_flops must map dtypes to positive FLOP/s"),
     ],
 )

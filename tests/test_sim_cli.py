@@ -18,8 +18,20 @@ def plan_file(tmp_path):
 
 def test_simulate_prints_summary_and_writes_trace(plan_file, tmp_path, capsys):
     trace, out = tmp_path / "out.json", tmp_path / "result.json"
-    rc = main(["simulate", plan_file, "--cluster", "dgx-a100", "--hosts", "2",
-               "--trace", str(trace), "--json", str(out)])
+    rc = main(
+        [
+            "simulate",
+            plan_file,
+            "--cluster",
+            "dgx-a100",
+            "--hosts",
+            "2",
+            "--trace",
+            str(trace),
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "simulated plan 'synthetic-1f1b' on dgx-a100 (2 hosts x 8 devices), overlap on" in text
@@ -39,8 +51,19 @@ def test_simulate_too_few_hosts_says_what_is_needed(plan_file, capsys):
 def test_simulate_options(plan_file, tmp_path, capsys):
     times = tmp_path / "times.json"
     times.write_text(json.dumps({"s0.F": 0.01, "s1.F": 0.01, "s0.B": 0.02, "s1.B": 0.02}))
-    rc = main(["simulate", plan_file, "--cluster", "aws-p3.16xlarge", "--hosts", "2",
-               "--no-overlap", "--program-times", str(times)])
+    rc = main(
+        [
+            "simulate",
+            plan_file,
+            "--cluster",
+            "aws-p3.16xlarge",
+            "--hosts",
+            "2",
+            "--no-overlap",
+            "--program-times",
+            str(times),
+        ]
+    )
     assert rc == 0
     assert "overlap off (blocking)" in capsys.readouterr().out
 
@@ -70,7 +93,9 @@ def test_clusters_lists_presets(capsys):
 
 def test_calibrate_quick_writes_a_loadable_spec(tmp_path, capsys):
     out = tmp_path / "local.json"
-    rc = main(["calibrate", "--out", str(out), "--quick", "--hosts", "2", "--devices-per-host", "2"])
+    rc = main(
+        ["calibrate", "--out", str(out), "--quick", "--hosts", "2", "--devices-per-host", "2"]
+    )
     assert rc == 0
     spec = ClusterSpec.load(str(out))
     assert (spec.name, spec.num_hosts, spec.devices_per_host) == ("local", 2, 2)

@@ -23,8 +23,14 @@ from meshshard.sim.synthetic import (
 )
 from meshshard.sim.trace import assign_lanes
 
-FREE = ClusterSpec(name="free", num_hosts=16, devices_per_host=1, nic_latency=0.0,
-                   intra_latency=0.0, launch_overhead=0.0)
+FREE = ClusterSpec(
+    name="free",
+    num_hosts=16,
+    devices_per_host=1,
+    nic_latency=0.0,
+    intra_latency=0.0,
+    launch_overhead=0.0,
+)
 
 
 def times(S, f=1.0, b=2.0):
@@ -67,8 +73,14 @@ def test_overlap_hides_transfers_that_blocking_runtime_pays_twice():
     # S=2, M=2 GPipe, F=1 s, B=2 s, each transfer tau = alpha + n/B.  Async: the
     # critical path crosses two transfers (9 + 2 tau); blocking sends and receives put
     # four on it (9 + 4 tau).  Derivation in the PR notes of issue 3.
-    c = ClusterSpec(name="c", num_hosts=2, devices_per_host=1, nic_bandwidth=1e9,
-                    nic_latency=1e-3, launch_overhead=0.0)
+    c = ClusterSpec(
+        name="c",
+        num_hosts=2,
+        devices_per_host=1,
+        nic_bandwidth=1e9,
+        nic_latency=1e-3,
+        launch_overhead=0.0,
+    )
     n = 100_000_000
     tau = 1e-3 + n / 1e9
     plan = synthetic_pipeline(2, 2, schedule="gpipe", activation_bytes=n, cluster=c)
@@ -80,13 +92,21 @@ def test_overlap_hides_transfers_that_blocking_runtime_pays_twice():
 
 
 def test_mesh_program_starts_when_all_mesh_workers_reach_it():
-    c = ClusterSpec(name="c", num_hosts=4, devices_per_host=1, nic_bandwidth=1e9,
-                    nic_latency=0.0, launch_overhead=0.0)
+    c = ClusterSpec(
+        name="c",
+        num_hosts=4,
+        devices_per_host=1,
+        nic_bandwidth=1e9,
+        nic_latency=0.0,
+        launch_overhead=0.0,
+    )
     plan = synthetic_pipeline(2, 1, mesh_shape=(2, 1), activation_bytes=2_000_000, cluster=c)
     # make the message into w3 ten times larger than the one into w2
     t0 = plan.transfer("t0")
     slow = replace(t0.messages[1], nbytes=10_000_000)
-    plan = replace(plan, transfers=(replace(t0, messages=(t0.messages[0], slow)),) + plan.transfers[1:])
+    plan = replace(
+        plan, transfers=(replace(t0, messages=(t0.messages[0], slow)),) + plan.transfers[1:]
+    )
     r = simulate(plan, c, program_times=times(2))
     starts = {s.track: s.start for s in r.spans if s.name == "s1.F mb0"}
     assert starts.keys() == {"w2", "w3"}
@@ -126,8 +146,16 @@ def test_case6_naive_order_costs_twice_the_lower_bound():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_peak_activations_follow_the_schedule(schedule):
     S, M, P, R = 4, 8, 1 << 20, 4 << 20
-    plan = synthetic_pipeline(S, M, schedule=schedule, activation_bytes=0, batch_bytes=0,
-                              residual_bytes=R, param_bytes=P, cluster=FREE)
+    plan = synthetic_pipeline(
+        S,
+        M,
+        schedule=schedule,
+        activation_bytes=0,
+        batch_bytes=0,
+        residual_bytes=R,
+        param_bytes=P,
+        cluster=FREE,
+    )
     r = simulate(plan, FREE, program_times=times(S))
     for s, m in enumerate(r.memory):
         in_flight = M if schedule == "gpipe" else S - s
@@ -153,7 +181,9 @@ def test_sent_buffer_lives_until_its_send_completes():
 
 def test_roofline_costs_by_dtype_and_mesh_size():
     dgx = ClusterSpec.preset("dgx-a100", num_hosts=2)
-    plan = synthetic_pipeline(2, 1, mesh_shape=(1, 8), forward_flops=8 * 312e12, dtype="bfloat16", cluster=dgx)
+    plan = synthetic_pipeline(
+        2, 1, mesh_shape=(1, 8), forward_flops=8 * 312e12, dtype="bfloat16", cluster=dgx
+    )
     cost = program_cost(plan, plan.program("s0.F"), dgx)
     assert close(cost.seconds, 1.0 + dgx.launch_overhead) and cost.bound == "compute"
     mem_bound = ProgramSpec("m", 0, (), ("P0",), (), flops=1e9, bytes_accessed=8 * 2039e9)
@@ -181,27 +211,34 @@ def test_plan_larger_than_cluster_names_hosts():
 def test_unmatched_send_is_reported():
     plan = synthetic_exchange([(0, 1, 1000)])
     streams = (plan.streams[0], WorkerStream(1, (WaitAll(),)))
-    with pytest.raises(SimulationDeadlock, match=r"w0: SEND t0@0 #0 -> w1 has no matching RECV on w1"):
+    with pytest.raises(
+        SimulationDeadlock, match=r"w0: SEND t0@0 #0 -> w1 has no matching RECV on w1"
+    ):
         simulate(replace(plan, streams=streams))
 
 
 def test_blocking_cycle_is_a_deadlock_but_async_runs():
     plan = synthetic_exchange([(0, 1, 1000), (1, 0, 1000)])
     streams = tuple(
-        WorkerStream(w, (
-            Recv(buffer=f"t{1 - w}@0", transfer=f"t{1 - w}", message=0, peer=1 - w),
-            Wait(buffer=f"t{1 - w}@0"),
-            Send(buffer=f"t{w}@0", transfer=f"t{w}", message=0, peer=1 - w),
-            Free(buffer=f"t{w}@0"),
-            WaitAll(),
-        ))
+        WorkerStream(
+            w,
+            (
+                Recv(buffer=f"t{1 - w}@0", transfer=f"t{1 - w}", message=0, peer=1 - w),
+                Wait(buffer=f"t{1 - w}@0"),
+                Send(buffer=f"t{w}@0", transfer=f"t{w}", message=0, peer=1 - w),
+                Free(buffer=f"t{w}@0"),
+                WaitAll(),
+            ),
+        )
         for w in (0, 1)
     )
     plan = replace(plan, streams=streams)
     assert simulate(plan).iteration_time > 0
     with pytest.raises(SimulationDeadlock) as e:
         simulate(plan, overlap=False)
-    assert re.search(r"w0 all queue: RECV t1@0 #0 <- w1  <-- waits for w1#2 SEND t1@0", str(e.value))
+    assert re.search(
+        r"w0 all queue: RECV t1@0 #0 <- w1  <-- waits for w1#2 SEND t1@0", str(e.value)
+    )
 
 
 def test_collective_missing_a_member():
@@ -227,7 +264,9 @@ def test_summary_table():
     plan = synthetic_pipeline(2, 4, activation_bytes=64 << 20)
     r = simulate(plan, ClusterSpec.preset("aws-p3.8xlarge", num_hosts=2))
     text = str(r)
-    assert text.startswith("simulated plan 'synthetic-1f1b' on aws-p3.8xlarge (2 hosts x 4 devices), overlap on")
+    assert text.startswith(
+        "simulated plan 'synthetic-1f1b' on aws-p3.8xlarge (2 hosts x 4 devices), overlap on"
+    )
     assert re.search(r"iteration time [\d.]+ ms  \(2 workers, \d+ instructions, 8 flows\)", text)
     assert "h0.nic0.out" in text and "peak mem/dev" in text
 

@@ -89,18 +89,28 @@ def test_nic_is_full_duplex():
 
 
 def test_oversubscribed_switch_caps_aggregate_traffic():
-    over = ClusterSpec(name="o", num_hosts=4, devices_per_host=1, nic_bandwidth=1e9,
-                       nic_latency=0.0, oversubscription=2.0)
+    over = ClusterSpec(
+        name="o",
+        num_hosts=4,
+        devices_per_host=1,
+        nic_bandwidth=1e9,
+        nic_latency=0.0,
+        oversubscription=2.0,
+    )
     # two disjoint pairs would each run at 1 GB/s; the core carries 4*1/2 = 2 GB/s total
     r = simulate(synthetic_exchange([(0, 1, N), (2, 3, N)], cluster=over), over)
     assert close(r.iteration_time, N / 1e9)
     # four flows at once: the core (2 GB/s) binds, each gets 0.5 GB/s
-    r = simulate(synthetic_exchange([(0, 1, N), (1, 0, N), (2, 3, N), (3, 2, N)], cluster=over), over)
+    r = simulate(
+        synthetic_exchange([(0, 1, N), (1, 0, N), (2, 3, N), (3, 2, N)], cluster=over), over
+    )
     assert close(r.iteration_time, N / 0.5e9)
 
 
 def test_intra_host_message_uses_the_fabric():
-    c = ClusterSpec(name="c", num_hosts=1, devices_per_host=2, intra_bandwidth=2e9, intra_latency=1e-6)
+    c = ClusterSpec(
+        name="c", num_hosts=1, devices_per_host=2, intra_bandwidth=2e9, intra_latency=1e-6
+    )
     net = FlowNetwork(Topology(c).capacity)
     topo = Topology(c)
     f = net.start(0.0, topo.path((0, 0), (0, 1)), 1e9, latency=topo.latency((0, 0), (0, 1)))
@@ -138,7 +148,11 @@ def test_broadcast_stays_flat_while_send_recv_falls_as_one_over_k():
     times_bc, times_sr = [], []
     for k in (1, 2, 4):
         group = tuple(range(k + 1))
-        times_bc.append(simulate(synthetic_collective("broadcast", group, n, root=0, cluster=P38), P38).iteration_time)
+        times_bc.append(
+            simulate(
+                synthetic_collective("broadcast", group, n, root=0, cluster=P38), P38
+            ).iteration_time
+        )
         sr = synthetic_exchange([(0, d, n) for d in range(1, k + 1)], cluster=P38)
         times_sr.append(simulate(sr, P38).iteration_time)
     gbps = [n * 8 / 2**30 / t for t in times_bc]
@@ -169,7 +183,9 @@ def test_hierarchical_allreduce_on_dgx():
     assert close(r.iteration_time, intra + inter)
     # ring over hosts uses one channel per NIC: 8 parallel rings
     r = simulate(plan, dgx, options=SimOptions(allreduce="ring"))
-    assert close(r.iteration_time, 2 * (p - 1) * (dgx.nic_latency + n / (p * g) / dgx.nic_bandwidth))
+    assert close(
+        r.iteration_time, 2 * (p - 1) * (dgx.nic_latency + n / (p * g) / dgx.nic_bandwidth)
+    )
 
 
 def test_decompose_structure():

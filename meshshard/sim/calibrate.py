@@ -28,7 +28,14 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 
-__all__ = ["Measurements", "measure", "calibrate", "measure_transport", "measure_matmul", "measure_memcpy"]
+__all__ = [
+    "Measurements",
+    "measure",
+    "calibrate",
+    "measure_transport",
+    "measure_matmul",
+    "measure_memcpy",
+]
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,7 @@ def _transport_worker(rank: int, port: int, nbytes: int, iters: int, pings: int,
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         small = torch.zeros(1, dtype=torch.float32)
         big = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
@@ -103,7 +108,9 @@ def _transport_worker(rank: int, port: int, nbytes: int, iters: int, pings: int,
         dist.destroy_process_group()
 
 
-def measure_transport(nbytes: int = 64 << 20, iters: int = 5, pings: int = 200) -> tuple[float, float]:
+def measure_transport(
+    nbytes: int = 64 << 20, iters: int = 5, pings: int = 200
+) -> tuple[float, float]:
     """(bytes/s, seconds): gloo send/recv bandwidth and one-way latency between two local processes."""
     import multiprocessing as mp
 

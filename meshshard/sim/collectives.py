@@ -25,8 +25,8 @@ Rules (one entry per kind in :data:`COLLECTIVE_RULES`):
 
     >>> from meshshard.cluster import ClusterSpec
     >>> d = decompose("allreduce", (0, 1, 2), None, 3e6, ClusterSpec.preset("aws-p3.8xlarge"))
-    >>> len(d.steps), d.steps[0]
-    (12, FlowStep(src=(0, 0), dst=(1, 0), nbytes=1000000.0, deps=()))
+    >>> len(d.steps), d.steps[0].src, d.steps[0].dst, d.steps[0].nbytes
+    (12, (0, 0), (1, 0), 1000000.0)
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ class _Builder:
                     deps = list(after[i])
                 else:
                     deps = [prev[i], prev[(i - 1) % p]]
-                cur[i] = self.add(nodes[i], nodes[(i + 1) % p], nbytes, [d for d in deps if d is not None])
+                cur[i] = self.add(
+                    nodes[i], nodes[(i + 1) % p], nbytes, [d for d in deps if d is not None]
+                )
             prev = cur
         return [[prev[i], prev[(i - 1) % p]] for i in range(p)]
 
@@ -213,7 +215,9 @@ def hierarchical_allreduce(
     return Decomposition("allreduce", "hierarchical", tuple(hosts), float(nbytes), tuple(b.steps))
 
 
-def _ring_half(kind: str, hosts: tuple[int, ...], nbytes: float, cluster: ClusterSpec) -> Decomposition:
+def _ring_half(
+    kind: str, hosts: tuple[int, ...], nbytes: float, cluster: ClusterSpec
+) -> Decomposition:
     b = _Builder()
     p, k = len(hosts), _channels(cluster)
     for c in range(k):
@@ -242,7 +246,9 @@ def alltoall(hosts: tuple[int, ...], nbytes: float, cluster: ClusterSpec) -> Dec
         for i, src in enumerate(hosts):
             for j, dst in enumerate(hosts):
                 if i != j:
-                    b.add(_nic_device(cluster, src, c), _nic_device(cluster, dst, c), nbytes / (p * k))
+                    b.add(
+                        _nic_device(cluster, src, c), _nic_device(cluster, dst, c), nbytes / (p * k)
+                    )
     return Decomposition("alltoall", "direct", tuple(hosts), float(nbytes), tuple(b.steps))
 
 
@@ -288,12 +294,16 @@ def decompose(
     hosts have several devices and several NICs, as NCCL's tree/ring choice would).
     """
     if kind not in COLLECTIVE_RULES:
-        raise ValueError(f"no decomposition rule for collective {kind!r}; known: {sorted(COLLECTIVE_RULES)}")
+        raise ValueError(
+            f"no decomposition rule for collective {kind!r}; known: {sorted(COLLECTIVE_RULES)}"
+        )
     if allreduce == "auto":
         multi = cluster.devices_per_host > 1 and cluster.nics_per_host > 1
         allreduce = "hierarchical" if multi else "ring"
     if allreduce not in ("ring", "hierarchical"):
-        raise ValueError(f"allreduce algorithm must be 'ring', 'hierarchical' or 'auto', got {allreduce!r}")
+        raise ValueError(
+            f"allreduce algorithm must be 'ring', 'hierarchical' or 'auto', got {allreduce!r}"
+        )
     hosts = tuple(hosts)
     if len(hosts) < 2:
         return Decomposition(kind, "local", hosts, float(nbytes), ())

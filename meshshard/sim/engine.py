@@ -201,8 +201,17 @@ class Timeline:
     notes: tuple[str, ...]
 
 
-_CODES = {Run: "RUN", Load: "LOAD", Zeros: "ZEROS", Send: "SEND", Recv: "RECV",
-          Collective: "COLL", Wait: "WAIT", WaitAll: "WAITALL", Free: "FREE"}
+_CODES = {
+    Run: "RUN",
+    Load: "LOAD",
+    Zeros: "ZEROS",
+    Send: "SEND",
+    Recv: "RECV",
+    Collective: "COLL",
+    Wait: "WAIT",
+    WaitAll: "WAITALL",
+    Free: "FREE",
+}
 _COMM = ("SEND", "RECV", "COLL")
 
 
@@ -253,7 +262,8 @@ class _Engine:
         missing = sorted(n for n, c in self.costs.items() if c.source == "none")
         if missing:
             self.notes.append(
-                "no flops/bytes or measured time for " + ", ".join(missing)
+                "no flops/bytes or measured time for "
+                + ", ".join(missing)
                 + f": each costs only the launch overhead ({cluster.launch_overhead * 1e6:.3g} us)"
             )
         if program_times:
@@ -294,10 +304,14 @@ class _Engine:
                 if code == "RUN":
                     mesh = self.mesh_of_program.get(ins.program)
                     if mesh is None:
-                        raise ValueError(f"w{w}: {ins} runs program {ins.program!r}, which the plan lacks")
+                        raise ValueError(
+                            f"w{w}: {ins} runs program {ins.program!r}, which the plan lacks"
+                        )
                     op.dur = self.costs[ins.program].seconds
                     if len(self.mesh_workers.get(mesh, ())) > 1:
-                        n = occ[("run", ins.program, ins.mb)] = occ.get(("run", ins.program, ins.mb), -1) + 1
+                        n = occ[("run", ins.program, ins.mb)] = (
+                            occ.get(("run", ins.program, ins.mb), -1) + 1
+                        )
                         op.key = ("run", ins.program, ins.mb, n)
                 elif code in ("SEND", "RECV"):
                     src, dst = (w, ins.peer) if code == "SEND" else (ins.peer, w)
@@ -314,7 +328,15 @@ class _Engine:
                         pair.recv = op
                         unwaited.setdefault(ins.buffer, []).append(op.id)
                 elif code == "COLL":
-                    base = ("coll", ins.kind, ins.transfer, ins.message, ins.buffer, ins.group, ins.root)
+                    base = (
+                        "coll",
+                        ins.kind,
+                        ins.transfer,
+                        ins.message,
+                        ins.buffer,
+                        ins.group,
+                        ins.root,
+                    )
                     n = occ[base] = occ.get(base, -1) + 1
                     op.key = base + (n,)
                     unwaited.setdefault(ins.buffer, []).append(op.id)
@@ -328,7 +350,7 @@ class _Engine:
                 if op.key is not None:
                     counts[op.key] = counts.get(op.key, 0) + 1
         # validate matches
-        for key, pair in self.p2p.items():
+        for pair in self.p2p.values():
             if pair.send is None or pair.recv is None:
                 have = pair.send or pair.recv
                 peer = have.ins.peer
@@ -352,9 +374,7 @@ class _Engine:
             elif key[0] == "coll":
                 group = key[5]
                 if n != len(group):
-                    missing = sorted(
-                        set(group) - {op.worker for op in self.ops if op.key == key}
-                    )
+                    missing = sorted(set(group) - {op.worker for op in self.ops if op.key == key})
                     raise SimulationDeadlock(
                         f"COLL {key[1]} {key[4]} #{key[3]} over {list(group)} is missing on "
                         f"workers {missing}; every group member must issue it"
@@ -593,9 +613,7 @@ class _Engine:
                 succ[dep].append(i)
         ndeps = [len(s.deps) for s in steps]
         members = set(ins.group)
-        touching = [
-            tuple(sorted({s.src[0], s.dst[0]} & members)) for s in steps
-        ]
+        touching = [tuple(sorted({s.src[0], s.dst[0]} & members)) for s in steps]
         per_member = {w: 0 for w in ins.group}
         for t in touching:
             for w in t:
@@ -652,7 +670,9 @@ class _Engine:
             elif op.code in ("SEND", "RECV"):
                 comm = (op.comm_start, op.comm_end)
             by_worker.setdefault(op.worker, []).append(
-                OpRecord(op.worker, op.index, op.ins, min(op.head, op.start), op.start, op.end, *comm)
+                OpRecord(
+                    op.worker, op.index, op.ins, min(op.head, op.start), op.start, op.end, *comm
+                )
             )
         for w in sorted(by_worker):
             workers.append(w)

@@ -73,7 +73,11 @@ def bytes_per_device(plan: Plan, buffer: str, worker: int) -> float | None:
 
 def memory_profile(
     plan: Plan, records: Sequence[Sequence[OpRecord]], end: float
-) -> tuple[dict[int, tuple[float, float, dict[str, float]]], dict[int, list[tuple[float, float]]], list[str]]:
+) -> tuple[
+    dict[int, tuple[float, float, dict[str, float]]],
+    dict[int, list[tuple[float, float]]],
+    list[str],
+]:
     """Per worker: (peak bytes per device, time of the peak, breakdown at the peak), the
     step function of bytes held over time, and notes on undescribed buffers."""
     peaks: dict[int, tuple[float, float, dict[str, float]]] = {}

@@ -115,7 +115,9 @@ class MemoryStats:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v / 2**20:.4g} MiB" for k, v in self.breakdown if v)
-        return f"w{self.worker}: peak {self.peak / 2**20:.4g} MiB at {self.at * 1e3:.4g} ms ({parts})"
+        return (
+            f"w{self.worker}: peak {self.peak / 2**20:.4g} MiB at {self.at * 1e3:.4g} ms ({parts})"
+        )
 
 
 def _fmt_bytes(n: float) -> str:
@@ -205,9 +207,12 @@ class SimResult:
                 )
         over = [m for m in self.memory if not m.fits]
         if over:
-            lines += ["", f"memory: {len(over)} worker(s) exceed device memory ("
-                      f"{_fmt_bytes(self.cluster.device_memory)}): "
-                      + ", ".join(f"w{m.worker}" for m in over)]
+            lines += [
+                "",
+                f"memory: {len(over)} worker(s) exceed device memory ("
+                f"{_fmt_bytes(self.cluster.device_memory)}): "
+                + ", ".join(f"w{m.worker}" for m in over),
+            ]
         if self.notes:
             lines += ["", "notes:"] + [f"  {n}" for n in self.notes]
         return "\n".join(lines)

@@ -33,7 +33,7 @@ def simulate(
         >>> from meshshard.sim.synthetic import synthetic_pipeline
         >>> plan = synthetic_pipeline(2, 4, schedule="1f1b")
         >>> r = simulate(plan, program_times={"s0.F": 1.0, "s1.F": 1.0, "s0.B": 2.0, "s1.B": 2.0})
-        >>> round(r.iteration_time, 3)   # (M + S - 1) * (F + B), plus tiny transfers
+        >>> round(r.iteration_time, 1)  # (M + S - 1) * (F + B), plus 3 ms of transfers
         15.0
     """
     cluster = plan.cluster if cluster is None else cluster
@@ -84,11 +84,15 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
                 compute += r.end - r.start
                 if record:
                     mb = f" mb{ins.mb}" if ins.mb is not None else ""
-                    spans.append(Span(track, "compute", f"{ins.program}{mb}", r.start, r.end, "run"))
+                    spans.append(
+                        Span(track, "compute", f"{ins.program}{mb}", r.start, r.end, "run")
+                    )
             elif kind in _COMM and r.comm_start is not None:
                 comm.append((r.comm_start, r.comm_end))
                 if record:
-                    spans.append(Span(track, "comm", str(ins), r.comm_start, r.comm_end, kind.lower()))
+                    spans.append(
+                        Span(track, "comm", str(ins), r.comm_start, r.comm_end, kind.lower())
+                    )
             elif kind in ("Wait", "WaitAll") and record and r.end > r.head:
                 spans.append(Span(track, "compute", str(ins), r.head, r.end, "wait"))
         workers.append(
@@ -133,7 +137,9 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
                 )
         for w, curve in sorted(curves.items()):
             counters.append(
-                Counter(f"w{w}", "memory per device", "MiB", tuple((t, v / 2**20) for t, v in curve))
+                Counter(
+                    f"w{w}", "memory per device", "MiB", tuple((t, v / 2**20) for t, v in curve)
+                )
             )
     return SimResult(
         method=plan.method,

@@ -208,7 +208,11 @@ def synthetic_pipeline(
         raise ValueError(f"transfer must be 'send_recv' or 'broadcast', got {transfer!r}")
     h, d = mesh_shape
     fwd = _per_stage(forward_flops, S, "forward_flops")
-    bwd = [2 * f for f in fwd] if backward_flops is None else _per_stage(backward_flops, S, "backward_flops")
+    bwd = (
+        [2 * f for f in fwd]
+        if backward_flops is None
+        else _per_stage(backward_flops, S, "backward_flops")
+    )
     res = activation_bytes if residual_bytes is None else residual_bytes
     cluster = cluster or ClusterSpec(name="synthetic", num_hosts=S * h, devices_per_host=d)
 
@@ -227,15 +231,31 @@ def synthetic_pipeline(
     transfers: list[TransferSpec] = []
     for s in range(S):
         buffers += [
-            BufferSpec(f"P{s}", s, False, (_tensor(next(var), f"stage{s}.params", param_bytes, dtype),)),
-            BufferSpec(f"A{s}", s, False, (_tensor(next(var), f"stage{s}.grads", param_bytes, dtype),)),
-            BufferSpec(f"S{s}", s, False, (_tensor(next(var), f"stage{s}.opt_state", 2 * param_bytes, dtype),)),
-            BufferSpec(f"O{s}", s, False, (_tensor(next(var), f"stage{s}.new_state", 3 * param_bytes, dtype),)),
+            BufferSpec(
+                f"P{s}", s, False, (_tensor(next(var), f"stage{s}.params", param_bytes, dtype),)
+            ),
+            BufferSpec(
+                f"A{s}", s, False, (_tensor(next(var), f"stage{s}.grads", param_bytes, dtype),)
+            ),
+            BufferSpec(
+                f"S{s}",
+                s,
+                False,
+                (_tensor(next(var), f"stage{s}.opt_state", 2 * param_bytes, dtype),),
+            ),
+            BufferSpec(
+                f"O{s}",
+                s,
+                False,
+                (_tensor(next(var), f"stage{s}.new_state", 3 * param_bytes, dtype),),
+            ),
             BufferSpec(f"R{s}", s, True, (_tensor(next(var), f"stage{s}.residuals", res, dtype),)),
         ]
         if s in (0, S - 1):
             buffers.append(
-                BufferSpec(f"X{s}", s, True, (_tensor(next(var), f"stage{s}.batch", batch_bytes, dtype),))
+                BufferSpec(
+                    f"X{s}", s, True, (_tensor(next(var), f"stage{s}.batch", batch_bytes, dtype),)
+                )
             )
     for s in range(S - 1):
         for name, src, dst, prod, cons in (
@@ -252,7 +272,9 @@ def synthetic_pipeline(
                         meshes[src].hosts[i],
                         meshes[dst].hosts[i],
                         ((i * per, rows if i == h - 1 else (i + 1) * per),),
-                        activation_bytes // h if i < h - 1 else activation_bytes - (h - 1) * (activation_bytes // h),
+                        activation_bytes // h
+                        if i < h - 1
+                        else activation_bytes - (h - 1) * (activation_bytes // h),
                     )
                     for i in range(h)
                 )
@@ -273,7 +295,9 @@ def synthetic_pipeline(
         ]
     for s in range(S):
         programs.append(
-            ProgramSpec(f"m{s}.apply", s, (), (f"P{s}", f"A{s}", f"S{s}"), (f"O{s}",), apply_flops, None)
+            ProgramSpec(
+                f"m{s}.apply", s, (), (f"P{s}", f"A{s}", f"S{s}"), (f"O{s}",), apply_flops, None
+            )
         )
     tmap = {t.name: t for t in transfers}
 
@@ -285,7 +309,14 @@ def synthetic_pipeline(
             if w != group[0]:
                 return [Free(buffer=buf)]
             return [
-                Collective(kind="broadcast", buffer=buf, transfer=name, message=0, group=group, root=group[0]),
+                Collective(
+                    kind="broadcast",
+                    buffer=buf,
+                    transfer=name,
+                    message=0,
+                    group=group,
+                    root=group[0],
+                ),
                 Free(buffer=buf),
             ]
         out: list[Instruction] = [
@@ -299,7 +330,9 @@ def synthetic_pipeline(
         t = tmap[name]
         if t.strategy == "broadcast":
             group = (t.messages[0].src,) + tuple(m.dst for m in t.messages)
-            coll = Collective(kind="broadcast", buffer=buf, transfer=name, message=0, group=group, root=group[0])
+            coll = Collective(
+                kind="broadcast", buffer=buf, transfer=name, message=0, group=group, root=group[0]
+            )
             return [coll, Wait(buffer=buf)]
         out: list[Instruction] = [
             Recv(buffer=buf, transfer=name, message=i, peer=m.src)
@@ -325,7 +358,9 @@ def synthetic_pipeline(
                         ins += recv(fwd_t(s - 1), buf, w)
                         inputs.append(buf)
                     outputs = [f"R{s}@{k}"] + ([f"{fwd_t(s)}@{k}"] if s < S - 1 else [])
-                    ins.append(Run(program=f"s{s}.F", mb=k, inputs=tuple(inputs), outputs=tuple(outputs)))
+                    ins.append(
+                        Run(program=f"s{s}.F", mb=k, inputs=tuple(inputs), outputs=tuple(outputs))
+                    )
                     if s in (0, S - 1):
                         ins.append(Free(buffer=f"X{s}@{k}"))
                     if s > 0:
@@ -339,13 +374,22 @@ def synthetic_pipeline(
                         ins += recv(bwd_t(s), buf, w)
                         inputs.append(buf)
                     outputs = [f"A{s}"] + ([f"{bwd_t(s - 1)}@{k}"] if s > 0 else [])
-                    ins.append(Run(program=f"s{s}.B", mb=k, inputs=tuple(inputs), outputs=tuple(outputs)))
+                    ins.append(
+                        Run(program=f"s{s}.B", mb=k, inputs=tuple(inputs), outputs=tuple(outputs))
+                    )
                     ins.append(Free(buffer=f"R{s}@{k}"))
                     if s < S - 1:
                         ins.append(Free(buffer=f"{bwd_t(s)}@{k}"))
                     if s > 0:
                         ins += send(bwd_t(s - 1), f"{bwd_t(s - 1)}@{k}", w)
-            ins.append(Run(program=f"m{s}.apply", mb=None, inputs=(f"P{s}", f"A{s}", f"S{s}"), outputs=(f"O{s}",)))
+            ins.append(
+                Run(
+                    program=f"m{s}.apply",
+                    mb=None,
+                    inputs=(f"P{s}", f"A{s}", f"S{s}"),
+                    outputs=(f"O{s}",),
+                )
+            )
             ins.append(WaitAll())
             streams.append(WorkerStream(w, tuple(ins)))
 
@@ -354,17 +398,50 @@ def synthetic_pipeline(
         for s in range(S)
     )
     inputs = (
-        InputSpec(0, "batch", "batch", (M, batch_bytes // np.dtype(dtype).itemsize), dtype,
-                  tuple((f"X{s}", 0) for s in sorted({0, S - 1}))),
-        InputSpec(1, "params", "state", (S, param_bytes // np.dtype(dtype).itemsize), dtype,
-                  tuple((f"P{s}", 0) for s in range(S))),
+        InputSpec(
+            0,
+            "batch",
+            "batch",
+            (M, batch_bytes // np.dtype(dtype).itemsize),
+            dtype,
+            tuple((f"X{s}", 0) for s in sorted({0, S - 1})),
+        ),
+        InputSpec(
+            1,
+            "params",
+            "state",
+            (S, param_bytes // np.dtype(dtype).itemsize),
+            dtype,
+            tuple((f"P{s}", 0) for s in range(S)),
+        ),
     )
     outputs = (
-        OutputSpec(0, "new_state", (S, 3 * param_bytes // np.dtype(dtype).itemsize), dtype, "buffer",
-                   tuple((f"O{s}", 0) for s in range(S))),
+        OutputSpec(
+            0,
+            "new_state",
+            (S, 3 * param_bytes // np.dtype(dtype).itemsize),
+            dtype,
+            "buffer",
+            tuple((f"O{s}", 0) for s in range(S)),
+        ),
     )
-    key = repr((S, M, schedule, mesh_shape, fwd, bwd, apply_flops, activation_bytes, res,
-                param_bytes, batch_bytes, transfer, dtype))
+    key = repr(
+        (
+            S,
+            M,
+            schedule,
+            mesh_shape,
+            fwd,
+            bwd,
+            apply_flops,
+            activation_bytes,
+            res,
+            param_bytes,
+            batch_bytes,
+            transfer,
+            dtype,
+        )
+    )
     return Plan(
         method=f"synthetic-{schedule}",
         cluster=cluster,
@@ -422,7 +499,9 @@ def synthetic_exchange(
         w1: WAITALL
     """
     n = num_hosts or 1 + max((max(s, d) for s, d, _ in messages), default=0)
-    cluster = cluster or ClusterSpec(name="synthetic", num_hosts=n, devices_per_host=devices_per_host)
+    cluster = cluster or ClusterSpec(
+        name="synthetic", num_hosts=n, devices_per_host=devices_per_host
+    )
     meshes = tuple(MeshSpec(h, (1, devices_per_host), (h,)) for h in range(n))
     transfers = tuple(
         TransferSpec(
@@ -442,14 +521,27 @@ def synthetic_exchange(
         ins: list[Instruction] = []
         for i, (src, dst, _) in enumerate(messages):
             if src == w:
-                ins += [Send(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=dst), Free(buffer=f"t{i}@0")]
+                ins += [
+                    Send(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=dst),
+                    Free(buffer=f"t{i}@0"),
+                ]
         for i, (src, dst, _) in enumerate(messages):
             if dst == w:
-                ins += [Recv(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=src), Wait(buffer=f"t{i}@0")]
+                ins += [
+                    Recv(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=src),
+                    Wait(buffer=f"t{i}@0"),
+                ]
         ins.append(WaitAll())
         streams.append(WorkerStream(w, tuple(ins)))
-    return _bare_plan("synthetic-exchange", cluster, meshes, (), transfers, tuple(streams),
-                      ("synthetic exchange of point-to-point messages",))
+    return _bare_plan(
+        "synthetic-exchange",
+        cluster,
+        meshes,
+        (),
+        transfers,
+        tuple(streams),
+        ("synthetic exchange of point-to-point messages",),
+    )
 
 
 def synthetic_collective(
@@ -464,13 +556,15 @@ def synthetic_collective(
 ) -> Plan:
     """A plan whose only work is one collective ``kind`` of ``nbytes`` over worker ``group``.
 
-        >>> print(synthetic_collective("allreduce", (0, 1), 1 << 20).streams[0])
-        w0: COLL allreduce t0@0 #0 [w0,w1]
-        w0: WAIT t0@0
+    >>> print(synthetic_collective("allreduce", (0, 1), 1 << 20).streams[0])
+    w0: COLL allreduce t0@0 #0 [w0,w1]
+    w0: WAIT t0@0
     """
     group = tuple(group)
     n = num_hosts or 1 + max(group)
-    cluster = cluster or ClusterSpec(name="synthetic", num_hosts=n, devices_per_host=devices_per_host)
+    cluster = cluster or ClusterSpec(
+        name="synthetic", num_hosts=n, devices_per_host=devices_per_host
+    )
     meshes = tuple(MeshSpec(h, (1, devices_per_host), (h,)) for h in range(n))
     src = group[0] if root is None else root
     transfer = TransferSpec(
@@ -488,5 +582,12 @@ def synthetic_collective(
     streams = tuple(
         WorkerStream(w, (coll, Wait(buffer="t0@0")) if w in group else ()) for w in range(n)
     )
-    return _bare_plan(f"synthetic-{kind}", cluster, meshes, (), (transfer,), streams,
-                      (f"synthetic {kind} over {list(group)}",))
+    return _bare_plan(
+        f"synthetic-{kind}",
+        cluster,
+        meshes,
+        (),
+        (transfer,),
+        streams,
+        (f"synthetic {kind} over {list(group)}",),
+    )

@@ -57,7 +57,9 @@ class Topology:
                 for io in ("out", "in"):
                     self._dev[h, d, io] = len(links)
                     links.append(
-                        Link(len(links), f"h{h}.d{d}.{io}", float(cluster.intra_bandwidth), "device")
+                        Link(
+                            len(links), f"h{h}.d{d}.{io}", float(cluster.intra_bandwidth), "device"
+                        )
                     )
             for n in range(k):
                 for io in ("out", "in"):

@@ -51,18 +51,33 @@ def chrome_trace(result: SimResult) -> dict:
         pids[f"w{w.worker}"] = pid
         meshes = ",".join(f"mesh{m}" for m in w.meshes) or "no mesh"
         events.append(
-            {"ph": "M", "pid": pid, "name": "process_name",
-             "args": {"name": f"w{w.worker} ({meshes}, {w.devices} devices)"}}
+            {
+                "ph": "M",
+                "pid": pid,
+                "name": "process_name",
+                "args": {"name": f"w{w.worker} ({meshes}, {w.devices} devices)"},
+            }
         )
-        events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
-        events.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}})
+        events.append(
+            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}
+        )
+        events.append(
+            {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}}
+        )
     comm: dict[str, list] = {}
     for s in result.spans:
         pid = pids.setdefault(s.track, len(pids))
         if s.lane == "compute":
             events.append(
-                {"ph": "X", "pid": pid, "tid": 0, "name": s.name, "cat": s.category or "compute",
-                 "ts": s.start * us, "dur": (s.end - s.start) * us}
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": 0,
+                    "name": s.name,
+                    "cat": s.category or "compute",
+                    "ts": s.start * us,
+                    "dur": (s.end - s.start) * us,
+                }
             )
         else:
             comm.setdefault(s.track, []).append(s)
@@ -71,15 +86,29 @@ def chrome_trace(result: SimResult) -> dict:
         lanes = assign_lanes([(s.start, s.end) for s in spans])
         for k in range(max(lanes) + 1 if lanes else 0):
             events.append(
-                {"ph": "M", "pid": pid, "tid": 1 + k, "name": "thread_name",
-                 "args": {"name": f"comm {k}"}}
+                {
+                    "ph": "M",
+                    "pid": pid,
+                    "tid": 1 + k,
+                    "name": "thread_name",
+                    "args": {"name": f"comm {k}"},
+                }
             )
         for s, k in zip(spans, lanes, strict=True):
             events.append(
-                {"ph": "X", "pid": pid, "tid": 1 + k, "name": s.name, "cat": s.category or "comm",
-                 "ts": s.start * us, "dur": (s.end - s.start) * us}
+                {
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": 1 + k,
+                    "name": s.name,
+                    "cat": s.category or "comm",
+                    "ts": s.start * us,
+                    "dur": (s.end - s.start) * us,
+                }
             )
-    events.append({"ph": "M", "pid": _NETWORK_PID, "name": "process_name", "args": {"name": "network links"}})
+    events.append(
+        {"ph": "M", "pid": _NETWORK_PID, "name": "process_name", "args": {"name": "network links"}}
+    )
     for c in result.counters:
         pid = _NETWORK_PID if c.track == "network" else pids.get(c.track, _NETWORK_PID)
         for t, v in c.samples:
