@@ -45,7 +45,7 @@ class ParallelizedFunction:
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
         plan, _ = plan_step(
-            self.fn, _abstract(args), method=self.method, cluster=cluster, batch_argnums=self.batch_argnums
+            self.fn, _abstract(args, self.batch_argnums), method=self.method, cluster=cluster, batch_argnums=self.batch_argnums
         )
         return plan
 
@@ -55,7 +55,7 @@ class ParallelizedFunction:
         from meshshard.runtime.executable import Executable
 
         cluster = require_cluster()
-        abstract = _abstract(args)
+        abstract = _abstract(args, self.batch_argnums)
         key = (
             jax.tree.structure(abstract),
             tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
@@ -106,17 +106,20 @@ def parallelize(
     return ParallelizedFunction(fn, method, donate_argnums, batch_argnums)
 
 
-def _abstract(args):
-    """Arguments with every array leaf replaced by a ShapeDtypeStruct."""
+def _abstract(args, batch_argnums=()):
+    """Arguments with every array leaf (and Python scalars outside the batch) replaced by a
+    ShapeDtypeStruct; anything else is left for the tracer to reject with a clear error."""
 
-    def one(x):
+    def one(x, scalars_ok=True):
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
         if hasattr(x, "shape") and hasattr(x, "dtype"):
             return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
-        if isinstance(x, bool | int | float | complex):
+        if scalars_ok and isinstance(x, bool | int | float | complex):
             a = np.asarray(x)
             return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
         return x
 
-    return jax.tree.map(one, tuple(args))
+    return tuple(
+        jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a) for i, a in enumerate(args)
+    )

@@ -1,0 +1,116 @@
+"""Check a plan's streams and schedule for the invariants the runtime relies on.
+
+``verify(plan)`` returns the list of problems (empty when the plan is sound): every
+buffer is written before it is read; every per-micro-batch buffer is freed exactly
+once; every ``SEND`` has its ``RECV`` on the peer and the reverse; every received
+buffer is waited on; the schedule runs each task once, after its dependencies.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshshard.instructions import Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
+from meshshard.plan import Plan, Schedule
+
+
+def verify(plan: Plan) -> list[str]:
+    """All invariant violations of ``plan`` (an empty list if none)."""
+    problems = verify_schedule(plan.schedule)
+    persistent = {b.name for b in plan.buffers if b.name[0] in ("P", "S")}
+    sends, recvs = Counter(), Counter()
+    for stream in plan.streams:
+        w = stream.worker
+        live: set[str] = set(persistent)
+        freed: Counter = Counter()
+        received: set[str] = set()
+        for i, ins in enumerate(stream.instructions):
+            where = f"w{w}[{i}] {ins}"
+            for b in ins.reads:
+                if b not in live:
+                    problems.append(f"{where}: reads {b} before it is written")
+            if isinstance(ins, Recv):
+                received.add(ins.buffer)
+                recvs[(ins.peer, w, ins.buffer, ins.message)] += 1
+            elif isinstance(ins, Wait):
+                if ins.buffer not in received:
+                    problems.append(f"{where}: waits on {ins.buffer} with no receive issued")
+                received.discard(ins.buffer)
+                live.add(ins.buffer)
+            elif isinstance(ins, Send):
+                sends[(w, ins.peer, ins.buffer, ins.message)] += 1
+            elif isinstance(ins, Free):
+                freed[ins.buffer] += 1
+                live.discard(ins.buffer)
+            elif isinstance(ins, Run | Load | Zeros):
+                live.update(ins.writes)
+            elif isinstance(ins, WaitAll):
+                pass
+        if received:
+            problems.append(f"w{w}: receives never waited on: {sorted(received)}")
+        written = {
+            b for ins in stream.instructions if isinstance(ins, Run | Load | Zeros | Wait) for b in ins.writes
+        }
+        for b in sorted(written - persistent):
+            if b.startswith("O"):
+                continue  # step results stay with the worker
+            if freed[b] != 1:
+                problems.append(f"w{w}: buffer {b} freed {freed[b]} times (want exactly once)")
+        if not stream.instructions or not isinstance(stream.instructions[-1], WaitAll):
+            problems.append(f"w{w}: stream does not end with WAITALL")
+    for key in sorted(set(sends) | set(recvs)):
+        if sends[key] != recvs[key]:
+            src, dst, buf, msg = key
+            problems.append(
+                f"{buf} #{msg} w{src} -> w{dst}: {sends[key]} sends but {recvs[key]} receives"
+            )
+    return problems
+
+
+def verify_schedule(schedule: Schedule) -> list[str]:
+    """Each (stage, micro-batch, F/B) once, in dependency order, one task per stage per tick."""
+    problems = []
+    when: dict[tuple[int, str, int], int] = {}
+    for t, row in enumerate(schedule.ticks):
+        if len(row) != schedule.num_stages:
+            problems.append(f"tick {t} has {len(row)} cells for {schedule.num_stages} stages")
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            if task.stage != s:
+                problems.append(f"tick {t}: task {task} sits in stage {s}'s column")
+            key = (task.stage, task.kind, task.mb)
+            if key in when:
+                problems.append(f"task {key} scheduled twice")
+            when[key] = t
+    S, M = schedule.num_stages, schedule.num_micro_batches
+    for s in range(S):
+        for m in range(M):
+            for kind in ("F", "B"):
+                if (s, kind, m) not in when:
+                    problems.append(f"task {(s, kind, m)} never scheduled")
+    for (s, kind, m), t in when.items():
+        deps = []
+        if kind == "F" and s > 0:
+            deps.append((s - 1, "F", m))
+        if kind == "B":
+            deps.append((s, "F", m))
+            if s < S - 1:
+                deps.append((s + 1, "B", m))
+        for d in deps:
+            if d in when and when[d] >= t:
+                problems.append(f"task {(s, kind, m)} at tick {t} runs before its dependency {d}")
+    return problems
+
+
+def peak_in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose forward ran and backward has not."""
+    peak = [0] * schedule.num_stages
+    live = [0] * schedule.num_stages
+    for row in schedule.ticks:
+        for s, task in enumerate(row):
+            if task is None:
+                continue
+            live[s] += 1 if task.kind == "F" else -1
+            peak[s] = max(peak[s], live[s])
+    return peak

@@ -1,0 +1,121 @@
+"""Bad input gives a clear error naming the problem and the fix."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshshard
+from examples import mlp
+from meshshard import ClusterSpec, DataParallel, MeshshardInputError, PipeshardParallel
+
+CLUSTER = ClusterSpec("errors-4x2", 4, 2)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    return model, batch, mlp.make_state(model, batch["x"])
+
+
+def lower(step, method, *args):
+    return meshshard.parallelize(step, method=method).lower(*args, cluster=CLUSTER)
+
+
+def test_batch_not_divisible_by_micro_batches(setup):
+    _, batch, state = setup
+    with pytest.raises(MeshshardInputError, match=r"args\[1\]\['x'\] has 16 rows, not divisible by num_micro_batches=3"):
+        lower(mlp.train_step, PipeshardParallel(num_micro_batches=3, stages=[(1, 2), (1, 2)]), state, batch)
+
+
+def test_more_stages_than_boundaries(setup):
+    _, batch, state = setup
+    with pytest.raises(MeshshardInputError, match=r"5 pipeline stages .* 3 pipeline boundaries allow at most 4 stages"):
+        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 5), state, batch)
+
+
+def test_several_stages_without_any_boundary():
+    model = mlp.MLP(num_layers=1)
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(model, batch["x"])
+    with pytest.raises(MeshshardInputError, match=r"no pipeline boundary: call meshshard.mark_pipeline_boundary\(\)"):
+        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2), (1, 2)]), DataParallel(mesh_shape=(1, 4))],
+    ids=["too-many-hosts", "too-wide"],
+)
+def test_more_devices_than_the_cluster_has(setup, method):
+    _, batch, state = setup
+    with pytest.raises(MeshshardInputError, match=r"the stages ask for meshes .* but the cluster .* has 8 devices"):
+        lower(mlp.train_step, method, state, batch)
+
+
+def test_non_scalar_loss(setup):
+    _, batch, state = setup
+
+    def step(state, batch):
+        grads = meshshard.grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with pytest.raises(MeshshardInputError, match=r"loss must be a scalar float, got float32\[8, 4\].*jnp.mean"):
+        lower(step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
+
+
+@pytest.mark.parametrize("bad", ["a string", [1, 2], object()], ids=["str", "list-of-int", "object"])
+def test_non_array_leaf_in_batch(setup, bad):
+    _, batch, state = setup
+    with pytest.raises(MeshshardInputError, match=r"batch leaf args\[1\]\['note'\].* is a \w+, not an array"):
+        lower(mlp.train_step, DataParallel(), state, {**batch, "note": bad})
+
+
+def test_jax_grad_instead_of_meshshard_grad(setup):
+    _, batch, state = setup
+
+    def step(state, batch):
+        import jax
+
+        g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch["x"]) ** 2))(state.params)
+        return state.apply_gradients(grads=g)
+
+    with pytest.raises(MeshshardInputError, match=r"call meshshard.grad or meshshard.value_and_grad \(not jax.grad\)"):
+        lower(step, DataParallel(), state, batch)
+
+
+@pytest.mark.parametrize(
+    "make,pattern",
+    [
+        (lambda: PipeshardParallel(num_micro_batches=0), r"num_micro_batches must be a positive int, got 0"),
+        (lambda: PipeshardParallel(num_micro_batches=2, stages=[(1, 2, 3)]), r"stages\[0\] must be a mesh shape"),
+        (lambda: PipeshardParallel(num_micro_batches=2, stages="auto"), r"stages='auto' is not understood"),
+        (lambda: PipeshardParallel(num_micro_batches=2, schedule="zb"), r"schedule='zb' is not one of"),
+        (lambda: DataParallel(mesh_shape=(0, 2)), r"mesh_shape must be a mesh shape"),
+    ],
+)
+def test_bad_methods(make, pattern):
+    with pytest.raises(MeshshardInputError, match=pattern):
+        make()
+
+
+def test_calling_without_a_cluster(setup):
+    from meshshard.runtime.cluster import use_cluster
+
+    _, batch, state = setup
+    with use_cluster(None):
+        with pytest.raises(meshshard.MeshshardRuntimeError, match=r"call meshshard.init\(\) first"):
+            meshshard.parallelize(mlp.train_step, method=DataParallel())(state, batch)
+
+
+def test_cross_stage_update_is_explained(setup):
+    import optax
+    from flax.training import train_state
+
+    model, batch, _ = setup
+    params = model.init(__import__("jax").random.PRNGKey(0), batch["x"])["params"]
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    with pytest.raises(MeshshardInputError, match=r"global-norm gradient clipping"):
+        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
+    assert np.isfinite(batch["x"]).all()

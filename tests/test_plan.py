@@ -1,0 +1,109 @@
+"""Plans: golden text, JSON round trip, stream invariants, lowering with no cluster running."""
+
+import json
+import os
+import pathlib
+
+import jax
+import pytest
+
+import meshshard
+from examples import gpt, mlp
+from meshshard import ClusterSpec, DataParallel, Plan, PipeshardParallel
+from meshshard.instructions import Free, Recv, Send
+from meshshard.verify import verify
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+CLUSTER = ClusterSpec("golden-4x2", 4, 2)
+
+
+def mlp_plan(method):
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(model, batch["x"])
+    return meshshard.parallelize(mlp.train_step, method=method).lower(state, batch, cluster=CLUSTER)
+
+
+def gpt_plan(method):
+    model = gpt.GPT(num_layers=4)
+    batch = gpt.make_batch(batch_size=8)
+    state = gpt.make_state(model, batch["inputs"])
+    return meshshard.parallelize(gpt.train_step, method=method).lower(state, batch, cluster=CLUSTER)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("MESHSHARD_REGEN_GOLDEN"):
+        path.write_text(text)
+    assert text == path.read_text(), f"plan text differs from {path}; see the diff above"
+
+
+def test_golden_mlp_plan_text():
+    plan = mlp_plan(PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]))
+    check_golden("mlp_2stages_2mb_1f1b.txt", str(plan))
+
+
+def test_golden_streams_multi_host_gpipe():
+    plan = mlp_plan(PipeshardParallel(num_micro_batches=2, stages=[(2, 1), (1, 2)], schedule="gpipe"))
+    text = "\n".join(str(s) for s in plan.streams) + "\n"
+    check_golden("mlp_multihost_gpipe_streams.txt", text)
+
+
+METHODS = [
+    PipeshardParallel(num_micro_batches=1, stages=[(1, 2), (1, 2)]),
+    PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (2, 2)], schedule="gpipe"),
+    PipeshardParallel(num_micro_batches=8, stages="uniform"),
+    PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (2, 2), (1, 2)]),
+    DataParallel(),
+    DataParallel(mesh_shape=(1, 2), num_micro_batches=4),
+]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=repr)
+@pytest.mark.parametrize("make", [mlp_plan, gpt_plan], ids=["mlp", "gpt"])
+def test_plans_verify_and_round_trip(make, method):
+    plan = make(method)
+    assert verify(plan) == []
+    text = plan.to_json()
+    assert Plan.from_json(text) == plan
+    assert json.loads(text)["streams"][0]["tokens"][0] == str(plan.streams[0].instructions[0])
+    assert str(Plan.from_json(text)) == str(plan)
+
+
+def test_every_send_has_its_receive_and_bytes_add_up():
+    plan = mlp_plan(PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (2, 2)]))
+    sent, received = {}, {}
+    for s in plan.streams:
+        for ins in s.instructions:
+            if isinstance(ins, Send):
+                nbytes = plan.transfer(ins.transfer).messages[ins.message].nbytes
+                sent[(s.worker, ins.peer, ins.buffer, ins.message)] = nbytes
+            if isinstance(ins, Recv):
+                nbytes = plan.transfer(ins.transfer).messages[ins.message].nbytes
+                received[(ins.peer, s.worker, ins.buffer, ins.message)] = nbytes
+    assert sent == received and sent
+    for t in plan.transfers:  # every destination host gets the whole array, once
+        dst_hosts = plan.meshes[t.dst_mesh].hosts
+        assert t.nbytes == t.tensor.nbytes * len(dst_hosts)
+
+
+def test_verify_reports_a_double_free():
+    plan = mlp_plan(PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]))
+    s0 = plan.streams[0]
+    bad = type(s0)(s0.worker, s0.instructions[:-1] + (Free(buffer="X0@0"),) + s0.instructions[-1:])
+    broken = Plan(**{**plan.__dict__, "streams": (bad,) + plan.streams[1:]})
+    assert any("X0@0 freed 2 times" in p for p in verify(broken))
+
+
+def test_lower_needs_no_cluster_and_sees_gpu_shapes():
+    """Plan for two 8-GPU hosts from this 2-core machine: planning never touches Ray."""
+    big = ClusterSpec("dgx-like", 2, 8)
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=32)
+    state = mlp.make_state(model, batch["x"])
+    plan = meshshard.parallelize(
+        mlp.train_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 8), (1, 8)])
+    ).lower(state, batch, cluster=big)
+    assert [m.shape for m in plan.meshes] == [(1, 8), (1, 8)]
+    assert plan.buffer("X0").tensors[0].spec == (("host", "device"),)
+    assert jax.tree.leaves(state)  # nothing was moved or consumed
