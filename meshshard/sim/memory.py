@@ -126,7 +126,7 @@ def memory_profile(
         for b in alive:
             events.append((end, len(recs), -1, b))
         # at one instant, stream order decides (a FREE before the next RUN releases first)
-        events.sort(key=lambda e: (e[0], e[1]))
+        events.sort()
         held = 0.0
         by_cat: dict[str, float] = {}
         best = (-1.0, 0.0, {})

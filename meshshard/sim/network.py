@@ -5,7 +5,9 @@ It first waits out its latency, then joins the active set.  Whenever a flow join
 leaves, the rates of all active flows are re-solved by progressive filling (the
 max-min fair allocation): raise every unfrozen flow's rate together until some link
 is full, freeze the flows crossing it at that share, repeat.  Between two such events
-every rate is constant, so each flow's finish time is exact.
+every rate is constant, so each flow's finish time is exact.  Only the flows that
+share links, directly or through other flows, with the one that joined or left can
+change rate, so each event re-solves just that connected component.
 
 This is the contention model PAPER_NOTES section 4.1 asks for: many sends through one
 NIC slow each other down, a full-duplex NIC's two directions do not.
@@ -78,10 +80,13 @@ class Flow:
         "nbytes",
         "remaining",
         "rate",
+        "updated",
         "start",
         "active_at",
         "finish",
         "end",
+        "active",
+        "mark",
         "on_done",
         "label",
     )
@@ -90,20 +95,20 @@ class Flow:
         self.id = fid
         self.links = links
         self.nbytes = float(nbytes)
-        self.remaining = float(nbytes)
+        self.remaining = float(nbytes)  # bytes left at time ``updated``
         self.rate = 0.0
+        self.updated = start
         self.start = start
         self.active_at = start + latency
         self.finish = _INF
         self.end: float | None = None
+        self.active = False
+        self.mark = 0
         self.on_done = on_done
         self.label = label
 
     def __repr__(self) -> str:
         return f"Flow({self.label or self.id}, {self.nbytes:.0f} B, start={self.start}, end={self.end})"
-
-    def __lt__(self, other: Flow) -> bool:  # heap tie-break
-        return self.id < other.id
 
 
 class FlowNetwork:
@@ -122,16 +127,17 @@ class FlowNetwork:
         self.record = record
         self.now = 0.0
         self._pending: list[tuple[float, int, Flow]] = []  # (activation time, id, flow)
-        self._active: list[Flow] = []
-        self._dirty = False
-        self._next_finish = _INF
+        self._finishes: list[tuple[float, int, Flow]] = []  # (finish, id, flow), lazily pruned
+        self._on_link: dict[int, set[Flow]] = {}  # active flows per link
+        self._touched: set[int] = set()  # links whose flow set changed since the last solve
+        self._num_active = 0
+        self._mark = 0
         self._ids = 0
         n = len(self.capacity)
         self.load = [0.0] * n  # current bytes/s per link
         self.busy = [0.0] * n  # seconds with load > 0
         self.moved = [0.0] * n  # bytes carried
         self._since = [0.0] * n  # time of the last load change per link
-        self._loaded: set[int] = set()  # links with load > 0
         self.samples: list[list[tuple[float, float]]] = [[] for _ in range(n)] if record else []
         self.flows_started = 0
 
@@ -158,14 +164,14 @@ class FlowNetwork:
     @property
     def idle(self) -> bool:
         """True when no flow is pending or active."""
-        return not self._pending and not self._active
+        return not self._pending and not self._num_active
 
     # --- time --------------------------------------------------------------------
     def next_time(self) -> float:
         """When the next flow activates or finishes (``inf`` when idle)."""
-        if self._dirty:
+        if self._touched:
             self._solve()
-        t = self._next_finish
+        t = self._next_finish()
         if self._pending and self._pending[0][0] < t:
             t = self._pending[0][0]
         return t
@@ -181,40 +187,6 @@ class FlowNetwork:
             done += self._step(nxt)
         return done + self._step(t)
 
-    def _step(self, t: float) -> list[Flow]:
-        """Move to ``t`` (at most the next event time) and handle what happens at ``t``."""
-        if self._dirty:
-            self._solve()
-        self._progress(t)
-        done: list[Flow] = []
-        tol = 1e-12 * max(1.0, t) + 1e-15
-        if self._next_finish <= t + tol:
-            keep = []
-            for f in self._active:
-                if f.finish <= t + tol:
-                    done.append(f)
-                else:
-                    keep.append(f)
-            self._active = keep
-            self._dirty = True
-        while self._pending and self._pending[0][0] <= t + tol:
-            _, _, f = heapq.heappop(self._pending)
-            if f.nbytes <= 0 or not f.links:
-                done.append(f)  # nothing to move (or a same-device copy): done at activation
-            else:
-                self._active.append(f)
-                self._dirty = True
-        if self._dirty:
-            self._solve()
-        for f in done:
-            f.end = t
-            f.remaining = 0.0
-            f.rate = 0.0
-        for f in done:
-            if f.on_done is not None:
-                f.on_done(f)
-        return done
-
     def run(self) -> None:
         """Advance until no flow is left (for tests and stand-alone use)."""
         while True:
@@ -225,8 +197,7 @@ class FlowNetwork:
 
     def finish_stats(self, t_end: float) -> None:
         """Close the busy/bytes accounting of every link at ``t_end``."""
-        for link in sorted(self._loaded):
-            load = self.load[link]
+        for link, load in enumerate(self.load):
             if load > 0:
                 dt = t_end - self._since[link]
                 self.busy[link] += dt
@@ -235,45 +206,112 @@ class FlowNetwork:
                 self.load[link] = 0.0
                 if self.record:
                     self.samples[link].append((t_end, 0.0))
-        self._loaded = set()
 
     # --- internals ---------------------------------------------------------------
-    def _progress(self, t: float) -> None:
-        dt = t - self.now
-        if dt > 0:
-            for f in self._active:
-                f.remaining -= f.rate * dt
+    def _next_finish(self) -> float:
+        heap = self._finishes
+        while heap:
+            t, _, f = heap[0]
+            if f.active and f.finish == t:
+                return t
+            heapq.heappop(heap)  # stale: the flow finished or changed rate since
+        return _INF
+
+    def _step(self, t: float) -> list[Flow]:
+        """Move to ``t`` (at most the next event time) and handle what happens at ``t``."""
+        if self._touched:
+            self._solve()
+        if t > self.now:
             self.now = t
+        done: list[Flow] = []
+        tol = 1e-12 * max(1.0, t) + 1e-15
+        heap, on_link, touched = self._finishes, self._on_link, self._touched
+        while heap and heap[0][0] <= t + tol:
+            ft, _, f = heapq.heappop(heap)
+            if not f.active or f.finish != ft:
+                continue
+            f.active = False
+            self._num_active -= 1
+            for link in f.links:
+                on_link[link].discard(f)
+                touched.add(link)
+            done.append(f)
+        pending = self._pending
+        while pending and pending[0][0] <= t + tol:
+            _, _, f = heapq.heappop(pending)
+            if f.nbytes <= 0 or not f.links:
+                done.append(f)  # nothing to move (or a same-device copy): done at activation
+                continue
+            f.active = True
+            f.updated = t
+            self._num_active += 1
+            for link in f.links:
+                flows = on_link.get(link)
+                if flows is None:
+                    flows = on_link[link] = set()
+                flows.add(f)
+                touched.add(link)
+        if touched:
+            self._solve()
+        for f in done:
+            f.end = t
+            f.remaining = 0.0
+            f.rate = 0.0
+        for f in done:
+            if f.on_done is not None:
+                f.on_done(f)
+        return done
 
     def _solve(self) -> None:
-        """Re-solve max-min rates of the active flows; update finish times and link loads."""
-        self._dirty = False
+        """Re-solve max-min rates of the flows connected to the touched links."""
         now = self.now
-        active = self._active
-        rates = max_min_rates([f.links for f in active], self.capacity)
-        nxt = _INF
-        new_load: dict[int, float] = {}
-        for f, r in zip(active, rates, strict=True):
-            f.rate = r
-            rem = f.remaining if f.remaining > 0 else 0.0
-            f.finish = now + (rem / r if r > 0 else _INF)
-            if f.finish < nxt:
-                nxt = f.finish
+        on_link = self._on_link
+        self._mark += 1
+        mark = self._mark
+        comp_links: set[int] = set()
+        comp: list[Flow] = []
+        stack = list(self._touched)
+        self._touched = set()
+        while stack:
+            link = stack.pop()
+            if link in comp_links:
+                continue
+            comp_links.add(link)
+            for f in on_link.get(link, ()):
+                if f.mark != mark:
+                    f.mark = mark
+                    comp.append(f)
+                    stack.extend(f.links)
+        if len(comp) == 1:  # the common case: a flow alone on its links
+            f = comp[0]
+            capacity = self.capacity
+            rates = [min(capacity[link] for link in f.links)]
+        else:
+            rates = max_min_rates([f.links for f in comp], self.capacity)
+        heap = self._finishes
+        for f, r in zip(comp, rates, strict=True):
+            rem = f.remaining - f.rate * (now - f.updated)
+            f.remaining = rem if rem > 0 else 0.0
+            f.updated = now
+            if r != f.rate or f.finish == _INF:
+                f.rate = r
+                f.finish = now + (f.remaining / r if r > 0 else _INF)
+                heapq.heappush(heap, (f.finish, f.id, f))
+        new_load = dict.fromkeys(comp_links, 0.0)
+        for f in comp:
+            r = f.rate
             for link in f.links:
-                new_load[link] = new_load.get(link, 0.0) + r
-        self._next_finish = nxt
-        load = self.load
-        changed = [link for link in self._loaded if link not in new_load]
-        changed += [link for link, v in new_load.items() if v != load[link]]
-        self._loaded = set(new_load)
-        for link in changed:
+                new_load[link] += r
+        load, since = self.load, self._since
+        for link, new in new_load.items():
             old = load[link]
-            dt = now - self._since[link]
+            if new == old:
+                continue
             if old > 0:
+                dt = now - since[link]
                 self.busy[link] += dt
                 self.moved[link] += old * dt
-            self._since[link] = now
-            new = new_load.get(link, 0.0)
+            since[link] = now
             load[link] = new
             if self.record:
                 self.samples[link].append((now, new))

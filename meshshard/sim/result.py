@@ -32,12 +32,14 @@ class Span:
 
 @dataclass(frozen=True)
 class Counter:
-    """A step function over time on a track: ``samples`` are (seconds, value) pairs."""
+    """A step function over time on a track: ``samples`` are (seconds, raw value) pairs;
+    the value shown is ``raw * scale`` in ``unit``."""
 
     track: str
     name: str
     unit: str
     samples: tuple[tuple[float, float], ...]
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)

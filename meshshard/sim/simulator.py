@@ -128,19 +128,10 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
             samples = net.samples[link.id]
             if samples:
                 counters.append(
-                    Counter(
-                        "network",
-                        link.name,
-                        "util",
-                        tuple((t, v / link.capacity) for t, v in samples),
-                    )
+                    Counter("network", link.name, "util", tuple(samples), 1.0 / link.capacity)
                 )
         for w, curve in sorted(curves.items()):
-            counters.append(
-                Counter(
-                    f"w{w}", "memory per device", "MiB", tuple((t, v / 2**20) for t, v in curve)
-                )
-            )
+            counters.append(Counter(f"w{w}", "memory per device", "MiB", tuple(curve), 2.0**-20))
     return SimResult(
         method=plan.method,
         cluster=cluster,

@@ -111,9 +111,10 @@ def chrome_trace(result: SimResult) -> dict:
     )
     for c in result.counters:
         pid = _NETWORK_PID if c.track == "network" else pids.get(c.track, _NETWORK_PID)
+        scale = c.scale
         for t, v in c.samples:
             events.append(
-                {"ph": "C", "pid": pid, "name": c.name, "ts": t * us, "args": {c.unit: v}}
+                {"ph": "C", "pid": pid, "name": c.name, "ts": t * us, "args": {c.unit: v * scale}}
             )
     return {
         "traceEvents": events,
