@@ -21,6 +21,7 @@ class HostActor:
             flags = " ".join(f for f in flags.split() if "force_host_platform_device_count" not in f)
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
             os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
         self.host = host
         self.devices_per_host = devices_per_host
         self.platform = platform

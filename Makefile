@@ -1,0 +1,38 @@
+# meshshard: `make demo` and `make test` each set up .venv on a fresh machine first.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# The CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA
+# build); pyproject's range accepts it, and GPU users bring their own CUDA build.
+TORCH   ?= torch==2.13.0
+
+.PHONY: setup demo test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/train_gpt.py
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+bench: setup
+	$(PY) benchmarks/pipeline_step.py --json benchmarks/pipeline_step.json
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
