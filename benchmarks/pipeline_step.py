@@ -23,8 +23,12 @@ import meshshard  # noqa: E402
 from examples import gpt  # noqa: E402
 
 CONFIGS = {
-    "pipeline 2x(1,2) 1f1b M=4": meshshard.PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)]),
-    "pipeline 2x(2,2) 1f1b M=4": meshshard.PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (2, 2)]),
+    "pipeline 2x(1,2) 1f1b M=4": meshshard.PipeshardParallel(
+        num_micro_batches=4, stages=[(1, 2), (1, 2)]
+    ),
+    "pipeline 2x(2,2) 1f1b M=4": meshshard.PipeshardParallel(
+        num_micro_batches=4, stages=[(2, 2), (2, 2)]
+    ),
     "pipeline 4x(1,2) gpipe M=4": meshshard.PipeshardParallel(
         num_micro_batches=4, stages=[(1, 2)] * 4, schedule="gpipe"
     ),
@@ -65,7 +69,13 @@ def main(argv=None) -> int:
         s, ref_times = timed_steps(ref, s, batches[1:], lambda x: x.block_until_ready())
         ref_med = statistics.median(ref_times)
         records.append(
-            dict(config="jax.jit, one process", compile_s=ref_compile, step_s=ref_med, ratio=1.0, overhead_s=0.0)
+            dict(
+                config="jax.jit, one process",
+                compile_s=ref_compile,
+                step_s=ref_med,
+                ratio=1.0,
+                overhead_s=0.0,
+            )
         )
         for name, method in CONFIGS.items():
             step = meshshard.parallelize(gpt.train_step, method=method, donate_argnums=(0,))

@@ -62,7 +62,9 @@ class GPT(nn.Module):
 def make_state(model: GPT, tokens, learning_rate: float = 3e-3, seed: int = 0):
     """A Flax TrainState with Adam for ``model``."""
     params = model.init(jax.random.PRNGKey(seed), tokens)["params"]
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(learning_rate))
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(learning_rate)
+    )
 
 
 def train_step(state, batch):

@@ -30,7 +30,9 @@ class MLP(nn.Module):
 def make_state(model: MLP, batch_x, learning_rate: float = 1e-2, seed: int = 0):
     """A Flax TrainState with Adam for ``model``."""
     params = model.init(jax.random.PRNGKey(seed), batch_x)["params"]
-    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(learning_rate))
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(learning_rate)
+    )
 
 
 def train_step(state, batch):

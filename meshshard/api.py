@@ -21,7 +21,13 @@ class ParallelizedFunction:
     Calls with new argument shapes recompile.  See :func:`parallelize`.
     """
 
-    def __init__(self, fn: Callable, method: Method, donate_argnums: Sequence[int], batch_argnums: Sequence[int]):
+    def __init__(
+        self,
+        fn: Callable,
+        method: Method,
+        donate_argnums: Sequence[int],
+        batch_argnums: Sequence[int],
+    ):
         if not isinstance(method, DataParallel | PipeshardParallel):
             raise MeshshardInputError(
                 f"method must be DataParallel() or PipeshardParallel(...), got {method!r}"
@@ -45,7 +51,11 @@ class ParallelizedFunction:
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
         plan, _ = plan_step(
-            self.fn, _abstract(args, self.batch_argnums), method=self.method, cluster=cluster, batch_argnums=self.batch_argnums
+            self.fn,
+            _abstract(args, self.batch_argnums),
+            method=self.method,
+            cluster=cluster,
+            batch_argnums=self.batch_argnums,
         )
         return plan
 
@@ -58,16 +68,24 @@ class ParallelizedFunction:
         abstract = _abstract(args, self.batch_argnums)
         key = (
             jax.tree.structure(abstract),
-            tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
-                  for a in jax.tree.leaves(abstract)),
+            tuple(
+                (getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
+                for a in jax.tree.leaves(abstract)
+            ),
         )
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
-                self.fn, abstract, method=self.method, cluster=cluster.spec, batch_argnums=self.batch_argnums
+                self.fn,
+                abstract,
+                method=self.method,
+                cluster=cluster.spec,
+                batch_argnums=self.batch_argnums,
             )
-            exe = Executable(plan, cluster.backend(), self.fn, abstract, self.batch_argnums, self.donate_argnums)
+            exe = Executable(
+                plan, cluster.backend(), self.fn, abstract, self.batch_argnums, self.donate_argnums
+            )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
             self._executables[key] = exe
@@ -121,5 +139,6 @@ def _abstract(args, batch_argnums=()):
         return x
 
     return tuple(
-        jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a) for i, a in enumerate(args)
+        jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a)
+        for i, a in enumerate(args)
     )

@@ -40,7 +40,9 @@ class DataParallel:
 
     def __post_init__(self) -> None:
         if self.mesh_shape is not None:
-            object.__setattr__(self, "mesh_shape", _check_shape(self.mesh_shape, "DataParallel.mesh_shape"))
+            object.__setattr__(
+                self, "mesh_shape", _check_shape(self.mesh_shape, "DataParallel.mesh_shape")
+            )
         _check_micro_batches(self.num_micro_batches, "DataParallel")
 
 
@@ -98,9 +100,7 @@ class PipeshardParallel:
 
 def _check_micro_batches(m, owner: str) -> None:
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-        raise MeshshardInputError(
-            f"{owner}.num_micro_batches must be a positive int, got {m!r}"
-        )
+        raise MeshshardInputError(f"{owner}.num_micro_batches must be a positive int, got {m!r}")
 
 
 Method = DataParallel | PipeshardParallel

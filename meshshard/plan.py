@@ -31,9 +31,18 @@ def spec_str(spec: Spec) -> str:
 
 def dtype_str(dtype: str) -> str:
     """Short dtype names as jaxprs print them (``float32`` -> ``f32``)."""
-    short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
-             "int32": "i32", "int64": "i64", "int8": "i8", "uint8": "u8", "uint32": "u32",
-             "bool": "bool"}
+    short = {
+        "float32": "f32",
+        "float16": "f16",
+        "bfloat16": "bf16",
+        "float64": "f64",
+        "int32": "i32",
+        "int64": "i64",
+        "int8": "i8",
+        "uint8": "u8",
+        "uint32": "u32",
+        "bool": "bool",
+    }
     return short.get(dtype, dtype)
 
 
@@ -63,7 +72,9 @@ class MeshSpec:
 
     def __str__(self) -> str:
         hosts = ",".join(f"w{h}" for h in self.hosts)
-        return f"mesh{self.id}  {self.shape[0]}x{self.shape[1]}  workers [{hosts}]  axes {MESH_AXES}"
+        return (
+            f"mesh{self.id}  {self.shape[0]}x{self.shape[1]}  workers [{hosts}]  axes {MESH_AXES}"
+        )
 
 
 @dataclass(frozen=True)
@@ -411,18 +422,27 @@ def _decode_plan(d: dict) -> Plan:
         fingerprint=d["fingerprint"],
         meshes=tuple(MeshSpec(m["id"], tuple(m["shape"]), tuple(m["hosts"])) for m in d["meshes"]),
         stages=tuple(
-            StageSpec(s["id"], s["mesh"], tuple(s["layers"]), s["forward"], s["backward"], s["summary"])
+            StageSpec(
+                s["id"], s["mesh"], tuple(s["layers"]), s["forward"], s["backward"], s["summary"]
+            )
             for s in d["stages"]
         ),
         programs=tuple(
             ProgramSpec(
-                p["name"], p["mesh"], tuple(p["eqns"]), tuple(p["inputs"]), tuple(p["outputs"]),
-                p["flops"], p["bytes_accessed"],
+                p["name"],
+                p["mesh"],
+                tuple(p["eqns"]),
+                tuple(p["inputs"]),
+                tuple(p["outputs"]),
+                p["flops"],
+                p["bytes_accessed"],
             )
             for p in d["programs"]
         ),
         buffers=tuple(
-            BufferSpec(b["name"], b["mesh"], b["per_micro_batch"], tuple(_tensor(t) for t in b["tensors"]))
+            BufferSpec(
+                b["name"], b["mesh"], b["per_micro_batch"], tuple(_tensor(t) for t in b["tensors"])
+            )
             for b in d["buffers"]
         ),
         transfers=tuple(
@@ -435,7 +455,8 @@ def _decode_plan(d: dict) -> Plan:
                 producer=t["producer"],
                 consumer=t["consumer"],
                 messages=tuple(
-                    Message(m["src"], m["dst"], _tuple(m["index"]), m["nbytes"]) for m in t["messages"]
+                    Message(m["src"], m["dst"], _tuple(m["index"]), m["nbytes"])
+                    for m in t["messages"]
                 ),
                 strategy=t["strategy"],
             )
@@ -452,13 +473,21 @@ def _decode_plan(d: dict) -> Plan:
         ),
         streams=tuple(WorkerStream.parse(s["worker"], s["tokens"]) for s in d["streams"]),
         inputs=tuple(
-            InputSpec(i["leaf"], i["path"], i["kind"], tuple(i["shape"]), i["dtype"], _tuple(i["slots"]))
+            InputSpec(
+                i["leaf"], i["path"], i["kind"], tuple(i["shape"]), i["dtype"], _tuple(i["slots"])
+            )
             for i in d["inputs"]
         ),
         outputs=tuple(
             OutputSpec(
-                o["leaf"], o["path"], tuple(o["shape"]), o["dtype"], o["source"], _tuple(o["slots"]),
-                o["input_leaf"], o["literal"],
+                o["leaf"],
+                o["path"],
+                tuple(o["shape"]),
+                o["dtype"],
+                o["source"],
+                _tuple(o["slots"]),
+                o["input_leaf"],
+                o["literal"],
             )
             for o in d["outputs"]
         ),

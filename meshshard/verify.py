@@ -49,7 +49,10 @@ def verify(plan: Plan) -> list[str]:
         if received:
             problems.append(f"w{w}: receives never waited on: {sorted(received)}")
         written = {
-            b for ins in stream.instructions if isinstance(ins, Run | Load | Zeros | Wait) for b in ins.writes
+            b
+            for ins in stream.instructions
+            if isinstance(ins, Run | Load | Zeros | Wait)
+            for b in ins.writes
         }
         for b in sorted(written - persistent):
             if b.startswith("O"):

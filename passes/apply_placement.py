@@ -46,7 +46,9 @@ def place_apply(
     eqns = jaxpr.eqns
     for i in apply_eqns:
         e = eqns[i]
-        found = frozenset().union(*[placed.get(v, frozenset()) for v in e.invars if not is_literal(v)])
+        found = frozenset().union(
+            *[placed.get(v, frozenset()) for v in e.invars if not is_literal(v)]
+        )
         if len(found) > 1:
             names = ", ".join(describe(v) for v in e.invars if not is_literal(v) and v in placed)
             raise MeshshardInputError(

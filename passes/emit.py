@@ -9,6 +9,8 @@ A step starts with ``ZEROS`` of the gradient accumulators and ends with the upda
 
 from __future__ import annotations
 
+from meshshard.passes.stage_graph import StageGraph
+
 from meshshard.instructions import (
     Free,
     Instruction,
@@ -22,7 +24,6 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import MeshSpec, Schedule, TransferSpec
-from meshshard.passes.stage_graph import StageGraph
 
 PER_MB_PREFIXES = ("X", "R", "t")
 

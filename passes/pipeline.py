@@ -9,9 +9,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from meshshard.cluster import ClusterSpec
-from meshshard.methods import DataParallel, Method
-from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.schedules import make_schedule
@@ -20,6 +17,10 @@ from meshshard.passes.slicing import slice_layers
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.trace import TracedStep, trace_step
 from meshshard.passes.transfers import plan_transfers
+
+from meshshard.cluster import ClusterSpec
+from meshshard.methods import DataParallel, Method
+from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
 
 
 def plan_step(
@@ -81,7 +82,9 @@ def plan_traced(traced: TracedStep, *, method: Method, cluster: ClusterSpec) -> 
 def _summary(traced: TracedStep, eqns: tuple[int, ...]) -> str:
     counts = Counter(traced.jaxpr.eqns[i].primitive.name for i in eqns)
     counts.pop("pipeline_boundary", None)
-    top = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:4])
+    top = ", ".join(
+        f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:4]
+    )
     return f"{len(eqns)} eqns ({top})"
 
 
@@ -110,5 +113,7 @@ def _output_specs(traced: TracedStep, graph: StageGraph) -> tuple[OutputSpec, ..
     for leaf, source, slots, input_leaf, literal in graph.output_slots:
         info = traced.outputs[leaf]
         lit = literal.item() if hasattr(literal, "item") else literal
-        out.append(OutputSpec(leaf, info.path, info.shape, info.dtype, source, slots, input_leaf, lit))
+        out.append(
+            OutputSpec(leaf, info.path, info.shape, info.dtype, source, slots, input_leaf, lit)
+        )
     return tuple(out)

@@ -9,11 +9,11 @@ without changing the buffer format.
 from __future__ import annotations
 
 import numpy as np
+from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.trace import TracedStep
 
 from meshshard.jaxpr_util import var_ids
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
-from meshshard.passes.stage_graph import StageGraph
-from meshshard.passes.trace import TracedStep
 
 PER_MICRO_BATCH = ("X", "R", "t")
 

@@ -35,7 +35,9 @@ class LayerSlicing:
     def eqns(self, layer: int, phase: str) -> tuple[int, ...]:
         """Indices of the equations of ``layer`` in ``phase``."""
         return tuple(
-            i for i, (ly, ph) in enumerate(zip(self.layer, self.phase)) if ly == layer and ph == phase
+            i
+            for i, (ly, ph) in enumerate(zip(self.layer, self.phase, strict=True))
+            if ly == layer and ph == phase
         )
 
     @property
@@ -43,7 +45,7 @@ class LayerSlicing:
         return tuple(i for i, ph in enumerate(self.phase) if ph == APPLY)
 
     def __str__(self) -> str:
-        counts = Counter(zip(self.layer, self.phase))
+        counts = Counter(zip(self.layer, self.phase, strict=True))
         parts = [
             f"L{ly}.{ph}:{counts[(ly, ph)]}"
             for ly in range(self.num_layers)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
+
+from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,12 @@ def build_stage_graph(
     for i, name in prog_of_eqn.items():
         lst = reads.setdefault(name, [])
         for v in eqns[i].invars:
-            if not is_literal(v) and v not in constvars and producer.get(v) != name and v not in lst:
+            if (
+                not is_literal(v)
+                and v not in constvars
+                and producer.get(v) != name
+                and v not in lst
+            ):
                 lst.append(v)
     # grad_end operands are "read" by the accumulator of their producing program
     acc_of_prog: dict[str, list] = {}
@@ -278,7 +284,9 @@ def build_stage_graph(
             if groups[g]:
                 ins.append((g, groups[g]))
         outs = [(f"O{m}", groups[f"O{m}"])] if groups[f"O{m}"] else []
-        programs.append(ProgramIO(f"m{m}.apply", m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs)))
+        programs.append(
+            ProgramIO(f"m{m}.apply", m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs))
+        )
 
     # --- step input slots ------------------------------------------------------------
     input_slots = []

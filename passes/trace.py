@@ -102,7 +102,9 @@ def trace_step(
         if is_batch:
             a = _micro_batch_shape(a, where, num_micro_batches)
         leaves_abs.append(a)
-        full_shape = tuple(np.shape(leaf)) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf.shape
+        full_shape = (
+            tuple(np.shape(leaf)) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf.shape
+        )
         infos.append(LeafInfo(where, tuple(full_shape), str(np.dtype(a.dtype)), is_batch))
     treedef = jax.tree.structure(args)
     abstract_args = jax.tree.unflatten(treedef, leaves_abs)

@@ -18,8 +18,12 @@ class HostActor:
     def __init__(self, host: int, devices_per_host: int, platform: str = "cpu"):
         if platform == "cpu":
             flags = os.environ.get("XLA_FLAGS", "")
-            flags = " ".join(f for f in flags.split() if "force_host_platform_device_count" not in f)
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
+            flags = " ".join(
+                f for f in flags.split() if "force_host_platform_device_count" not in f
+            )
+            os.environ["XLA_FLAGS"] = (
+                f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
+            )
             os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
         self.host = host
@@ -41,7 +45,9 @@ class HostActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_jax_distributed(self, coordinator: str, num_processes: int, process_id: int, group) -> None:
+    def init_jax_distributed(
+        self, coordinator: str, num_processes: int, process_id: int, group
+    ) -> None:
         """Join the SPMD group of a mesh that spans several hosts (before any JAX use)."""
         import jax
 
@@ -52,7 +58,9 @@ class HostActor:
         )
         self.jax_group = tuple(group)
 
-    def init_transport(self, init_method: str, world_size: int, rank: int, timeout_s: float) -> None:
+    def init_transport(
+        self, init_method: str, world_size: int, rank: int, timeout_s: float
+    ) -> None:
         """(Re)join the torch.distributed group used for cross-mesh transfers."""
         import datetime
 
@@ -71,10 +79,10 @@ class HostActor:
 
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax
-
-        from meshshard.plan import Plan
         from meshshard.runtime.transport import TorchTransport
         from meshshard.runtime.worker import Worker
+
+        from meshshard.plan import Plan
 
         plan = Plan.from_json(plan_json)
         mesh = next(m for m in plan.meshes if self.host in m.workers)

@@ -12,10 +12,11 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from meshshard.runtime.executable import raise_worker_errors
+
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import raise_worker_errors
 
 _CURRENT = None
 
@@ -78,7 +79,9 @@ class ThreadsCluster:
     """Workers as threads in this process (see ``runtime.local``)."""
 
     def __init__(self, num_hosts: int, devices_per_host: int):
-        self.spec = ClusterSpec(f"threads-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host)
+        self.spec = ClusterSpec(
+            f"threads-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
+        )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
 
     def backend(self):
@@ -109,20 +112,16 @@ class RayCluster:
                 kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
             ray.init(address=address, **kwargs)
             self._started_ray = address is None
-        self.platform = "cpu"
         if address is not None:
-            nodes = [n for n in ray.nodes() if n.get("Alive")]
-            gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
-            if all(g > 0 for g in gpus):
-                self.platform = "gpu"
-                devices_per_host = devices_per_host or min(gpus)
-            num_hosts = num_hosts or len(nodes)
-            self._nodes = [n["NodeID"] for n in nodes][:num_hosts]
+            num_hosts, devices_per_host, self.platform, self._nodes = discover_hosts(
+                ray.nodes(), num_hosts, devices_per_host
+            )
         else:
-            self._nodes = None
-        num_hosts = num_hosts or 4
-        devices_per_host = devices_per_host or 2
-        self.spec = ClusterSpec(name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host)
+            self.platform, self._nodes = "cpu", None
+            num_hosts, devices_per_host = num_hosts or 4, devices_per_host or 2
+        self.spec = ClusterSpec(
+            name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
+        )
         self._actors: list = [None] * num_hosts
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
@@ -135,7 +134,6 @@ class RayCluster:
     # --- actors ------------------------------------------------------------------
     def _start_actor(self, h: int) -> None:
         import ray
-
         from meshshard.runtime.actor import HostActor
 
         opts = dict(num_cpus=0, max_concurrency=4)
@@ -145,7 +143,11 @@ class RayCluster:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._nodes[h], soft=False)
-        self._actors[h] = ray.remote(HostActor).options(**opts).remote(h, self.spec.devices_per_host, self.platform)
+        self._actors[h] = (
+            ray.remote(HostActor)
+            .options(**opts)
+            .remote(h, self.spec.devices_per_host, self.platform)
+        )
         self._groups[h] = "fresh"
         self._transport_ready = False
 
@@ -172,7 +174,12 @@ class RayCluster:
             host, port = ray.get(self._actors[0].free_port.remote())
             addr = f"tcp://{host}:{port}"
             n = self.spec.num_hosts
-            _get([a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S) for r, a in enumerate(self._actors)])
+            _get(
+                [
+                    a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
+                    for r, a in enumerate(self._actors)
+                ]
+            )
             self._transport_ready = True
         for m in plan.meshes:
             if len(m.hosts) > 1 and self._groups[m.hosts[0]] == "fresh":
@@ -204,6 +211,29 @@ class RayCluster:
             ray.shutdown()
 
 
+def discover_hosts(nodes: list[dict], num_hosts: int | None, devices_per_host: int | None):
+    """(hosts, devices per host, platform, node ids) for a running Ray cluster.
+
+    One host per alive node.  If every node has GPUs the platform is ``gpu`` and a host's
+    devices are its GPUs (the smallest count unless given); otherwise ``cpu`` with
+    ``devices_per_host`` emulated devices (default 2).
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    if not alive:
+        raise MeshshardRuntimeError("the Ray cluster reports no alive nodes")
+    gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
+    platform = "gpu" if all(g > 0 for g in gpus) else "cpu"
+    if platform == "gpu":
+        devices_per_host = devices_per_host or min(gpus)
+    hosts = num_hosts or len(alive)
+    if hosts > len(alive):
+        raise MeshshardInputError(
+            f"init(num_hosts={hosts}) but the Ray cluster has {len(alive)} alive nodes; "
+            "ask for at most that many hosts"
+        )
+    return hosts, devices_per_host or 2, platform, [n["NodeID"] for n in alive][:hosts]
+
+
 class RayBackend:
     """Runs a plan's workers on the cluster's host-actors."""
 
@@ -218,13 +248,20 @@ class RayBackend:
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         self.cluster.prepare(plan)
         plan_json = plan.to_json()
-        refs = {w: self._actor(w).compile.remote(self.plan_id, fn, abstract_args, batch_argnums, plan_json) for w in plan.workers}
+        refs = {
+            w: self._actor(w).compile.remote(
+                self.plan_id, fn, abstract_args, batch_argnums, plan_json
+            )
+            for w in plan.workers
+        }
         return dict(zip(refs, _get(list(refs.values())), strict=True))
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         import ray
 
-        refs = {w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()}
+        refs = {
+            w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()
+        }
         pending = list(refs.values())
         errors: dict[int, BaseException] = {}
         results = {}

@@ -15,11 +15,10 @@ from typing import Protocol
 
 import jax
 import numpy as np
+from meshshard.runtime.worker import StoreKey
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.worker import StoreKey
-
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
 _KEYS = itertools.count(1)
@@ -106,7 +105,9 @@ class RemoteArray:
 class Executable:
     """Runs one plan on a backend; call it like the original step function."""
 
-    def __init__(self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()):
+    def __init__(
+        self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()
+    ):
         self.plan = plan
         self.backend = backend
         self.batch_argnums = tuple(batch_argnums)

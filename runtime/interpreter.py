@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.transport import Transport
 
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.instructions import (
@@ -28,8 +30,6 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import Plan
-from meshshard.runtime.programs import CompiledProgram, sharding
-from meshshard.runtime.transport import Transport
 
 
 def message_tag(plan: Plan, transfer: str, mb: int, message: int) -> int:
@@ -43,7 +43,10 @@ def local_block(arr: jax.Array, index: tuple[tuple[int, int], ...]) -> np.ndarra
     """The block ``index`` of a global array, read from a shard this process holds."""
     for shard in arr.addressable_shards:
         starts = [s.start or 0 for s in shard.index]
-        stops = [s.stop if s.stop is not None else n for s, n in zip(shard.index, arr.shape, strict=False)]
+        stops = [
+            s.stop if s.stop is not None else n
+            for s, n in zip(shard.index, arr.shape, strict=False)
+        ]
         starts += [0] * (arr.ndim - len(starts))
         stops += list(arr.shape[len(stops) :])
         if all(a <= lo and hi <= b for (lo, hi), a, b in zip(index, starts, stops, strict=True)):
@@ -78,7 +81,14 @@ class StreamInterpreter:
         transport: point-to-point transport to other workers.
     """
 
-    def __init__(self, stream: WorkerStream, plan: Plan, programs: dict[str, CompiledProgram], mesh, transport: Transport):
+    def __init__(
+        self,
+        stream: WorkerStream,
+        plan: Plan,
+        programs: dict[str, CompiledProgram],
+        mesh,
+        transport: Transport,
+    ):
         self.stream = stream
         self.plan = plan
         self.programs = programs
@@ -123,7 +133,9 @@ class StreamInterpreter:
                         h.wait()
                     pending_send.clear()
                 else:
-                    raise MeshshardRuntimeError(f"instruction {ins} is not supported by this runtime")
+                    raise MeshshardRuntimeError(
+                        f"instruction {ins} is not supported by this runtime"
+                    )
             except Exception as exc:
                 raise MeshshardRuntimeError(self._where(i, exc)) from exc
         return buffers
@@ -131,7 +143,8 @@ class StreamInterpreter:
     def _zeros(self, name: str) -> tuple:
         spec = self._buffers_spec[name]
         return tuple(
-            jax.device_put(np.zeros(t.shape, t.dtype), sharding(self.mesh, t.spec)) for t in spec.tensors
+            jax.device_put(np.zeros(t.shape, t.dtype), sharding(self.mesh, t.spec))
+            for t in spec.tensors
         )
 
     def _assemble(self, buffer: str, parts: list) -> tuple:

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from meshshard.passes.trace import TracedStep
 
 from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
 from meshshard.plan import MESH_AXES, Plan, Spec
-from meshshard.passes.trace import TracedStep
 
 
 def make_mesh(devices: Sequence, shape: tuple[int, int]) -> Mesh:
@@ -66,7 +66,9 @@ def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
     return tuple(t.spec for t in plan.buffer(group).tensors)
 
 
-def build_programs(traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh) -> dict[str, CompiledProgram]:
+def build_programs(
+    traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh
+) -> dict[str, CompiledProgram]:
     """Compile every program of mesh ``mesh_id`` (its stage's F/B and its update)."""
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
@@ -86,8 +88,16 @@ def build_programs(traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh) -> 
         out_vars = [[by_id[i] for i in group_contents(plan, g)[0]] for g in spec.outputs]
         is_apply = spec.name.endswith(".apply")
 
-        def fn(*flat, _in=in_vars, _out=out_vars, _eqns=eqns, _defined=defined, _apply=is_apply,
-               _groups=spec.inputs, _ogroups=spec.outputs):
+        def fn(
+            *flat,
+            _in=in_vars,
+            _out=out_vars,
+            _eqns=eqns,
+            _defined=defined,
+            _apply=is_apply,
+            _groups=spec.inputs,
+            _ogroups=spec.outputs,
+        ):
             env = dict(consts)
             env.update(literal_results)
             pos = 0
@@ -118,7 +128,9 @@ def build_programs(traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh) -> 
             return tuple(outs)
 
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
-        out_sh = tuple(sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id))
+        out_sh = tuple(
+            sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
+        )
         donate = tuple(
             i for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id)) if g.startswith("A")
         )

@@ -71,7 +71,9 @@ class QueueTransport:
                         f"message from w{peer} with tag {tag} did not arrive in {timeout}s"
                     ) from None
                 if raw.nbytes != nbytes:
-                    raise ValueError(f"expected {nbytes} bytes from w{peer} (tag {tag}), got {raw.nbytes}")
+                    raise ValueError(
+                        f"expected {nbytes} bytes from w{peer} (tag {tag}), got {raw.nbytes}"
+                    )
                 return raw
 
         return _Recv()

@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-
-from meshshard.errors import MeshshardRuntimeError
-from meshshard.plan import Plan
 from meshshard.passes.trace import trace_step
 from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.transport import Transport
+
+from meshshard.errors import MeshshardRuntimeError
+from meshshard.plan import Plan
 
 #: Results up to this many bytes come back to the driver by value (losses, counters).
 BY_VALUE_BYTES = 64
@@ -38,7 +38,9 @@ class Worker:
         store: arrays kept between steps, shared by the workers of one process.
     """
 
-    def __init__(self, worker: int, devices: Sequence, transport: Transport, store: dict | None = None):
+    def __init__(
+        self, worker: int, devices: Sequence, transport: Transport, store: dict | None = None
+    ):
         self.worker = worker
         self.devices = list(devices)
         self.transport = transport
@@ -47,13 +49,18 @@ class Worker:
         self.interp: StreamInterpreter | None = None
 
     # --- compile -----------------------------------------------------------------
-    def compile(self, fn: Callable, abstract_args, batch_argnums: Sequence[int], plan: Plan) -> float:
+    def compile(
+        self, fn: Callable, abstract_args, batch_argnums: Sequence[int], plan: Plan
+    ) -> float:
         """Trace ``fn`` as the planner did, check it is the same program, build programs."""
         import time
 
         t0 = time.perf_counter()
         traced = trace_step(
-            fn, abstract_args, batch_argnums=tuple(batch_argnums), num_micro_batches=plan.num_micro_batches
+            fn,
+            abstract_args,
+            batch_argnums=tuple(batch_argnums),
+            num_micro_batches=plan.num_micro_batches,
         )
         if traced.fingerprint != plan.fingerprint:
             raise MeshshardRuntimeError(
@@ -130,13 +137,16 @@ class Worker:
                     f"worker w{self.worker} no longer holds array {int(value)}; it was donated "
                     "to an earlier step or freed. Pass the state the last step returned"
                 ) from None
-        return array_from_host(np.asarray(value, dtype=tensor.dtype), sharding(self.mesh, tensor.spec))
+        return array_from_host(
+            np.asarray(value, dtype=tensor.dtype), sharding(self.mesh, tensor.spec)
+        )
 
     def fetch(self, key: int) -> list[tuple[tuple, np.ndarray]]:
         """The local shards of stored array ``key`` as (index, data) pairs."""
         arr = self.store[key]
         return [
-            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data)) for sh in arr.addressable_shards
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
         ]
 
     def free(self, keys: Sequence[int]) -> None:

@@ -10,9 +10,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from meshshard.runtime.cluster import ThreadsCluster, use_cluster  # noqa: E402
 
 import meshshard  # noqa: E402
-from meshshard.runtime.cluster import ThreadsCluster, use_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,11 @@ def assert_trees_close(ref, got, rtol=1e-5):
     assert len(ref_leaves) == len(got_leaves)
     for (path, a), b in zip(ref_leaves, got_leaves, strict=True):
         a, b = np.asarray(a), np.asarray(b)
-        assert a.shape == b.shape and a.dtype == b.dtype, (jax.tree_util.keystr(path), a.shape, b.shape)
+        assert a.shape == b.shape and a.dtype == b.dtype, (
+            jax.tree_util.keystr(path),
+            a.shape,
+            b.shape,
+        )
         denom = max(float(np.linalg.norm(a.astype(np.float64))), 1e-30)
-        rel = float(np.linalg.norm((a.astype(np.float64) - b.astype(np.float64)))) / denom
+        rel = float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64))) / denom
         assert rel <= rtol, f"{jax.tree_util.keystr(path)}: relative error {rel:.2e} > {rtol}"

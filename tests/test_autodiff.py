@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from meshshard.passes.slicing import slice_layers
 
 import meshshard
-from meshshard.passes.slicing import slice_layers
 from meshshard.primitives import boundary_p
 
 
@@ -38,7 +38,13 @@ def test_grad_equals_jax_grad():
 def test_backward_mirrors_every_forward_boundary():
     jaxpr = jax.make_jaxpr(meshshard.grad(loss))(W, X).jaxpr
     assert markers(jaxpr) == [
-        ("fwd", 0), ("fwd", 1), ("loss", 0), ("loss_bwd", 0), ("bwd", 1), ("bwd", 0), ("grad_end", 0)
+        ("fwd", 0),
+        ("fwd", 1),
+        ("loss", 0),
+        ("loss_bwd", 0),
+        ("bwd", 1),
+        ("bwd", 0),
+        ("grad_end", 0),
     ]
     sl = slice_layers(jaxpr)
     assert sl.num_layers == 3
@@ -59,7 +65,9 @@ def test_explicit_value_form_is_identity_under_grad():
         (y,) = meshshard.mark_pipeline_boundary(jnp.sin(x))
         return jnp.sum(y**2)
 
-    np.testing.assert_allclose(jax.grad(f)(X), jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(X), rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(f)(X), jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(X), rtol=1e-6
+    )
     kinds = [k for k, _ in markers(jax.make_jaxpr(jax.grad(f))(X).jaxpr)]
     assert kinds == ["fwd", "bwd"]
 
@@ -73,5 +81,7 @@ def test_has_aux():
 
 
 def test_non_scalar_loss_is_rejected():
-    with pytest.raises(meshshard.MeshshardInputError, match=r"loss must be a scalar float, got float32\[4, 3\]"):
+    with pytest.raises(
+        meshshard.MeshshardInputError, match=r"loss must be a scalar float, got float32\[4, 3\]"
+    ):
         meshshard.grad(lambda w, x: jnp.tanh(x @ w["a"]))(W, X)

@@ -24,32 +24,61 @@ def lower(step, method, *args):
 
 def test_batch_not_divisible_by_micro_batches(setup):
     _, batch, state = setup
-    with pytest.raises(MeshshardInputError, match=r"args\[1\]\['x'\] has 16 rows, not divisible by num_micro_batches=3"):
-        lower(mlp.train_step, PipeshardParallel(num_micro_batches=3, stages=[(1, 2), (1, 2)]), state, batch)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"args\[1\]\['x'\] has 16 rows, not divisible by num_micro_batches=3",
+    ):
+        lower(
+            mlp.train_step,
+            PipeshardParallel(num_micro_batches=3, stages=[(1, 2), (1, 2)]),
+            state,
+            batch,
+        )
 
 
 def test_more_stages_than_boundaries(setup):
     _, batch, state = setup
-    with pytest.raises(MeshshardInputError, match=r"5 pipeline stages .* 3 pipeline boundaries allow at most 4 stages"):
-        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 5), state, batch)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"5 pipeline stages .* 3 pipeline boundaries allow at most 4 stages",
+    ):
+        lower(
+            mlp.train_step,
+            PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 5),
+            state,
+            batch,
+        )
 
 
 def test_several_stages_without_any_boundary():
     model = mlp.MLP(num_layers=1)
     batch = mlp.make_batch(batch_size=8)
     state = mlp.make_state(model, batch["x"])
-    with pytest.raises(MeshshardInputError, match=r"no pipeline boundary: call meshshard.mark_pipeline_boundary\(\)"):
-        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"no pipeline boundary: call meshshard.mark_pipeline_boundary\(\)",
+    ):
+        lower(
+            mlp.train_step,
+            PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+            state,
+            batch,
+        )
 
 
 @pytest.mark.parametrize(
     "method",
-    [PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2), (1, 2)]), DataParallel(mesh_shape=(1, 4))],
+    [
+        PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2), (1, 2)]),
+        DataParallel(mesh_shape=(1, 4)),
+    ],
     ids=["too-many-hosts", "too-wide"],
 )
 def test_more_devices_than_the_cluster_has(setup, method):
     _, batch, state = setup
-    with pytest.raises(MeshshardInputError, match=r"the stages ask for meshes .* but the cluster .* has 8 devices"):
+    with pytest.raises(
+        MeshshardInputError, match=r"the stages ask for meshes .* but the cluster .* has 8 devices"
+    ):
         lower(mlp.train_step, method, state, batch)
 
 
@@ -60,14 +89,20 @@ def test_non_scalar_loss(setup):
         grads = meshshard.grad(lambda p: state.apply_fn({"params": p}, batch["x"]))(state.params)
         return state.apply_gradients(grads=grads)
 
-    with pytest.raises(MeshshardInputError, match=r"loss must be a scalar float, got float32\[8, 4\].*jnp.mean"):
+    with pytest.raises(
+        MeshshardInputError, match=r"loss must be a scalar float, got float32\[8, 4\].*jnp.mean"
+    ):
         lower(step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
 
 
-@pytest.mark.parametrize("bad", ["a string", [1, 2], object()], ids=["str", "list-of-int", "object"])
+@pytest.mark.parametrize(
+    "bad", ["a string", [1, 2], object()], ids=["str", "list-of-int", "object"]
+)
 def test_non_array_leaf_in_batch(setup, bad):
     _, batch, state = setup
-    with pytest.raises(MeshshardInputError, match=r"batch leaf args\[1\]\['note'\].* is a \w+, not an array"):
+    with pytest.raises(
+        MeshshardInputError, match=r"batch leaf args\[1\]\['note'\].* is a \w+, not an array"
+    ):
         lower(mlp.train_step, DataParallel(), state, {**batch, "note": bad})
 
 
@@ -77,20 +112,37 @@ def test_jax_grad_instead_of_meshshard_grad(setup):
     def step(state, batch):
         import jax
 
-        g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch["x"]) ** 2))(state.params)
+        g = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch["x"]) ** 2))(
+            state.params
+        )
         return state.apply_gradients(grads=g)
 
-    with pytest.raises(MeshshardInputError, match=r"call meshshard.grad or meshshard.value_and_grad \(not jax.grad\)"):
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"call meshshard.grad or meshshard.value_and_grad \(not jax.grad\)",
+    ):
         lower(step, DataParallel(), state, batch)
 
 
 @pytest.mark.parametrize(
     "make,pattern",
     [
-        (lambda: PipeshardParallel(num_micro_batches=0), r"num_micro_batches must be a positive int, got 0"),
-        (lambda: PipeshardParallel(num_micro_batches=2, stages=[(1, 2, 3)]), r"stages\[0\] must be a mesh shape"),
-        (lambda: PipeshardParallel(num_micro_batches=2, stages="auto"), r"stages='auto' is not understood"),
-        (lambda: PipeshardParallel(num_micro_batches=2, schedule="zb"), r"schedule='zb' is not one of"),
+        (
+            lambda: PipeshardParallel(num_micro_batches=0),
+            r"num_micro_batches must be a positive int, got 0",
+        ),
+        (
+            lambda: PipeshardParallel(num_micro_batches=2, stages=[(1, 2, 3)]),
+            r"stages\[0\] must be a mesh shape",
+        ),
+        (
+            lambda: PipeshardParallel(num_micro_batches=2, stages="auto"),
+            r"stages='auto' is not understood",
+        ),
+        (
+            lambda: PipeshardParallel(num_micro_batches=2, schedule="zb"),
+            r"schedule='zb' is not one of",
+        ),
         (lambda: DataParallel(mesh_shape=(0, 2)), r"mesh_shape must be a mesh shape"),
     ],
 )
@@ -117,5 +169,10 @@ def test_cross_stage_update_is_explained(setup):
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     with pytest.raises(MeshshardInputError, match=r"global-norm gradient clipping"):
-        lower(mlp.train_step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
+        lower(
+            mlp.train_step,
+            PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+            state,
+            batch,
+        )
     assert np.isfinite(batch["x"]).all()

@@ -28,7 +28,9 @@ instructions = st.one_of(
     st.builds(lambda b, p: Load(buffer=b, mb=int(b.split("@")[1]), priority=p), mb_buffers, prio),
     st.builds(lambda b, p: Zeros(buffer=b, priority=p), buffers, prio),
     st.builds(
-        lambda prog, mb, i, o, p: Run(program=prog, mb=mb, inputs=tuple(i), outputs=tuple(o), priority=p),
+        lambda prog, mb, i, o, p: Run(
+            program=prog, mb=mb, inputs=tuple(i), outputs=tuple(o), priority=p
+        ),
         st.from_regex(r"[sm][0-9]\.(F|B|apply)", fullmatch=True),
         st.none() | small,
         st.lists(buffers, max_size=5),
@@ -37,17 +39,32 @@ instructions = st.one_of(
     ),
     st.builds(
         lambda b, m, w, p: Send(buffer=b, transfer=b.split("@")[0], message=m, peer=w, priority=p),
-        t_buffers, small, small, prio,
+        t_buffers,
+        small,
+        small,
+        prio,
     ),
     st.builds(
         lambda b, m, w, p: Recv(buffer=b, transfer=b.split("@")[0], message=m, peer=w, priority=p),
-        t_buffers, small, small, prio,
+        t_buffers,
+        small,
+        small,
+        prio,
     ),
     st.builds(
         lambda b, m, g, p: Collective(
-            kind="broadcast", buffer=b, transfer=b.split("@")[0], message=m, group=tuple(g), root=g[0], priority=p
+            kind="broadcast",
+            buffer=b,
+            transfer=b.split("@")[0],
+            message=m,
+            group=tuple(g),
+            root=g[0],
+            priority=p,
         ),
-        t_buffers, small, st.lists(small, min_size=1, max_size=6, unique=True), prio,
+        t_buffers,
+        small,
+        st.lists(small, min_size=1, max_size=6, unique=True),
+        prio,
     ),
     st.builds(lambda b, p: Wait(buffer=b, priority=p), buffers, prio),
     st.builds(lambda p: WaitAll(priority=p), prio),
@@ -72,10 +89,15 @@ def test_examples_print_as_documented():
     assert str(Run(program="s1.F", mb=2, inputs=("P1", "t0@2"), outputs=("R1@2", "t1@2"))) == (
         "RUN s1.F mb2 (P1 t0@2) -> (R1@2 t1@2)"
     )
-    assert str(Send(buffer="t7@0", transfer="t7", message=1, peer=4, priority=3)) == "SEND t7@0 #1 -> w4 !3"
-    assert str(Collective(kind="broadcast", buffer="t2@1", transfer="t2", message=0, group=(0, 2, 3), root=0)) == (
-        "COLL broadcast t2@1 #0 [w0,w2,w3] root=w0"
+    assert (
+        str(Send(buffer="t7@0", transfer="t7", message=1, peer=4, priority=3))
+        == "SEND t7@0 #1 -> w4 !3"
     )
+    assert str(
+        Collective(
+            kind="broadcast", buffer="t2@1", transfer="t2", message=0, group=(0, 2, 3), root=0
+        )
+    ) == ("COLL broadcast t2@1 #0 [w0,w2,w3] root=w0")
 
 
 def test_reads_and_writes_are_explicit():

@@ -9,7 +9,7 @@ import pytest
 
 import meshshard
 from examples import gpt, mlp
-from meshshard import ClusterSpec, DataParallel, Plan, PipeshardParallel
+from meshshard import ClusterSpec, DataParallel, PipeshardParallel, Plan
 from meshshard.instructions import Free, Recv, Send
 from meshshard.verify import verify
 
@@ -44,7 +44,9 @@ def test_golden_mlp_plan_text():
 
 
 def test_golden_streams_multi_host_gpipe():
-    plan = mlp_plan(PipeshardParallel(num_micro_batches=2, stages=[(2, 1), (1, 2)], schedule="gpipe"))
+    plan = mlp_plan(
+        PipeshardParallel(num_micro_batches=2, stages=[(2, 1), (1, 2)], schedule="gpipe")
+    )
     text = "\n".join(str(s) for s in plan.streams) + "\n"
     check_golden("mlp_multihost_gpipe_streams.txt", text)
 

@@ -1,0 +1,90 @@
+"""Starting, joining and stopping clusters: no processes left behind."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from meshshard.runtime.cluster import discover_hosts
+
+from meshshard import MeshshardInputError
+
+
+def node(i, gpus=0, alive=True):
+    res = {"CPU": 8.0, **({"GPU": float(gpus)} if gpus else {})}
+    return {"NodeID": f"n{i}", "Alive": alive, "Resources": res}
+
+
+def test_discover_gpu_nodes():
+    hosts, dph, platform, ids = discover_hosts(
+        [node(0, 8), node(1, 8), node(2, 4, alive=False)], None, None
+    )
+    assert (hosts, dph, platform, ids) == (2, 8, "gpu", ["n0", "n1"])
+
+
+def test_discover_cpu_nodes_and_limits():
+    assert discover_hosts([node(0), node(1), node(2)], 2, 4) == (2, 4, "cpu", ["n0", "n1"])
+    with pytest.raises(
+        MeshshardInputError, match=r"init\(num_hosts=5\) but the Ray cluster has 3 alive nodes"
+    ):
+        discover_hosts([node(0), node(1), node(2)], 5, None)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, numpy as np, jax
+    sys.path.insert(0, {root!r})
+    import ray
+    from ray.cluster_utils import Cluster
+    import meshshard
+    from examples import mlp
+
+    # 1) the embedded local cluster: actors are real processes, gone after shutdown
+    cluster = meshshard.init(num_hosts=2, devices_per_host=1)
+    pids = ray.get([a.ping.remote() for a in cluster._actors])
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    meshshard.shutdown()
+    assert not ray.is_initialized()
+    gone = []
+    for pid in pids:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                gone.append(pid)
+                break
+            import time; time.sleep(0.1)
+    assert gone == pids, ("host-actor processes left behind", pids, gone)
+
+    # 2) joining an existing multi-node Ray cluster: one host-actor per node
+    c = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ms = meshshard.init(address=c.address, devices_per_host=2)
+    assert ms.spec.num_hosts == 2 and ms.spec.devices_per_host == 2
+    nodes = ray.get([a.ping.remote() for a in ms._actors])
+    m = mlp.MLP(num_layers=2); b = mlp.make_batch(8); st = mlp.make_state(m, b["x"])
+    step = meshshard.parallelize(mlp.train_step, method=meshshard.PipeshardParallel(
+        num_micro_batches=2, stages=[(1, 2), (1, 2)]))
+    s, loss = step(st, b)
+    ref_s, ref_loss = jax.jit(mlp.train_step)(st, b)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-6)
+    meshshard.shutdown()
+    ray.shutdown()
+    c.shutdown()
+    print("LIFECYCLE OK")
+    """
+)
+
+
+@pytest.mark.ray
+def test_shutdown_leaves_no_processes_and_join_existing_cluster(tmp_path):
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    script = tmp_path / "lifecycle.py"
+    script.write_text(SCRIPT.format(root=root))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+    )
+    assert "LIFECYCLE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
