@@ -429,6 +429,7 @@ class _Engine:
             else:
                 t, _, fn, arg = heapq.heappop(heap)
                 self.now = t
+                net.set_time(t)
                 fn(arg)
             self._drain()
         self._check_done()

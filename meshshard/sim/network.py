@@ -129,9 +129,10 @@ class FlowNetwork:
         self._pending: list[tuple[float, int, Flow]] = []  # (activation time, id, flow)
         self._finishes: list[tuple[float, int, Flow]] = []  # (finish, id, flow), lazily pruned
         self._on_link: dict[int, set[Flow]] = {}  # active flows per link
-        self._touched: set[int] = set()  # links whose flow set changed since the last solve
+        self._touched: list[int] = []  # links whose flow set changed since the last solve
         self._num_active = 0
         self._mark = 0
+        self._link_mark = [0] * len(self.capacity)
         self._ids = 0
         n = len(self.capacity)
         self.load = [0.0] * n  # current bytes/s per link
@@ -158,7 +159,10 @@ class FlowNetwork:
         flow = Flow(self._ids, tuple(links), nbytes, now, latency, on_done, label)
         self._ids += 1
         self.flows_started += 1
-        heapq.heappush(self._pending, (flow.active_at, flow.id, flow))
+        if latency > 0 or now > self.now or flow.nbytes <= 0 or not flow.links:
+            heapq.heappush(self._pending, (flow.active_at, flow.id, flow))
+        else:
+            self._activate(flow, now)  # joins now; rates are re-solved before time moves
         return flow
 
     @property
@@ -175,6 +179,12 @@ class FlowNetwork:
         if self._pending and self._pending[0][0] < t:
             t = self._pending[0][0]
         return t
+
+    def set_time(self, t: float) -> None:
+        """Move the clock to ``t`` <= :meth:`next_time` when nothing happens in the network
+        (an outside event), so flows started at ``t`` join at once."""
+        if t > self.now:
+            self.now = t
 
     def advance(self, t: float) -> list[Flow]:
         """Move time to ``t``, processing every activation and finish up to it in order;
@@ -234,7 +244,7 @@ class FlowNetwork:
             self._num_active -= 1
             for link in f.links:
                 on_link[link].discard(f)
-                touched.add(link)
+            touched.extend(f.links)
             done.append(f)
         pending = self._pending
         while pending and pending[0][0] <= t + tol:
@@ -242,15 +252,7 @@ class FlowNetwork:
             if f.nbytes <= 0 or not f.links:
                 done.append(f)  # nothing to move (or a same-device copy): done at activation
                 continue
-            f.active = True
-            f.updated = t
-            self._num_active += 1
-            for link in f.links:
-                flows = on_link.get(link)
-                if flows is None:
-                    flows = on_link[link] = set()
-                flows.add(f)
-                touched.add(link)
+            self._activate(f, t)
         if touched:
             self._solve()
         for f in done:
@@ -262,26 +264,42 @@ class FlowNetwork:
                 f.on_done(f)
         return done
 
+    def _activate(self, f: Flow, t: float) -> None:
+        f.active = True
+        f.updated = t
+        self._num_active += 1
+        on_link, touched = self._on_link, self._touched
+        for link in f.links:
+            flows = on_link.get(link)
+            if flows is None:
+                flows = on_link[link] = set()
+            flows.add(f)
+        touched.extend(f.links)
+
     def _solve(self) -> None:
         """Re-solve max-min rates of the flows connected to the touched links."""
         now = self.now
         on_link = self._on_link
         self._mark += 1
         mark = self._mark
-        comp_links: set[int] = set()
+        link_mark = self._link_mark
+        comp_links: list[int] = []
         comp: list[Flow] = []
-        stack = list(self._touched)
-        self._touched = set()
+        stack = self._touched
+        self._touched = []
         while stack:
             link = stack.pop()
-            if link in comp_links:
+            if link_mark[link] == mark:
                 continue
-            comp_links.add(link)
-            for f in on_link.get(link, ()):
-                if f.mark != mark:
-                    f.mark = mark
-                    comp.append(f)
-                    stack.extend(f.links)
+            link_mark[link] = mark
+            comp_links.append(link)
+            flows = on_link.get(link)
+            if flows:
+                for f in flows:
+                    if f.mark != mark:
+                        f.mark = mark
+                        comp.append(f)
+                        stack.extend(f.links)
         if len(comp) == 1:  # the common case: a flow alone on its links
             f = comp[0]
             capacity = self.capacity
