@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"simulate": _simulate, "calibrate": _calibrate, "clusters": _clusters}
     try:
         return handlers[args.command](args)
+    except BrokenPipeError:  # output piped into `head` and closed: not an error
+        sys.stdout = open(os.devnull, "w")  # keeps interpreter shutdown quiet
+        return 0
     except (ValueError, OSError) as e:
         print(f"meshshard {args.command}: error: {e}", file=sys.stderr)
         return 2

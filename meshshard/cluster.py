@@ -34,23 +34,25 @@ def gbit(gbits_per_s: float) -> float:
     return gbits_per_s * 1e9 / 8
 
 
-# Figures of the development machine (2 cores, 23.5 GiB, emulating 4 hosts x 2 CPU
-# devices), from ``meshshard calibrate`` and DESIGN.md's measurements: gloo p2p between
-# two processes 2.2-2.7 GB/s, ~150 us one way; float32 matmul ~80 GFLOP/s for the
-# machine; memcpy 3.9 GB/s.  They describe the default ``local`` cluster; re-run the
-# calibration on another machine and pass ``--cluster local.json``.
+# Figures of the development machine (2 cores, 23.5 GiB) emulating 4 hosts x 2 CPU
+# devices, from `meshshard calibrate` runs (the machine is shared, so they vary):
+# gloo send/recv between two processes 2.6-2.9 GB/s and 90-150 us one way; float32
+# matmul 60-110 GFLOP/s for the whole machine; numpy copy 11.6 GB/s (the fabric
+# between emulated devices).  Each device gets 1/8 of the machine's compute, memory
+# and memory bandwidth (reads + writes).  They describe the default ``local`` cluster;
+# on another machine run `meshshard calibrate --out local.json`.
 _LOCAL = dict(
     device="cpu",
     peak_flops=(("float32", 1.0e10),),
     device_memory=3.0e9,
-    memory_bandwidth=2.8e9,
+    memory_bandwidth=2.9e9,
     launch_overhead=5e-5,
     intra_fabric="memcpy",
-    intra_bandwidth=3.9e9,
+    intra_bandwidth=11.6e9,
     intra_latency=5e-6,
     nics_per_host=1,
-    nic_bandwidth=2.2e9,
-    nic_latency=1.5e-4,
+    nic_bandwidth=2.7e9,
+    nic_latency=1e-4,
     oversubscription=1.0,
 )
 

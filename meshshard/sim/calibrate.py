@@ -7,7 +7,8 @@ devices are CPU devices.  So we measure what the runtime really uses:
   cross-mesh data plane of DESIGN.md): a small-message ping-pong gives the latency, a
   large send acknowledged by a one-element reply gives the bandwidth;
 - compute: a timed float32 matmul (torch, all threads);
-- memory: a timed large ``numpy`` copy.
+- memory: a timed large ``numpy`` copy (its copy rate is the intra-host "fabric"
+  between emulated devices; reads plus writes give the roofline's memory bandwidth).
 
 All emulated hosts share the machine, so per-device compute and memory bandwidth are
 the machine's divided by the number of emulated devices, and the switch is modelled
@@ -145,14 +146,14 @@ def measure_matmul(n: int = 1024, iters: int = 5) -> float:
 
 
 def measure_memcpy(nbytes: int = 256 << 20, iters: int = 5) -> float:
-    """Bytes/s of a large memory copy (counting the bytes read and the bytes written)."""
+    """Bytes copied per second by a large memory copy (each byte is read once and written once)."""
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     t0 = time.perf_counter()
     for _ in range(iters):
         np.copyto(dst, src)
-    return 2 * src.nbytes * iters / (time.perf_counter() - t0)
+    return src.nbytes * iters / (time.perf_counter() - t0)
 
 
 def _ram_bytes() -> float:
@@ -189,7 +190,9 @@ def calibrate(
         device=f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores shared)",
         peak_flops=(("float32", m.matmul_flops / devices),),
         device_memory=m.memory_bytes / devices,
-        memory_bandwidth=m.memcpy_bandwidth / devices,
+        memory_bandwidth=2
+        * m.memcpy_bandwidth
+        / devices,  # reads + writes, as bytes_accessed counts
         launch_overhead=ClusterSpec().launch_overhead,
         intra_fabric="memcpy",
         intra_bandwidth=m.memcpy_bandwidth,
