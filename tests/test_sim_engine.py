@@ -89,6 +89,8 @@ def test_overlap_hides_transfers_that_blocking_runtime_pays_twice():
     assert close(on.iteration_time, 9 + 2 * tau)
     assert close(off.iteration_time, 9 + 4 * tau)
     assert on.overlap and not off.overlap
+    via_options = simulate(plan, c, program_times=times(2), options=SimOptions(overlap=False))
+    assert via_options.iteration_time == off.iteration_time
 
 
 def test_mesh_program_starts_when_all_mesh_workers_reach_it():

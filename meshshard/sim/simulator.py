@@ -20,14 +20,14 @@ def simulate(
     plan: Plan,
     cluster: ClusterSpec | None = None,
     *,
-    overlap: bool = True,
+    overlap: bool | None = None,
     program_times: Mapping[str, float] | None = None,
     options: SimOptions | None = None,
 ) -> SimResult:
     """Predict one iteration of ``plan`` on ``cluster`` (default: the cluster it was planned for).
 
-    ``overlap`` picks the asynchronous runtime (compute and communication queues) or
-    the blocking one; ``program_times`` maps program names to measured seconds (else
+    ``overlap`` picks the asynchronous runtime (compute and communication queues, the
+    default) or the blocking one, overriding ``options.overlap`` when given; ``program_times`` maps program names to measured seconds (else
     a roofline of their cost analysis); ``options`` tunes the rest (:class:`SimOptions`).
 
         >>> from meshshard.sim.synthetic import synthetic_pipeline
@@ -37,7 +37,9 @@ def simulate(
         15.0
     """
     cluster = plan.cluster if cluster is None else cluster
-    opts = replace(options or SimOptions(), overlap=overlap)
+    opts = options or SimOptions()
+    if overlap is not None:
+        opts = replace(opts, overlap=overlap)
     tl = execute(plan, cluster, opts, program_times)
     return summarise(plan, cluster, opts, tl)
 
