@@ -1,7 +1,7 @@
 """Parallelization methods: frozen, validated descriptions of how to split a step.
 
 >>> PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)])
-PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b', num_stages=None)
+PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b', num_stages=None, resharding='broadcast')
 """
 
 from __future__ import annotations
@@ -11,6 +11,16 @@ from dataclasses import dataclass
 from meshshard.errors import MeshshardInputError
 
 SCHEDULES = ("1f1b", "gpipe")
+#: Cross-mesh resharding strategies (see ``meshshard.resharding``).  ``broadcast`` is ours;
+#: the ``broadcast_*`` variants are the paper's baselines, kept for comparison.
+RESHARDING_STRATEGIES = (
+    "broadcast",
+    "send_recv",
+    "local_allgather",
+    "broadcast_nolb",
+    "broadcast_greedy",
+    "broadcast_search",
+)
 
 
 def _check_shape(shape, what: str) -> tuple[int, int]:
@@ -56,12 +66,16 @@ class PipeshardParallel:
             of mesh shapes ``(hosts, devices_per_host)``, one per stage, in order.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
         num_stages: with ``stages="uniform"``, how many stages (default: one per host).
+        resharding: how tensors cross between meshes: ``"broadcast"`` (default; one
+            broadcast per slice and destination host set, load balanced), ``"send_recv"``
+            or ``"local_allgather"`` (baselines), or a ``broadcast_*`` baseline variant.
     """
 
     num_micro_batches: int
     stages: str | tuple[tuple[int, int], ...] = "uniform"
     schedule: str = "1f1b"
     num_stages: int | None = None
+    resharding: str = "broadcast"
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
@@ -89,6 +103,10 @@ class PipeshardParallel:
         if self.schedule not in SCHEDULES:
             raise MeshshardInputError(
                 f"PipeshardParallel.schedule={self.schedule!r} is not one of {SCHEDULES}"
+            )
+        if self.resharding not in RESHARDING_STRATEGIES:
+            raise MeshshardInputError(
+                f"PipeshardParallel.resharding={self.resharding!r} is not one of {RESHARDING_STRATEGIES}"
             )
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1

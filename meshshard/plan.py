@@ -141,16 +141,40 @@ class ProgramSpec:
 
 @dataclass(frozen=True)
 class Message:
-    """One point-to-point piece of a transfer: rows ``index`` of the array, ``src`` -> ``dst``."""
+    """One piece of a transfer: block ``index`` of the array, sent by worker ``src``.
+
+    Point-to-point when ``group`` is empty: ``src`` -> ``dst``.  A broadcast when
+    ``group`` is set: ``group[0] == src`` is the root and every other member receives
+    (``dst`` is then the first receiver).  ``src_device``/``dst_devices`` name the
+    local devices that send and, per receiving worker in order, the devices that need the
+    block (for the simulator's intra-host hops); ``round`` orders messages for load
+    balancing (messages of one round may run at once).
+    """
 
     src: int
     dst: int
     index: tuple[tuple[int, int], ...]
     nbytes: int
+    group: tuple[int, ...] = ()
+    src_device: int = 0
+    dst_devices: tuple[tuple[int, ...], ...] = ()
+    round: int = 0
+
+    @property
+    def receivers(self) -> tuple[int, ...]:
+        """Workers that receive this message."""
+        return self.group[1:] if self.group else (self.dst,)
+
+    @property
+    def is_broadcast(self) -> bool:
+        return len(self.group) > 2
 
     def __str__(self) -> str:
         idx = ",".join(f"{a}:{b}" for a, b in self.index)
-        return f"w{self.src} -> w{self.dst} [{idx}] {_fmt_bytes(self.nbytes)}"
+        to = ",".join(f"w{w}" for w in self.receivers)
+        kind = "bcast " if self.group else ""
+        rnd = f" r{self.round}" if self.round else ""
+        return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {_fmt_bytes(self.nbytes)}{rnd}"
 
 
 @dataclass(frozen=True)
@@ -166,11 +190,13 @@ class TransferSpec:
     consumer: str
     messages: tuple[Message, ...]
     strategy: str = "send_recv"
+    sim_time_s: float | None = None
+    lower_bound_s: float | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes put on the wire per micro-batch (all messages)."""
-        return sum(m.nbytes for m in self.messages)
+        """Bytes sent per micro-batch (a broadcast's block counted once per receiver)."""
+        return sum(m.nbytes * len(m.receivers) for m in self.messages)
 
     def __str__(self) -> str:
         t = self.tensor
@@ -180,6 +206,9 @@ class TransferSpec:
             f"{self.producer} -> {self.consumer}  {self.strategy}, "
             f"{len(self.messages)} msgs, {_fmt_bytes(self.nbytes)} on wire"
         )
+        if self.sim_time_s is not None:
+            bound = f" / lower bound {self.lower_bound_s * 1e3:.3f} ms" if self.lower_bound_s else ""
+            head += f"\n    simulated {self.sim_time_s * 1e3:.3f} ms{bound}"
         return "\n".join([head] + [f"    #{i} {m}" for i, m in enumerate(self.messages)])
 
 
@@ -459,6 +488,8 @@ def _decode_plan(d: dict) -> Plan:
                     for m in t["messages"]
                 ),
                 strategy=t["strategy"],
+                sim_time_s=t.get("sim_time_s"),
+                lower_bound_s=t.get("lower_bound_s"),
             )
             for t in d["transfers"]
         ),
