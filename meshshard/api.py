@@ -40,9 +40,11 @@ class ParallelizedFunction:
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
 
-    def lower(self, *args, cluster: ClusterSpec | None = None) -> Plan:
+    def lower(self, *args, cluster: ClusterSpec | None = None, costs: bool = True) -> Plan:
         """The plan for these arguments on ``cluster`` (default: the running cluster, else
-        ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray."""
+        ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray.
+        ``costs`` fills each program's FLOPs and bytes from JAX's cost analysis, which
+        the simulator needs."""
         from meshshard.passes.pipeline import plan_step
 
         if cluster is None:
@@ -56,6 +58,7 @@ class ParallelizedFunction:
             method=self.method,
             cluster=cluster,
             batch_argnums=self.batch_argnums,
+            costs=costs,
         )
         return plan
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from meshshard.passes.costs import program_costs
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.schedules import make_schedule
@@ -30,15 +31,21 @@ def plan_step(
     method: Method,
     cluster: ClusterSpec,
     batch_argnums: Sequence[int] = (1,),
+    costs: bool = False,
 ) -> tuple[Plan, TracedStep]:
-    """Compile ``fn(*args)`` under ``method`` for ``cluster``; returns the plan and the trace."""
+    """Compile ``fn(*args)`` under ``method`` for ``cluster``; returns the plan and the trace.
+
+    ``costs=True`` also fills each program's FLOPs and bytes (for the simulator).
+    """
     traced = trace_step(
         fn, args, batch_argnums=tuple(batch_argnums), num_micro_batches=method.num_micro_batches
     )
-    return plan_traced(traced, method=method, cluster=cluster), traced
+    return plan_traced(traced, method=method, cluster=cluster, costs=costs), traced
 
 
-def plan_traced(traced: TracedStep, *, method: Method, cluster: ClusterSpec) -> Plan:
+def plan_traced(
+    traced: TracedStep, *, method: Method, cluster: ClusterSpec, costs: bool = False
+) -> Plan:
     """Every pass after tracing."""
     slicing = slice_layers(traced.jaxpr)
     layer_groups, meshes = stage_layout(method, cluster, slicing.num_layers)
@@ -48,6 +55,7 @@ def plan_traced(traced: TracedStep, *, method: Method, cluster: ClusterSpec) -> 
     sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
     schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
     streams = emit_streams(graph, schedule, meshes, transfers)
+    cost = program_costs(traced, graph) if costs else {}
     programs = tuple(
         ProgramSpec(
             name=p.name,
@@ -55,6 +63,8 @@ def plan_traced(traced: TracedStep, *, method: Method, cluster: ClusterSpec) -> 
             eqns=p.eqns,
             inputs=tuple(g for g, _ in p.inputs),
             outputs=tuple(g for g, _ in p.outputs),
+            flops=cost.get(p.name, (None, None))[0],
+            bytes_accessed=cost.get(p.name, (None, None))[1],
         )
         for p in graph.programs
     )

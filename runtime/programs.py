@@ -11,13 +11,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshshard.passes.trace import TracedStep
 
-from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
 from meshshard.plan import MESH_AXES, Plan, Spec
+from meshshard.program_fn import program_function
 
 
 def make_mesh(devices: Sequence, shape: tuple[int, int]) -> Mesh:
@@ -70,63 +69,18 @@ def build_programs(
     traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh
 ) -> dict[str, CompiledProgram]:
     """Compile every program of mesh ``mesh_id`` (its stage's F/B and its update)."""
-    jaxpr = traced.jaxpr
-    ids = var_ids(jaxpr)
-    by_id = {i: v for v, i in ids.items()}
-    consts = dict(zip(jaxpr.constvars, traced.closed.consts, strict=True))
-    g_eqn = next(e for e in jaxpr.eqns if is_marker(e, "grad_end"))
-    result_to_operand = dict(zip(g_eqn.outvars, g_eqn.invars, strict=True))
-    literal_results = {r: o.val for r, o in result_to_operand.items() if is_literal(o)}
-    m = plan.num_micro_batches
     out = {}
     for spec in plan.programs:
         if spec.mesh != mesh_id:
             continue
-        eqns = [jaxpr.eqns[i] for i in spec.eqns]
-        defined = {v for e in eqns for v in e.outvars}
-        in_vars = [[by_id[i] for i in group_contents(plan, g)[0]] for g in spec.inputs]
-        out_vars = [[by_id[i] for i in group_contents(plan, g)[0]] for g in spec.outputs]
-        is_apply = spec.name.endswith(".apply")
-
-        def fn(
-            *flat,
-            _in=in_vars,
-            _out=out_vars,
-            _eqns=eqns,
-            _defined=defined,
-            _apply=is_apply,
-            _groups=spec.inputs,
-            _ogroups=spec.outputs,
-        ):
-            env = dict(consts)
-            env.update(literal_results)
-            pos = 0
-            acc_in = {}
-            for g, vs in zip(_groups, _in, strict=True):
-                vals = flat[pos : pos + len(vs)]
-                pos += len(vs)
-                if g.startswith("A"):
-                    for v, x in zip(vs, vals, strict=True):
-                        if _apply:  # accumulated sums -> means over micro-batches
-                            env[v] = x / m if jnp.issubdtype(x.dtype, jnp.floating) else x
-                        else:
-                            acc_in[v] = x
-                else:
-                    env.update(zip(vs, vals, strict=True))
-            eval_eqns(_eqns, env)
-            outs = []
-            for g, vs in zip(_ogroups, _out, strict=True):
-                for v in vs:
-                    if g.startswith("A") and not _apply:
-                        operand = result_to_operand[v]
-                        if operand in _defined:
-                            outs.append(acc_in[v] + read_var(env, operand))
-                        else:
-                            outs.append(acc_in[v])
-                    else:
-                        outs.append(read_var(env, v))
-            return tuple(outs)
-
+        fn = program_function(
+            traced,
+            spec.eqns,
+            [(g, group_contents(plan, g)[0]) for g in spec.inputs],
+            [(g, group_contents(plan, g)[0]) for g in spec.outputs],
+            plan.num_micro_batches,
+            spec.name.endswith(".apply"),
+        )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)

@@ -1,0 +1,69 @@
+"""One program of a plan as a plain Python function over flat arrays.
+
+Shared by the runtime (which jits it with the plan's shardings) and by planning (which
+lowers it once to read JAX's cost analysis); no Ray, no devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+
+from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
+
+
+def program_function(
+    traced,
+    eqn_indices: Sequence[int],
+    inputs: Sequence[tuple[str, Sequence[int]]],
+    outputs: Sequence[tuple[str, Sequence[int]]],
+    num_micro_batches: int,
+    is_apply: bool,
+) -> Callable:
+    """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
+
+    ``inputs``/``outputs`` are (buffer group, var ids) in order.  Accumulator groups
+    (``A*``) are special: a stage program returns input + its contribution; the update
+    program reads them divided by the number of micro-batches (the mean).
+    """
+    jaxpr = traced.jaxpr
+    by_id = {i: v for v, i in var_ids(jaxpr).items()}
+    consts = dict(zip(jaxpr.constvars, traced.closed.consts, strict=True))
+    g_eqn = next(e for e in jaxpr.eqns if is_marker(e, "grad_end"))
+    result_to_operand = dict(zip(g_eqn.outvars, g_eqn.invars, strict=True))
+    literal_results = {r: o.val for r, o in result_to_operand.items() if is_literal(o)}
+    eqns = [jaxpr.eqns[i] for i in eqn_indices]
+    defined = {v for e in eqns for v in e.outvars}
+    in_groups = [(g, [by_id[i] for i in ids]) for g, ids in inputs]
+    out_groups = [(g, [by_id[i] for i in ids]) for g, ids in outputs]
+    m = num_micro_batches
+
+    def fn(*flat):
+        env = dict(consts)
+        env.update(literal_results)
+        acc_in = {}
+        pos = 0
+        for g, vs in in_groups:
+            vals = flat[pos : pos + len(vs)]
+            pos += len(vs)
+            for v, x in zip(vs, vals, strict=True):
+                if not g.startswith("A"):
+                    env[v] = x
+                elif is_apply:  # accumulated sums -> means over micro-batches
+                    env[v] = x / m if jnp.issubdtype(x.dtype, jnp.floating) else x
+                else:
+                    acc_in[v] = x
+        eval_eqns(eqns, env)
+        outs = []
+        for g, vs in out_groups:
+            for v in vs:
+                if g.startswith("A") and not is_apply:
+                    operand = result_to_operand[v]
+                    contribution = read_var(env, operand) if operand in defined else None
+                    outs.append(acc_in[v] if contribution is None else acc_in[v] + contribution)
+                else:
+                    outs.append(read_var(env, v))
+        return tuple(outs)
+
+    return fn
