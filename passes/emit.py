@@ -9,8 +9,6 @@ A step starts with ``ZEROS`` of the gradient accumulators and ends with the upda
 
 from __future__ import annotations
 
-from meshshard.passes.stage_graph import StageGraph
-
 from meshshard.instructions import (
     Free,
     Instruction,
@@ -23,6 +21,7 @@ from meshshard.instructions import (
     WorkerStream,
     Zeros,
 )
+from meshshard.passes.stage_graph import StageGraph
 from meshshard.plan import MeshSpec, Schedule, TransferSpec
 
 PER_MB_PREFIXES = ("X", "R", "t")

@@ -6,11 +6,10 @@ allocated in stage order, so stage ``i`` runs on mesh ``i``.
 
 from __future__ import annotations
 
-from meshshard.passes.stage_graph import group_layers
-
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.methods import DataParallel, Method, PipeshardParallel
+from meshshard.passes.stage_graph import group_layers
 from meshshard.plan import MeshSpec
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from meshshard.cluster import ClusterSpec
+from meshshard.methods import DataParallel, Method
 from meshshard.passes.costs import program_costs
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
@@ -18,9 +20,6 @@ from meshshard.passes.slicing import slice_layers
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.trace import TracedStep, trace_step
 from meshshard.passes.transfers import plan_transfers
-
-from meshshard.cluster import ClusterSpec
-from meshshard.methods import DataParallel, Method
 from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
 
 

@@ -9,10 +9,10 @@ without changing the buffer format.
 from __future__ import annotations
 
 import numpy as np
-from meshshard.passes.stage_graph import StageGraph
-from meshshard.passes.trace import TracedStep
 
 from meshshard.jaxpr_util import var_ids
+from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
 
 PER_MICRO_BATCH = ("X", "R", "t")

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
-
-from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ it with tile-level plans (broadcast trees, load balancing).
 from __future__ import annotations
 
 import numpy as np
+
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes, tensor_specs
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
-
 from meshshard.plan import MeshSpec, Message, TensorSpec, TransferSpec
 from meshshard.tiles import block_nbytes, device_blocks
 
