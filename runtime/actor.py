@@ -79,10 +79,10 @@ class HostActor:
 
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax
-        from meshshard.runtime.transport import TorchTransport
-        from meshshard.runtime.worker import Worker
 
         from meshshard.plan import Plan
+        from meshshard.runtime.transport import TorchTransport
+        from meshshard.runtime.worker import Worker
 
         plan = Plan.from_json(plan_json)
         mesh = next(m for m in plan.meshes if self.host in m.workers)

@@ -12,11 +12,10 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from meshshard.runtime.executable import raise_worker_errors
-
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.runtime.executable import raise_worker_errors
 
 _CURRENT = None
 
@@ -134,6 +133,7 @@ class RayCluster:
     # --- actors ------------------------------------------------------------------
     def _start_actor(self, h: int) -> None:
         import ray
+
         from meshshard.runtime.actor import HostActor
 
         opts = dict(num_cpus=0, max_concurrency=4)

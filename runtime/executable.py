@@ -15,10 +15,10 @@ from typing import Protocol
 
 import jax
 import numpy as np
-from meshshard.runtime.worker import StoreKey
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.runtime.worker import StoreKey
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
 _KEYS = itertools.count(1)

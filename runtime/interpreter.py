@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from meshshard.runtime.programs import CompiledProgram, sharding
-from meshshard.runtime.transport import Transport
 
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.instructions import (
@@ -30,6 +28,8 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import Plan
+from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.transport import Transport
 
 
 def message_tag(plan: Plan, transfer: str, mb: int, message: int) -> int:

@@ -13,12 +13,12 @@ import threading
 from collections.abc import Sequence
 
 import jax
-from meshshard.runtime.executable import raise_worker_errors
-from meshshard.runtime.transport import QueueTransport
-from meshshard.runtime.worker import Worker
 
 from meshshard.errors import MeshshardInputError
 from meshshard.plan import Plan
+from meshshard.runtime.executable import raise_worker_errors
+from meshshard.runtime.transport import QueueTransport
+from meshshard.runtime.worker import Worker
 
 
 class LocalBackend:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from meshshard.passes.trace import TracedStep
 
+from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, Plan, Spec
 from meshshard.program_fn import program_function
 

@@ -11,13 +11,13 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+
+from meshshard.errors import MeshshardRuntimeError
 from meshshard.passes.trace import trace_step
+from meshshard.plan import Plan
 from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.transport import Transport
-
-from meshshard.errors import MeshshardRuntimeError
-from meshshard.plan import Plan
 
 #: Results up to this many bytes come back to the driver by value (losses, counters).
 BY_VALUE_BYTES = 64

@@ -10,9 +10,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from meshshard.runtime.cluster import ThreadsCluster, use_cluster  # noqa: E402
 
 import meshshard  # noqa: E402
+from meshshard.runtime.cluster import ThreadsCluster, use_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")

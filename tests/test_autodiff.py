@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from meshshard.passes.slicing import slice_layers
 
 import meshshard
+from meshshard.passes.slicing import slice_layers
 from meshshard.primitives import boundary_p
 
 

@@ -5,9 +5,9 @@ import sys
 import textwrap
 
 import pytest
-from meshshard.runtime.cluster import discover_hosts
 
 from meshshard import MeshshardInputError
+from meshshard.runtime.cluster import discover_hosts
 
 
 def node(i, gpus=0, alive=True):

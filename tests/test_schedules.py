@@ -1,8 +1,8 @@
 """Pure schedule generators: tick counts, memory bound, dependency order, golden grids."""
 
 import pytest
-from meshshard.passes.schedules import gpipe, make_schedule, one_f_one_b
 
+from meshshard.passes.schedules import gpipe, make_schedule, one_f_one_b
 from meshshard.verify import peak_in_flight, verify_schedule
 
 SIZES = [(s, m) for s in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 8, 13)]
