@@ -207,7 +207,9 @@ class TransferSpec:
             f"{len(self.messages)} msgs, {_fmt_bytes(self.nbytes)} on wire"
         )
         if self.sim_time_s is not None:
-            bound = f" / lower bound {self.lower_bound_s * 1e3:.3f} ms" if self.lower_bound_s else ""
+            bound = (
+                f" / lower bound {self.lower_bound_s * 1e3:.3f} ms" if self.lower_bound_s else ""
+            )
             head += f"\n    simulated {self.sim_time_s * 1e3:.3f} ms{bound}"
         return "\n".join([head] + [f"    #{i} {m}" for i, m in enumerate(self.messages)])
 
@@ -484,7 +486,16 @@ def _decode_plan(d: dict) -> Plan:
                 producer=t["producer"],
                 consumer=t["consumer"],
                 messages=tuple(
-                    Message(m["src"], m["dst"], _tuple(m["index"]), m["nbytes"])
+                    Message(
+                        m["src"],
+                        m["dst"],
+                        _tuple(m["index"]),
+                        m["nbytes"],
+                        tuple(m.get("group", ())),
+                        m.get("src_device", 0),
+                        _tuple(m.get("dst_devices", [])),
+                        m.get("round", 0),
+                    )
                     for m in t["messages"]
                 ),
                 strategy=t["strategy"],

@@ -16,7 +16,9 @@ from meshshard.passes.trace import TracedStep
 from meshshard.program_fn import program_function
 
 
-def program_costs(traced: TracedStep, graph: StageGraph) -> dict[str, tuple[float | None, float | None]]:
+def program_costs(
+    traced: TracedStep, graph: StageGraph
+) -> dict[str, tuple[float | None, float | None]]:
     """``{program name: (flops, bytes accessed)}`` for every program of ``graph``."""
     by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
     out = {}
@@ -25,7 +27,9 @@ def program_costs(traced: TracedStep, graph: StageGraph) -> dict[str, tuple[floa
             traced, p.eqns, p.inputs, p.outputs, traced.num_micro_batches, p.name.endswith(".apply")
         )
         args = [
-            jax.ShapeDtypeStruct(by_id[i].aval.shape, by_id[i].aval.dtype) for _, ids in p.inputs for i in ids
+            jax.ShapeDtypeStruct(by_id[i].aval.shape, by_id[i].aval.dtype)
+            for _, ids in p.inputs
+            for i in ids
         ]
         analysis = jax.jit(fn).lower(*args).cost_analysis()
         if isinstance(analysis, list):

@@ -10,6 +10,7 @@ A step starts with ``ZEROS`` of the gradient accumulators and ends with the upda
 from __future__ import annotations
 
 from meshshard.instructions import (
+    Collective,
     Free,
     Instruction,
     Load,
@@ -22,9 +23,76 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.passes.stage_graph import StageGraph
-from meshshard.plan import MeshSpec, Schedule, TransferSpec
+from meshshard.plan import MeshSpec, Plan, Schedule, TransferSpec
 
 PER_MB_PREFIXES = ("X", "R", "t")
+
+
+def _ordered(t: TransferSpec) -> list[int]:
+    """Message indices in issue order: by round, then plan order."""
+    return sorted(range(len(t.messages)), key=lambda i: (t.messages[i].round, i))
+
+
+def send_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+    """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
+    out: list[Instruction] = []
+    for i in _ordered(t):
+        msg = t.messages[i]
+        if msg.src != w:
+            continue
+        if msg.is_broadcast:
+            out.append(
+                Collective(
+                    kind="broadcast",
+                    buffer=buffer,
+                    transfer=t.name,
+                    message=i,
+                    group=msg.group,
+                    root=w,
+                )
+            )
+        else:
+            out.append(Send(buffer=buffer, transfer=t.name, message=i, peer=msg.receivers[0]))
+    return out
+
+
+def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+    """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
+    out: list[Instruction] = []
+    for i in _ordered(t):
+        msg = t.messages[i]
+        if w not in msg.receivers:
+            continue
+        if msg.is_broadcast:
+            out.append(
+                Collective(
+                    kind="broadcast",
+                    buffer=buffer,
+                    transfer=t.name,
+                    message=i,
+                    group=msg.group,
+                    root=msg.src,
+                )
+            )
+        else:
+            out.append(Recv(buffer=buffer, transfer=t.name, message=i, peer=msg.src))
+    return out + [Wait(buffer=buffer)]
+
+
+def transfer_streams(
+    t: TransferSpec, meshes: tuple[MeshSpec, ...], mb: int = 0
+) -> tuple[WorkerStream, ...]:
+    """Streams that run transfer ``t`` alone (micro-batch ``mb``): the source workers send
+    and free, the destination workers receive and wait; every stream ends in WAITALL."""
+    buffer = f"{t.name}@{mb}"
+    streams = []
+    for w in meshes[t.src_mesh].workers:
+        streams.append(
+            WorkerStream(w, tuple(send_side(t, buffer, w)) + (Free(buffer=buffer), WaitAll()))
+        )
+    for w in meshes[t.dst_mesh].workers:
+        streams.append(WorkerStream(w, tuple(receive_side(t, buffer, w)) + (WaitAll(),)))
+    return tuple(sorted(streams, key=lambda s: s.worker))
 
 
 def _name(group: str, mb: int) -> str:
@@ -65,11 +133,7 @@ def emit_streams(
                     out.append(Load(buffer=f"X{s}@{k}", mb=k))
                 incoming = [g for g, _ in prog.inputs if g.startswith("t")]
                 for g in incoming:
-                    t = by_name[g]
-                    for i, msg in enumerate(t.messages):
-                        if msg.dst == w:
-                            out.append(Recv(buffer=f"{g}@{k}", transfer=g, message=i, peer=msg.src))
-                    out.append(Wait(buffer=f"{g}@{k}"))
+                    out += receive_side(by_name[g], f"{g}@{k}", w)
                 out.append(
                     Run(
                         program=prog.name,
@@ -80,10 +144,7 @@ def emit_streams(
                 )
                 outgoing = [g for g, _ in prog.outputs if g.startswith("t")]
                 for g in outgoing:
-                    t = by_name[g]
-                    for i, msg in enumerate(t.messages):
-                        if msg.src == w:
-                            out.append(Send(buffer=f"{g}@{k}", transfer=g, message=i, peer=msg.dst))
+                    out += send_side(by_name[g], f"{g}@{k}", w)
                     out.append(Free(buffer=f"{g}@{k}"))
                 for g in incoming:
                     out.append(Free(buffer=f"{g}@{k}"))
@@ -108,3 +169,23 @@ def emit_streams(
                 out.append(Free(buffer=f"A{m.id}"))
             out.append(WaitAll())
     return tuple(WorkerStream(w, tuple(ins)) for w, ins in sorted(streams.items()))
+
+
+def transfer_only_plan(t: TransferSpec, meshes: tuple[MeshSpec, ...], cluster) -> Plan:
+    """A plan that runs nothing but transfer ``t`` (once): for resharding tests,
+    benchmarks and the simulator."""
+    return Plan(
+        method=f"transfer {t.name} ({t.strategy})",
+        cluster=cluster,
+        num_micro_batches=1,
+        fingerprint="",
+        meshes=tuple(meshes),
+        stages=(),
+        programs=(),
+        buffers=(),
+        transfers=(t,),
+        schedule=Schedule("none", 0, 1, ()),
+        streams=transfer_streams(t, meshes),
+        inputs=(),
+        outputs=(),
+    )

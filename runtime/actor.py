@@ -31,6 +31,7 @@ class HostActor:
         self.platform = platform
         self.workers: dict[str, object] = {}
         self.store: dict = {}
+        self.torch_groups: dict = {}
         self.jax_group: tuple[int, ...] | None = None
 
     def ping(self) -> int:
@@ -68,6 +69,7 @@ class HostActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.torch_groups = {}
         backend = "gloo" if self.platform == "cpu" else "nccl"
         dist.init_process_group(
             backend,
@@ -76,6 +78,28 @@ class HostActor:
             rank=rank,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+
+    def create_groups(self, keys) -> None:
+        """Create broadcast channels; every actor calls this with the same list."""
+        from meshshard.runtime.transport import TorchTransport
+
+        self.torch_groups.update(TorchTransport.create_groups(list(keys)))
+
+    def run_transfer(self, plan_json: str, full_or_none, repeat: int = 1):
+        """Run a transfer-only plan ``repeat`` times; returns (tiles, seconds per run)."""
+        from meshshard.plan import Plan
+        from meshshard.runtime.transfer_run import run_transfer, source_tiles
+        from meshshard.runtime.transport import TorchTransport
+
+        plan = Plan.from_json(plan_json)
+        transport = TorchTransport(self.host, self.torch_groups)
+        tiles = source_tiles(full_or_none, plan, self.host) if full_or_none is not None else None
+        times, out = [], None
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = run_transfer(plan, self.host, transport, tiles)
+            times.append(time.perf_counter() - t0)
+        return out, times
 
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax
@@ -93,7 +117,9 @@ class HostActor:
             devices = [devs[i * per + j] for i in range(h) for j in range(d)]
         else:
             devices = jax.local_devices()[:d]
-        worker = Worker(self.host, devices, TorchTransport(self.host), store=self.store)
+        worker = Worker(
+            self.host, devices, TorchTransport(self.host, self.torch_groups), store=self.store
+        )
         seconds = worker.compile(fn, abstract_args, batch_argnums, plan)
         self.workers[plan_id] = worker
         return seconds

@@ -124,6 +124,7 @@ class RayCluster:
         self._actors: list = [None] * num_hosts
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
+        self._groups_made: set = set()
         for h in range(num_hosts):
             self._start_actor(h)
         import ray as _ray
@@ -170,17 +171,7 @@ class RayCluster:
         conflict = [h for h, g in need.items() if self._groups[h] not in ("fresh", g)]
         if conflict:
             self._restart(conflict)
-        if not self._transport_ready:
-            host, port = ray.get(self._actors[0].free_port.remote())
-            addr = f"tcp://{host}:{port}"
-            n = self.spec.num_hosts
-            _get(
-                [
-                    a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
-                    for r, a in enumerate(self._actors)
-                ]
-            )
-            self._transport_ready = True
+        self.prepare_transport()
         for m in plan.meshes:
             if len(m.hosts) > 1 and self._groups[m.hosts[0]] == "fresh":
                 host, port = ray.get(self._actors[m.hosts[0]].free_port.remote())
@@ -193,6 +184,60 @@ class RayCluster:
                 )
         for h, g in need.items():
             self._groups[h] = g
+
+    def prepare_transport(self) -> None:
+        """(Re)build the torch.distributed group over all actors if it is stale."""
+        import ray
+
+        if self._transport_ready:
+            return
+        host, port = ray.get(self._actors[0].free_port.remote())
+        addr = f"tcp://{host}:{port}"
+        n = self.spec.num_hosts
+        _get(
+            [
+                a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
+                for r, a in enumerate(self._actors)
+            ]
+        )
+        self._transport_ready = True
+        self._groups_made = set()
+
+    def ensure_groups(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Create the broadcast channels not made yet, on every actor in the same order."""
+        new = [k for k in keys if k not in self._groups_made]
+        if new:
+            _get([a.create_groups.remote(new) for a in self._actors])
+            self._groups_made.update(new)
+
+    def run_transfer(self, plan: Plan, full, repeat: int = 1):
+        """Run a transfer-only plan on the actors; returns (destination tiles per worker,
+        per-run seconds of the slowest worker)."""
+        import ray
+
+        from meshshard.runtime.interpreter import broadcast_groups
+
+        plan_hosts = {h for m in plan.meshes for h in m.hosts}
+        need = {h: "local" for h in plan_hosts}
+        conflict = [h for h, g in need.items() if self._groups[h] not in ("fresh", "local")]
+        if conflict:
+            self._restart(conflict)
+        self.prepare_transport()
+        self.ensure_groups(broadcast_groups(plan))
+        t = plan.transfers[0]
+        src = set(plan.meshes[t.src_mesh].workers)
+        full_ref = ray.put(full)
+        plan_json = plan.to_json()
+        refs = {
+            s.worker: self._actors[s.worker].run_transfer.remote(
+                plan_json, full_ref if s.worker in src else None, repeat
+            )
+            for s in plan.streams
+        }
+        out = dict(zip(refs, _get(list(refs.values())), strict=True))
+        tiles = {w: r[0] for w, r in out.items() if r[0] is not None}
+        per_run = [max(r[1][i] for r in out.values()) for i in range(repeat)]
+        return tiles, per_run
 
     def backend(self):
         return RayBackend(self)
@@ -246,7 +291,10 @@ class RayBackend:
         return self.cluster._actors[w]
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
+        from meshshard.runtime.interpreter import broadcast_groups
+
         self.cluster.prepare(plan)
+        self.cluster.ensure_groups(broadcast_groups(plan))
         plan_json = plan.to_json()
         refs = {
             w: self._actor(w).compile.remote(

@@ -1,22 +1,24 @@
 """A plain interpreter that runs one worker's instruction stream (no Ray here).
 
 The Ray host-actor wraps it; tests run several of them in one process with an
-in-memory transport.  It keeps named buffers (each a tuple of ``jax.Array``), issues
+in-memory transport.  It keeps named buffers (each a tuple of arrays), issues
 communication through a :class:`~meshshard.runtime.transport.Transport`, and completes
-it at ``WAIT``/``WAITALL``.
+it at ``WAIT``/``WAITALL``.  How a transferred array is read and rebuilt is a
+:class:`Blocks` adapter: global ``jax.Array``s in a pipeline, per-device NumPy tiles in a
+transfer-only run.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.instructions import (
+    Collective,
     Free,
     Load,
     Recv,
@@ -27,7 +29,7 @@ from meshshard.instructions import (
     WorkerStream,
     Zeros,
 )
-from meshshard.plan import Plan
+from meshshard.plan import Plan, TransferSpec
 from meshshard.runtime.programs import CompiledProgram, sharding
 from meshshard.runtime.transport import Transport
 
@@ -39,35 +41,79 @@ def message_tag(plan: Plan, transfer: str, mb: int, message: int) -> int:
     return (t_index * plan.num_micro_batches + mb) * max_msgs + message
 
 
+def group_key(transfer: str, group: tuple[int, ...]) -> str:
+    """The channel of one transfer's broadcasts over one group of workers."""
+    return f"{transfer}:" + ",".join(map(str, group))
+
+
+def broadcast_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
+    """Every (channel, ranks) the plan broadcasts over, in a fixed order all workers share.
+
+    One channel per (transfer, group): the root issues a transfer's broadcasts in the
+    same order as every receiver, so operations on a channel always match.
+    """
+    keys = {
+        group_key(t.name, m.group): tuple(sorted(m.group))
+        for t in plan.transfers
+        for m in t.messages
+        if m.is_broadcast
+    }
+    return sorted(keys.items())
+
+
+def _block_of(index, starts, stops):
+    if all(a <= lo and hi <= b for (lo, hi), a, b in zip(index, starts, stops, strict=True)):
+        return tuple(slice(lo - a, hi - a) for (lo, hi), a in zip(index, starts, strict=True))
+    return None
+
+
 def local_block(arr: jax.Array, index: tuple[tuple[int, int], ...]) -> np.ndarray:
     """The block ``index`` of a global array, read from a shard this process holds."""
     for shard in arr.addressable_shards:
-        starts = [s.start or 0 for s in shard.index]
+        starts = [s.start or 0 for s in shard.index] + [0] * (arr.ndim - len(shard.index))
         stops = [
             s.stop if s.stop is not None else n
             for s, n in zip(shard.index, arr.shape, strict=False)
-        ]
-        starts += [0] * (arr.ndim - len(starts))
-        stops += list(arr.shape[len(stops) :])
-        if all(a <= lo and hi <= b for (lo, hi), a, b in zip(index, starts, stops, strict=True)):
-            local = np.asarray(shard.data)
-            sl = tuple(slice(lo - a, hi - a) for (lo, hi), a in zip(index, starts, strict=True))
-            return np.ascontiguousarray(local[sl])
+        ] + list(arr.shape[len(shard.index) :])
+        sl = _block_of(index, starts, stops)
+        if sl is not None:
+            return np.ascontiguousarray(np.asarray(shard.data)[sl])
     raise MeshshardRuntimeError(f"no local shard of {arr.shape} holds block {index}")
 
 
 def array_from_host(full: np.ndarray, shard) -> jax.Array:
-    """A global array with sharding ``shard`` built from a host copy of the whole value."""
+    """A global array with sharding ``shard`` built from a host copy of the value."""
     return jax.make_array_from_callback(full.shape, shard, lambda idx: full[idx])
 
 
-@dataclass
-class StepIO:
-    """What one step gives a worker and what it hands back."""
+class Blocks(Protocol):
+    """How a worker reads blocks of a transferred value and rebuilds it from blocks."""
 
-    load: Callable[[str, int], tuple]
-    outputs: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)
+    def read(self, value, index) -> np.ndarray: ...
+
+    def assemble(self, transfer: TransferSpec, parts: list[tuple[object, np.ndarray]]): ...
+
+
+class JaxBlocks:
+    """Transferred values are global ``jax.Array``s on this worker's mesh."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def read(self, value, index) -> np.ndarray:
+        return local_block(value, index)
+
+    def assemble(self, transfer: TransferSpec, parts) -> jax.Array:
+        full = np.empty(transfer.tensor.shape, dtype=transfer.tensor.dtype)
+        place_blocks(full, parts)
+        return array_from_host(full, sharding(self.mesh, transfer.dst_spec))
+
+
+def place_blocks(full: np.ndarray, parts) -> None:
+    """Write received raw blocks into ``full`` at their indices."""
+    for msg, raw in parts:
+        shape = tuple(b - a for a, b in msg.index)
+        full[tuple(slice(a, b) for a, b in msg.index)] = raw.view(full.dtype).reshape(shape)
 
 
 class StreamInterpreter:
@@ -77,8 +123,9 @@ class StreamInterpreter:
         stream: this worker's instructions.
         plan: the plan (buffer layouts, transfers).
         programs: compiled programs of this worker's mesh, by name.
-        mesh: the jax Mesh of this worker's mesh.
+        mesh: the jax Mesh of this worker's mesh (None for transfer-only runs).
         transport: point-to-point transport to other workers.
+        blocks: reads/rebuilds transferred values (default: global jax arrays on ``mesh``).
     """
 
     def __init__(
@@ -88,14 +135,15 @@ class StreamInterpreter:
         programs: dict[str, CompiledProgram],
         mesh,
         transport: Transport,
+        blocks: Blocks | None = None,
     ):
         self.stream = stream
         self.plan = plan
         self.programs = programs
         self.mesh = mesh
         self.transport = transport
+        self.blocks = blocks if blocks is not None else JaxBlocks(mesh)
         self.worker = stream.worker
-        self.mesh_id = next(m.id for m in plan.meshes if self.worker in m.workers)
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}
 
@@ -116,7 +164,7 @@ class StreamInterpreter:
                     buffers[ins.buffer] = self._zeros(ins.buffer)
                 elif isinstance(ins, Send):
                     msg = self._transfers[ins.transfer].messages[ins.message]
-                    data = local_block(buffers[ins.buffer][0], msg.index)
+                    data = self.blocks.read(buffers[ins.buffer][0], msg.index)
                     tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
                     pending_send.append(self.transport.isend(data, ins.peer, tag))
                 elif isinstance(ins, Recv):
@@ -124,8 +172,12 @@ class StreamInterpreter:
                     tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
                     handle = self.transport.irecv(msg.nbytes, ins.peer, tag)
                     pending_recv.setdefault(ins.buffer, []).append((msg, handle))
+                elif isinstance(ins, Collective):
+                    self._collective(ins, buffers, pending_send, pending_recv)
                 elif isinstance(ins, Wait):
-                    buffers[ins.buffer] = self._assemble(ins.buffer, pending_recv.pop(ins.buffer))
+                    parts = [(msg, h.wait()) for msg, h in pending_recv.pop(ins.buffer)]
+                    t = self._transfers[ins.buffer.split("@")[0]]
+                    buffers[ins.buffer] = (self.blocks.assemble(t, parts),)
                 elif isinstance(ins, Free):
                     del buffers[ins.buffer]
                 elif isinstance(ins, WaitAll):
@@ -140,6 +192,19 @@ class StreamInterpreter:
                 raise MeshshardRuntimeError(self._where(i, exc)) from exc
         return buffers
 
+    def _collective(self, ins: Collective, buffers, pending_send, pending_recv) -> None:
+        if ins.kind != "broadcast":
+            raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")
+        msg = self._transfers[ins.transfer].messages[ins.message]
+        tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
+        key = group_key(ins.transfer, msg.group)
+        if self.worker == ins.root:
+            data = self.blocks.read(buffers[ins.buffer][0], msg.index)
+            pending_send.append(self.transport.ibroadcast(data, msg.nbytes, msg.group, key, tag))
+        else:
+            handle = self.transport.ibroadcast(None, msg.nbytes, msg.group, key, tag)
+            pending_recv.setdefault(ins.buffer, []).append((msg, handle))
+
     def _zeros(self, name: str) -> tuple:
         spec = self._buffers_spec[name]
         return tuple(
@@ -147,18 +212,15 @@ class StreamInterpreter:
             for t in spec.tensors
         )
 
-    def _assemble(self, buffer: str, parts: list) -> tuple:
-        t = self._transfers[buffer.split("@")[0]]
-        full = np.empty(t.tensor.shape, dtype=t.tensor.dtype)
-        for msg, handle in parts:
-            raw = handle.wait()
-            shape = tuple(b - a for a, b in msg.index)
-            full[tuple(slice(a, b) for a, b in msg.index)] = raw.view(full.dtype).reshape(shape)
-        return (array_from_host(full, sharding(self.mesh, t.dst_spec)),)
-
     def _where(self, i: int, exc: Exception) -> str:
         lo, hi = max(0, i - 3), min(len(self.stream.instructions), i + 4)
-        lines = [f"worker w{self.worker} failed at instruction {i}: {type(exc).__name__}: {exc}"]
+        import traceback
+
+        tb = traceback.extract_tb(exc.__traceback__)
+        at = f" ({tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+        lines = [
+            f"worker w{self.worker} failed at instruction {i}: {type(exc).__name__}: {exc}{at}"
+        ]
         for j in range(lo, hi):
             mark = "  <-- ERROR HERE" if j == i else ""
             lines.append(f"  {j:>4} w{self.worker}: {self.stream.instructions[j]}{mark}")
@@ -167,10 +229,3 @@ class StreamInterpreter:
 
 def _mb(buffer: str) -> int:
     return int(buffer.split("@")[1])
-
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds)."""
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0

@@ -25,6 +25,13 @@ class Transport(Protocol):
 
     def irecv(self, nbytes: int, peer: int, tag: int) -> Handle: ...
 
+    def ibroadcast(
+        self, data: np.ndarray | None, nbytes: int, group: tuple[int, ...], key: str, tag: int
+    ) -> Handle:
+        """Broadcast ``nbytes`` from ``group[0]`` (which passes ``data``) to the others;
+        a receiver's ``wait()`` returns the bytes.  ``key`` names the group's channel."""
+        ...
+
 
 class _Done:
     def __init__(self, value=None):
@@ -78,12 +85,36 @@ class QueueTransport:
 
         return _Recv()
 
+    def ibroadcast(self, data, nbytes, group, key, tag):
+        if self.rank == group[0]:
+            for peer in group[1:]:
+                self.isend(data, peer, tag)
+            return _Done()
+        return self.irecv(nbytes, group[0], tag)
+
 
 class TorchTransport:
     """torch.distributed point-to-point over the default process group (gloo on CPU)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, groups: dict | None = None):
         self.rank = rank
+        self.groups = groups if groups is not None else {}
+
+    @staticmethod
+    def create_groups(keys: list[tuple[str, tuple[int, ...]]]) -> dict:
+        """Make one torch process group per (key, ranks), in the given order.
+
+        Every process of the default group must call this with the same list (torch
+        requires it); a process gets handles only for groups it belongs to.
+        """
+        import torch.distributed as dist
+
+        out = {}
+        for key, ranks in keys:
+            g = dist.new_group(ranks=list(ranks))
+            if dist.get_rank() in ranks:
+                out[key] = g
+        return out
 
     def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle:
         import torch
@@ -112,3 +143,20 @@ class TorchTransport:
                 return tensor.numpy()
 
         return _Recv()
+
+    def ibroadcast(self, data, nbytes, group, key, tag):
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == group[0]:
+            tensor = torch.from_numpy(np.frombuffer(data.tobytes(), np.uint8).copy())
+        else:
+            tensor = torch.empty(nbytes, dtype=torch.uint8)
+        work = dist.broadcast(tensor, src=group[0], group=self.groups[key], async_op=True)
+
+        class _Bcast:
+            def wait(self_inner):
+                work.wait()
+                return tensor.numpy()
+
+        return _Bcast()
