@@ -86,7 +86,8 @@ class HostActor:
         self.torch_groups.update(TorchTransport.create_groups(list(keys)))
 
     def run_transfer(self, plan_json: str, full_or_none, repeat: int = 1):
-        """Run a transfer-only plan ``repeat`` times; returns (tiles, seconds per run)."""
+        """Run a transfer-only plan ``repeat`` times; returns (tiles, seconds per run,
+        bytes received in the last run)."""
         from meshshard.plan import Plan
         from meshshard.runtime.transfer_run import run_transfer, source_tiles
         from meshshard.runtime.transport import TorchTransport
@@ -94,12 +95,12 @@ class HostActor:
         plan = Plan.from_json(plan_json)
         transport = TorchTransport(self.host, self.torch_groups)
         tiles = source_tiles(full_or_none, plan, self.host) if full_or_none is not None else None
-        times, out = [], None
+        times, out, received = [], None, 0
         for _ in range(repeat):
             t0 = time.perf_counter()
-            out = run_transfer(plan, self.host, transport, tiles)
+            out, received = run_transfer(plan, self.host, transport, tiles)
             times.append(time.perf_counter() - t0)
-        return out, times
+        return out, times, received
 
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax

@@ -212,17 +212,12 @@ class RayCluster:
 
     def run_transfer(self, plan: Plan, full, repeat: int = 1):
         """Run a transfer-only plan on the actors; returns (destination tiles per worker,
-        per-run seconds of the slowest worker)."""
+        per-run seconds of the slowest worker, bytes received per worker)."""
         import ray
 
         from meshshard.runtime.interpreter import broadcast_groups
 
-        plan_hosts = {h for m in plan.meshes for h in m.hosts}
-        need = {h: "local" for h in plan_hosts}
-        conflict = [h for h, g in need.items() if self._groups[h] not in ("fresh", "local")]
-        if conflict:
-            self._restart(conflict)
-        self.prepare_transport()
+        self.prepare_transport()  # transfer-only runs use no JAX: any actor layout will do
         self.ensure_groups(broadcast_groups(plan))
         t = plan.transfers[0]
         src = set(plan.meshes[t.src_mesh].workers)
@@ -237,7 +232,7 @@ class RayCluster:
         out = dict(zip(refs, _get(list(refs.values())), strict=True))
         tiles = {w: r[0] for w, r in out.items() if r[0] is not None}
         per_run = [max(r[1][i] for r in out.values()) for i in range(repeat)]
-        return tiles, per_run
+        return tiles, per_run, {w: r[2] for w, r in out.items()}
 
     def backend(self):
         return RayBackend(self)

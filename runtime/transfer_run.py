@@ -96,9 +96,9 @@ def run_transfer(
     return value[0] if value is not None else None
 
 
-def run_transfer_threads(plan: Plan, full: np.ndarray) -> dict[int, Tiles]:
+def run_transfer_threads(plan: Plan, full: np.ndarray) -> tuple[dict[int, Tiles], dict[int, int]]:
     """Run a transfer-only plan with every worker a thread of this process; returns each
-    destination worker's tiles."""
+    destination worker's tiles and every worker's received bytes."""
     import threading
 
     from meshshard.runtime.executable import raise_worker_errors
@@ -108,12 +108,13 @@ def run_transfer_threads(plan: Plan, full: np.ndarray) -> dict[int, Tiles]:
     transports = QueueTransport.group(workers)
     src = set(plan.meshes[plan.transfers[0].src_mesh].workers)
     results: dict[int, Tiles] = {}
+    received: dict[int, int] = {}
     errors: dict[int, BaseException] = {}
 
     def one(w: int) -> None:
         try:
             tiles = source_tiles(full, plan, w) if w in src else None
-            out = run_transfer(plan, w, transports[w], tiles)
+            out, received[w] = run_transfer(plan, w, transports[w], tiles)
             if out is not None:
                 results[w] = out
         except BaseException as exc:  # reported below
@@ -125,4 +126,4 @@ def run_transfer_threads(plan: Plan, full: np.ndarray) -> dict[int, Tiles]:
     for th in threads:
         th.join()
     raise_worker_errors(errors)
-    return results
+    return results, received

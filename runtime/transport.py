@@ -160,3 +160,37 @@ class TorchTransport:
                 return tensor.numpy()
 
         return _Bcast()
+
+
+class CountingTransport:
+    """Wraps a transport and counts the bytes this worker sends and receives."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.rank = inner.rank
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def isend(self, data, peer, tag):
+        self.bytes_sent += data.nbytes
+        return self.inner.isend(data, peer, tag)
+
+    def irecv(self, nbytes, peer, tag):
+        return self._counted(self.inner.irecv(nbytes, peer, tag))
+
+    def ibroadcast(self, data, nbytes, group, key, tag):
+        if self.rank == group[0]:
+            self.bytes_sent += nbytes * (len(group) - 1)
+            return self.inner.ibroadcast(data, nbytes, group, key, tag)
+        return self._counted(self.inner.ibroadcast(data, nbytes, group, key, tag))
+
+    def _counted(self, handle):
+        outer = self
+
+        class _Counted:
+            def wait(self_inner):
+                raw = handle.wait()
+                outer.bytes_received += raw.nbytes
+                return raw
+
+        return _Counted()
