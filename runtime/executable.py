@@ -198,6 +198,27 @@ class Executable:
         self._out_tree = tree
 
 
+def run_in_threads(workers, fn) -> dict:
+    """``{w: fn(w)}`` with every worker in its own thread; a failure of any worker is
+    raised after all have finished, with every worker's message."""
+    results: dict = {}
+    errors: dict[int, BaseException] = {}
+
+    def one(w) -> None:
+        try:
+            results[w] = fn(w)
+        except BaseException as exc:  # reported below with every worker's failure
+            errors[w] = exc
+
+    threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    raise_worker_errors(errors)
+    return results
+
+
 def raise_worker_errors(errors: dict[int, BaseException]) -> None:
     """Re-raise the first worker failure with every worker's message."""
     if not errors:

@@ -9,14 +9,13 @@ Meshes spanning several hosts need real processes (the Ray backend).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import jax
 
 from meshshard.errors import MeshshardInputError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import raise_worker_errors
+from meshshard.runtime.executable import run_in_threads
 from meshshard.runtime.transport import QueueTransport
 from meshshard.runtime.worker import Worker
 
@@ -55,22 +54,7 @@ class LocalBackend:
         return times
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
-        results: dict[int, dict] = {}
-        errors: dict[int, BaseException] = {}
-
-        def run(w: int) -> None:
-            try:
-                results[w] = self.workers[w].run_step(*per_worker[w])
-            except BaseException as exc:  # reported below with every worker's failure
-                errors[w] = exc
-
-        threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in per_worker]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        raise_worker_errors(errors)
-        return results
+        return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
     def fetch(self, worker: int, key: int) -> list:
         return self.workers[worker].fetch(key)

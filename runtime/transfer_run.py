@@ -12,7 +12,7 @@ import numpy as np
 
 from meshshard.plan import Plan, TransferSpec
 from meshshard.runtime.interpreter import StreamInterpreter
-from meshshard.runtime.transport import Transport
+from meshshard.runtime.transport import CountingTransport, Transport
 from meshshard.tiles import device_blocks, intersect
 
 Tiles = dict[int, tuple[tuple[tuple[int, int], ...], np.ndarray]]  # local device -> (index, data)
@@ -84,46 +84,39 @@ class TileBlocks:
 
 def run_transfer(
     plan: Plan, worker: int, transport: Transport, tiles: Tiles | None
-) -> Tiles | None:
+) -> tuple[Tiles | None, int]:
     """Run ``worker``'s stream of a transfer-only plan; a source passes its tiles, a
-    destination gets its devices' tiles back."""
+    destination gets its devices' tiles back.  Also returns the bytes it received."""
     stream = next(s for s in plan.streams if s.worker == worker)
-    interp = StreamInterpreter(stream, plan, {}, None, transport, blocks=TileBlocks(plan, worker))
+    counting = CountingTransport(transport)
+    interp = StreamInterpreter(stream, plan, {}, None, counting, blocks=TileBlocks(plan, worker))
     buffer = f"{plan.transfers[0].name}@0"
     buffers = {buffer: (tiles,)} if tiles is not None else {}
     buffers = interp.run(buffers, load=None)
     value = buffers.get(buffer)
-    return value[0] if value is not None else None
+    return (value[0] if value is not None else None), counting.bytes_received
+
+
+def expected_bytes_received(plan: Plan, worker: int) -> int:
+    """Bytes the plan says ``worker`` receives (every message it is a receiver of)."""
+    return sum(m.nbytes for m in plan.transfers[0].messages if worker in m.receivers)
 
 
 def run_transfer_threads(plan: Plan, full: np.ndarray) -> tuple[dict[int, Tiles], dict[int, int]]:
     """Run a transfer-only plan with every worker a thread of this process; returns each
     destination worker's tiles and every worker's received bytes."""
-    import threading
-
-    from meshshard.runtime.executable import raise_worker_errors
+    from meshshard.runtime.executable import run_in_threads
     from meshshard.runtime.transport import QueueTransport
 
     workers = [s.worker for s in plan.streams]
     transports = QueueTransport.group(workers)
     src = set(plan.meshes[plan.transfers[0].src_mesh].workers)
-    results: dict[int, Tiles] = {}
-    received: dict[int, int] = {}
-    errors: dict[int, BaseException] = {}
 
-    def one(w: int) -> None:
-        try:
-            tiles = source_tiles(full, plan, w) if w in src else None
-            out, received[w] = run_transfer(plan, w, transports[w], tiles)
-            if out is not None:
-                results[w] = out
-        except BaseException as exc:  # reported below
-            errors[w] = exc
+    def one(w: int):
+        tiles = source_tiles(full, plan, w) if w in src else None
+        return run_transfer(plan, w, transports[w], tiles)
 
-    threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    raise_worker_errors(errors)
+    out = run_in_threads(workers, one)
+    results = {w: tiles for w, (tiles, _) in out.items() if tiles is not None}
+    received = {w: nbytes for w, (_, nbytes) in out.items()}
     return results, received
