@@ -125,6 +125,7 @@ class RayCluster:
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
         self._groups_made: set = set()
+        self.generation = 0  # bumped whenever actors restart (compiled steps die with them)
         for h in range(num_hosts):
             self._start_actor(h)
         import ray as _ray
@@ -155,6 +156,7 @@ class RayCluster:
     def _restart(self, hosts: Sequence[int]) -> None:
         import ray
 
+        self.generation += 1
         for h in hosts:
             ray.kill(self._actors[h], no_restart=True)
         for h in hosts:
@@ -290,6 +292,7 @@ class RayBackend:
 
         self.cluster.prepare(plan)
         self.cluster.ensure_groups(broadcast_groups(plan))
+        self.generation = self.cluster.generation
         plan_json = plan.to_json()
         refs = {
             w: self._actor(w).compile.remote(
@@ -302,6 +305,13 @@ class RayBackend:
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         import ray
 
+        if self.generation != self.cluster.generation:
+            raise MeshshardRuntimeError(
+                "the host-actors were restarted (to run a plan with another mesh layout, or "
+                "after a failure), so this step's compiled programs and the arrays it kept "
+                "are gone; call meshshard.parallelize again and pass host (numpy) copies of "
+                "the state"
+            )
         refs = {
             w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()
         }
