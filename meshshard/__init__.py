@@ -15,6 +15,7 @@ from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
 from meshshard.runtime.cluster import init, shutdown  # noqa: E402
+from meshshard.sim import SimResult, simulate  # noqa: E402
 
 __all__ = [
     "ClusterSpec",
@@ -22,6 +23,7 @@ __all__ = [
     "MeshshardInputError",
     "MeshshardRuntimeError",
     "ParallelizedFunction",
+    "SimResult",
     "PipeshardParallel",
     "Plan",
     "grad",
@@ -29,5 +31,6 @@ __all__ = [
     "mark_pipeline_boundary",
     "parallelize",
     "shutdown",
+    "simulate",
     "value_and_grad",
 ]
