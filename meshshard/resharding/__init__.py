@@ -2,4 +2,34 @@
 
 Pure planning (no Ray): from a :class:`~meshshard.tiles.ReshardingProblem` and a
 described cluster to the messages of a :class:`~meshshard.plan.TransferSpec`.
+
+- ``plan_resharding(problem, strategy, cluster)`` -> :class:`ReshardingPlan`;
+- ``lower_bound(problem, cluster)``: seconds no plan can beat (NIC ingress/egress);
+- ``simulate_resharding(problem, messages, cluster)``: seconds on the simulator;
+- ``check_messages``: the exactness contract (every destination tile covered once).
+
+One module per job: ``blocks`` (block arithmetic, message building), ``coverage``
+(the contract), ``bound``, ``baselines`` (the paper's send/recv, local all-gather,
+broadcast without and with size balancing), ``search`` (the paper's bounded search),
+``rounds`` (the LP over NIC-disjoint rounds) and ``broadcast`` (ours), ``estimate``
+(fast makespan estimate), ``simulate``, ``planner``.
+This module only re-exports.
 """
+
+from meshshard.resharding.bound import LowerBound, lower_bound, lower_bound_terms
+from meshshard.resharding.coverage import check_messages
+from meshshard.resharding.planner import STRATEGIES, plan_resharding
+from meshshard.resharding.result import LocalGather, ReshardingPlan
+from meshshard.resharding.simulate import simulate_resharding
+
+__all__ = [
+    "STRATEGIES",
+    "LocalGather",
+    "LowerBound",
+    "ReshardingPlan",
+    "check_messages",
+    "lower_bound",
+    "lower_bound_terms",
+    "plan_resharding",
+    "simulate_resharding",
+]

@@ -32,7 +32,7 @@ Rules (one entry per kind in :data:`COLLECTIVE_RULES`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
@@ -137,6 +137,17 @@ def send_recv(
     return Decomposition("sendrecv", "direct", (src, dst), float(nbytes), tuple(b.steps))
 
 
+def _channel_devices(
+    cluster: ClusterSpec, host: int, devices: tuple[int, ...], channel: int
+) -> list[Endpoint]:
+    """Chain nodes of ``host`` on ``channel`` when the devices taking part are known: every
+    listed device, entering through one on the channel's NIC when there is one."""
+    nic = channel % cluster.nics_per_host
+    on_nic = [i for i, d in enumerate(devices) if cluster.nic_of(d) == nic]
+    first = on_nic[0] if on_nic else channel % len(devices)
+    return [(host, d) for d in devices[first:] + devices[:first]]
+
+
 def chain_broadcast(
     hosts: tuple[int, ...],
     root: int,
@@ -145,12 +156,18 @@ def chain_broadcast(
     *,
     chunk_bytes: int | None = None,
     max_chunks: int = 1024,
+    devices: Mapping[int, tuple[int, ...]] | None = None,
 ) -> Decomposition:
     """Pipelined chain broadcast (NCCL's ring broadcast): root -> next member -> ... in chunks.
 
     Each of the ``K`` channels carries ``n/K`` bytes in ``ceil(n/K / chunk_bytes)``
     chunks (at most ``max_chunks``; chunks grow past that).  Chunk ``j`` crosses edge
     ``e`` after it crossed edge ``e-1`` and after chunk ``j-1`` crossed edge ``e``.
+
+    ``devices`` (host -> local devices taking part) makes the chain run device by device,
+    as NCCL's ring over the group's GPUs does: it enters each host once, then visits that
+    host's other listed devices over the intra-host fabric (the fan-out to every device
+    that needs the data).  Without it each host is one node, its NIC's device.
     """
     order = _rooted(hosts, root)
     b = _Builder()
@@ -160,7 +177,10 @@ def chain_broadcast(
     nchunks = max(1, min(max_chunks, math.ceil(per_channel / chunk))) if per_channel > 0 else 1
     size = per_channel / nchunks
     for c in range(k):
-        nodes = [_nic_device(cluster, h, c) for h in order]
+        nodes: list[Endpoint] = []
+        for h in order:
+            devs = tuple(devices.get(h, ())) if devices else ()
+            nodes += _channel_devices(cluster, h, devs, c) if devs else [_nic_device(cluster, h, c)]
         prev_edge: list[int] = []
         for e in range(len(nodes) - 1):
             edge: list[int] = []
@@ -287,11 +307,14 @@ def decompose(
     allreduce: str = "ring",
     chunk_bytes: int | None = None,
     max_chunks: int = 1024,
+    devices: Mapping[int, tuple[int, ...]] | None = None,
 ) -> Decomposition:
     """The flow DAG of collective ``kind`` over member hosts ``hosts`` moving ``nbytes``.
 
     ``allreduce`` picks ``"ring"``, ``"hierarchical"`` or ``"auto"`` (hierarchical when
     hosts have several devices and several NICs, as NCCL's tree/ring choice would).
+    ``devices`` (broadcast only) names each member's local devices that take part (see
+    :func:`chain_broadcast`).
     """
     if kind not in COLLECTIVE_RULES:
         raise ValueError(
@@ -305,11 +328,11 @@ def decompose(
             f"allreduce algorithm must be 'ring', 'hierarchical' or 'auto', got {allreduce!r}"
         )
     hosts = tuple(hosts)
-    if len(hosts) < 2:
+    if len(hosts) < 2 and not (kind == "broadcast" and devices):
         return Decomposition(kind, "local", hosts, float(nbytes), ())
     kw: dict = {}
     if kind == "broadcast":
-        kw = {"chunk_bytes": chunk_bytes, "max_chunks": max_chunks}
+        kw = {"chunk_bytes": chunk_bytes, "max_chunks": max_chunks, "devices": devices}
     elif kind == "allreduce":
         kw = {"algorithm": allreduce}
     return COLLECTIVE_RULES[kind](hosts, root, float(nbytes), cluster, **kw)

@@ -29,6 +29,12 @@ worker's comm stream, both sides must be there) a comm op starts only after the
 previous one completed, and a flow starts only when both its ``SEND`` and ``RECV``
 have been reached, which exposes head-of-line blocking and order effects.
 
+Devices: a message of the plan that names its devices (``Message.dst_devices``)
+moves between them: a point-to-point flow runs from ``src_device`` to the first
+device listed for its receiving worker (through those devices' NICs), and a broadcast chains
+through the root's ``src_device`` and every listed device of each receiver, so the
+intra-host fan-out costs its fabric hops.  Otherwise a host's NIC device stands in.
+
 A buffer is ready when the last instruction before the reader (in that worker's
 stream) that writes it has completed; buffers nobody wrote (parameters, optimizer
 state) are ready at time 0.  If some instruction can never run the engine raises
@@ -56,7 +62,7 @@ from meshshard.instructions import (
     WaitAll,
     Zeros,
 )
-from meshshard.plan import Plan
+from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
 from meshshard.sim.costs import ProgramCost, program_cost
 from meshshard.sim.network import FlowNetwork
@@ -171,13 +177,14 @@ class _Queue:
 class _P2P:
     """A matched SEND/RECV pair."""
 
-    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel")
+    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel", "devices")
 
     def __init__(self):
         self.send: _Op | None = None
         self.recv: _Op | None = None
         self.nbytes = 0.0
         self.flow_done = False
+        self.devices: tuple[int, int] | None = None  # (src device, dst device) when known
 
 
 class _Rendezvous:
@@ -362,6 +369,12 @@ class _Engine:
                 )
             pair.nbytes = self._message_bytes(pair.send.ins)
             pair.channel = pair.send.ins.message % self.cluster.nics_per_host
+            msg = self._message(pair.send.ins)
+            peer = pair.send.ins.peer
+            if msg is not None and msg.src == pair.send.worker and peer in msg.receivers:
+                devs = msg.dst_devices[msg.receivers.index(peer)] if msg.dst_devices else ()
+                if devs:
+                    pair.devices = (msg.src_device, devs[0])
         for key, n in counts.items():
             if key[0] == "run":
                 mesh = self.mesh_of_program[key[1]]
@@ -380,6 +393,13 @@ class _Engine:
                         f"workers {missing}; every group member must issue it"
                     )
                 self.rdv[key] = _Rendezvous(n)
+
+    def _message(self, ins: Send | Collective) -> Message | None:
+        """The plan's message an instruction carries, or None when the plan lacks it."""
+        try:
+            return self.plan.transfer(ins.transfer).messages[ins.message]
+        except (KeyError, IndexError):
+            return None
 
     def _message_bytes(self, ins: Send) -> float:
         try:
@@ -535,7 +555,9 @@ class _Engine:
         send = pair.send
         src = send.worker
         dst = send.ins.peer
-        if src == dst:
+        if pair.devices is not None:  # the message names its devices: route between them
+            a, b = (src, pair.devices[0]), (dst, pair.devices[1])
+        elif src == dst:
             g = self.cluster.devices_per_host
             a, b = (src, 0), (dst, g - 1)
         else:
@@ -562,10 +584,11 @@ class _Engine:
     def _start_collective(self, members: list[_Op]) -> None:
         ins: Collective = members[0].ins
         nbytes = self._coll_bytes(ins)
-        key = (ins.kind, ins.group, ins.root, nbytes)
+        devices = self._broadcast_devices(ins)
+        key = (ins.kind, ins.group, ins.root, nbytes, devices)
         prep = self.coll_cache.get(key)
         if prep is None:
-            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes)
+            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices)
         paths, lats, sizes, succ, ndeps, touching, per_member = prep
         by_worker = {op.worker: op for op in members}
         left = dict(per_member)
@@ -593,7 +616,19 @@ class _Engine:
             if n == 0:
                 launch(i)
 
-    def _prepare_collective(self, ins: Collective, nbytes: float):
+    def _broadcast_devices(self, ins: Collective) -> tuple | None:
+        """``((host, devices), ...)`` of a broadcast whose message names its devices
+        (``src_device`` on the root, ``dst_devices`` per receiver), else None."""
+        if ins.kind != "broadcast":
+            return None
+        msg = self._message(ins)
+        if msg is None or not msg.group or len(msg.dst_devices) != len(msg.group) - 1:
+            return None
+        pairs = [(msg.group[0], (msg.src_device,))]
+        pairs += [(h, tuple(d)) for h, d in zip(msg.group[1:], msg.dst_devices, strict=True)]
+        return tuple(pairs)
+
+    def _prepare_collective(self, ins: Collective, nbytes: float, devices: tuple | None = None):
         d = decompose(
             ins.kind,
             ins.group,
@@ -603,6 +638,7 @@ class _Engine:
             allreduce=self.opt.allreduce,
             chunk_bytes=self.opt.chunk_bytes,
             max_chunks=self.opt.max_chunks,
+            devices=dict(devices) if devices else None,
         )
         steps = d.steps
         paths = [self.topo.path(s.src, s.dst) for s in steps]
