@@ -9,7 +9,7 @@ the helpers here do both so every strategy obeys the same contract:
 - it lies inside the destination tile of every device listed in ``dst_devices``;
 - ``dst_devices[i]`` are the devices of receiver ``i`` (``group[1:]``, or ``dst``).
 
-    >>> split_block(((0, 8), (0, 3)), 0, 2)
+    >>> split_block(((0, 8), (0, 3)), 0, 4)
     (((0, 2), (0, 3)), ((2, 4), (0, 3)), ((4, 6), (0, 3)), ((6, 8), (0, 3)))
 """
 

@@ -137,6 +137,7 @@ def _realize(
                     jobs.append((k, f, i, route, cut, end, stream))
                 cut = end
     jobs.sort(key=lambda j: j[:3])
+    used = {k: i for i, k in enumerate(sorted({j[0] for j in jobs}))}  # rounds left non-empty
     loads: dict = {}
     msgs = []
     for k, _, _, route, lo, hi, stream in jobs:
@@ -146,7 +147,7 @@ def _realize(
             loads[sender] = loads.get(sender, 0) + need.nbytes(itemsize)
             targets = by_host(need.receivers)
             receivers = [(h, targets[h]) for h in route.receivers]
-            msgs.append(make_message(block, itemsize, sender, receivers, k))
+            msgs.append(make_message(block, itemsize, sender, receivers, used[k]))
     return msgs
 
 
@@ -242,11 +243,9 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
     candidates: list[tuple[str, list[Message]]] = []
     for name, sched in (("LP", charged), ("LP without overheads", schedule_rounds(flows))):
         rounds = list(sched.rounds)
-        for order in (rounds, rounds[::-1]):
+        for order, rev in ((rounds, ""), (rounds[::-1], ", reversed")):
             for whole in (False, True):
-                desc = f"{len(sched.rounds)} rounds from the {name}" + (
-                    ", whole slices" if whole else ""
-                )
+                desc = f"{name} rounds{rev}" + (", whole slices" if whole else "")
                 candidates.append((desc, _realize(order, pools, problem, whole)))
     for split in (False, True) if len(problem.needs) <= _DISPATCH_MAX_SLICES else ():
         how = "per receiving host" if split else "to all receiving hosts"
@@ -256,4 +255,5 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
         key=lambda i: (round(estimate_makespan(candidates[i][1], cluster), 12), i),
     )
     desc, msgs = candidates[best]
-    return tuple(msgs), (f"{len(pools)} flows; {desc}",)
+    rounds_used = 1 + max((m.round for m in msgs), default=-1)
+    return tuple(msgs), (f"{len(pools)} flows in {rounds_used} rounds: {desc}",)
