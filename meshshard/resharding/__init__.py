@@ -11,8 +11,9 @@ described cluster to the messages of a :class:`~meshshard.plan.TransferSpec`.
 One module per job: ``blocks`` (block arithmetic, message building), ``coverage``
 (the contract), ``bound``, ``baselines`` (the paper's send/recv, local all-gather,
 broadcast without and with size balancing), ``search`` (the paper's bounded search),
-``rounds`` (the LP over NIC-disjoint rounds) and ``broadcast`` (ours), ``estimate``
-(fast makespan estimate), ``simulate``, ``planner``.
+``rounds`` (the LP over NIC-disjoint rounds), ``realize`` (rounds to messages),
+``whole`` (whole-slice schedules), ``broadcast`` (ours: picks among those),
+``estimate`` (fast makespan estimate), ``simulate``, ``result``, ``planner``.
 This module only re-exports.
 """
 

@@ -1,10 +1,14 @@
-"""A fast estimate of a message list's makespan, for choosing between orders while planning.
+"""A fast estimate of a message list's makespan, for choosing between plans while planning.
 
 Each host does one operation at a time, in ``(round, position)`` order; an operation
-starts when its sender and all its receiving hosts are free and keeps them busy for
-``latency x hops + bytes / bandwidth`` plus, for a chain broadcast over ``k`` hosts,
-``k - 2`` chunks of pipeline fill.  It is the simulator's serial model without link
-sharing and intra-host hops, thousands of times cheaper; the simulator stays the judge.
+starts when its sender and all its receiving hosts are free (a rendezvous, as in
+NCCL).  A point-to-point message keeps both sides busy for ``latency + bytes /
+bandwidth``.  A chain broadcast over hosts ``0 (root), 1, ..., k-1`` moves ``C``
+chunks down the chain, so host ``j`` is free once its last chunk has moved on: the
+root after ``latency + C`` chunk times, a relay ``j`` after ``(j+1)`` latencies and
+``C + j`` chunk times, the last host after ``k-1`` latencies and ``C + k - 2`` chunk
+times.  It is the simulator's serial model without link sharing and intra-host hops,
+thousands of times cheaper; the simulator stays the judge.
 
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import Message
@@ -16,12 +20,13 @@ sharing and intra-host hops, thousands of times cheaper; the simulator stays the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import Message
 
-__all__ = ["execution_order", "estimate_makespan"]
+__all__ = ["execution_order", "estimate_makespan", "busy_seconds"]
 
 
 def execution_order(messages: Sequence[Message]) -> list[int]:
@@ -29,18 +34,26 @@ def execution_order(messages: Sequence[Message]) -> list[int]:
     return sorted(range(len(messages)), key=lambda i: (messages[i].round, i))
 
 
+def busy_seconds(nbytes: int, hosts: int, cluster: ClusterSpec) -> list[float]:
+    """Seconds each of a transfer's ``hosts`` (sender first, then the chain) stays busy."""
+    lat = cluster.nic_latency
+    if hosts <= 2:
+        return [lat + nbytes / cluster.nic_bandwidth] * hosts
+    bw = cluster.nic_bandwidth * cluster.nics_per_host
+    chunk = min(cluster.chunk_bytes, nbytes) or 1
+    n = max(1, math.ceil(nbytes / chunk))
+    step = nbytes / n / bw
+    out = [(j + 1) * lat + (n + j) * step for j in range(hosts - 1)]
+    return out + [(hosts - 1) * lat + (n + hosts - 2) * step]
+
+
 def estimate_makespan(messages: Sequence[Message], cluster: ClusterSpec) -> float:
     """Seconds until the last host finishes, in the serial host model (module docstring)."""
-    bw = cluster.nic_bandwidth * (cluster.nics_per_host)
-    lat, chunk = cluster.nic_latency, cluster.chunk_bytes
     clock: dict[int, float] = {}
     for i in execution_order(messages):
         m = messages[i]
         members = (m.src,) + tuple(m.receivers)
         start = max(clock.get(h, 0.0) for h in members)
-        hops = len(members) - 1
-        rate = bw if m.group else cluster.nic_bandwidth
-        took = hops * lat + m.nbytes / rate + max(0, hops - 1) * min(chunk, m.nbytes) / rate
-        for h in members:
+        for h, took in zip(members, busy_seconds(m.nbytes, len(members), cluster), strict=True):
             clock[h] = start + took
     return max(clock.values(), default=0.0)

@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
+from meshshard.plan import Message
 from meshshard.resharding.baselines import Planned, naive_order
 from meshshard.resharding.blocks import by_host, make_message
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["Work", "SearchResult", "search_schedule", "broadcast_search"]
+__all__ = ["Work", "SearchResult", "search_schedule", "searched_messages", "broadcast_search"]
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,14 @@ class SearchResult:
         return f"search: makespan {self.makespan} B after {self.nodes} nodes ({how})"
 
 
-def search_schedule(works: list[Work], time_limit_s: float = 1.0) -> SearchResult:
-    """Depth-first branch and bound over (order, sender) of ``works`` (see module docstring)."""
+def search_schedule(
+    works: list[Work], time_limit_s: float = 1.0, max_nodes: int | None = None
+) -> SearchResult:
+    """Depth-first branch and bound over (order, sender) of ``works`` (see module docstring).
+
+    Stops after ``time_limit_s`` or, when given, ``max_nodes`` search nodes (a
+    deterministic cut-off), keeping the best complete schedule found.
+    """
     n = len(works)
     workers = sorted({w for x in works for w in x.senders + x.receivers})
     slot = {w: i for i, w in enumerate(workers)}
@@ -90,6 +97,8 @@ def search_schedule(works: list[Work], time_limit_s: float = 1.0) -> SearchResul
         if best["done"]:
             return
         if stats["nodes"] % 256 == 0 and time.perf_counter() > deadline:
+            stats["timeout"] = True
+        if max_nodes is not None and stats["nodes"] >= max_nodes:
             stats["timeout"] = True
         if stats["timeout"] and best["time"] is not None:
             return
@@ -159,6 +168,15 @@ def broadcast_search(
         for n in needs
     ]
     result = search_schedule(works, time_limit_s)
+    return tuple(searched_messages(problem, needs, result)), (str(result),)
+
+
+def searched_messages(
+    problem: ReshardingProblem, needs: list, result: SearchResult
+) -> list[Message]:
+    """One broadcast per searched work (``needs[i]`` from ``result.senders[i]``), ordered
+    by start; works that start together share a round."""
+    itemsize = problem.itemsize
     rounds = {t: k for k, t in enumerate(sorted(set(result.starts)))}
     position = {i: p for p, i in enumerate(result.order)}
     msgs = []
@@ -167,4 +185,4 @@ def broadcast_search(
         sender = (host, by_host(need.holders)[host][0])
         receivers = list(by_host(need.receivers).items())
         msgs.append(make_message(need.index, itemsize, sender, receivers, rounds[result.starts[i]]))
-    return tuple(msgs), (str(result),)
+    return msgs
