@@ -50,7 +50,10 @@ def plan_traced(
     layer_groups, meshes = stage_layout(method, cluster, slicing.num_layers)
     graph = build_stage_graph(traced, slicing, layer_groups)
     buffers = build_buffers(traced, graph, meshes)
-    transfers = plan_transfers(traced, graph, meshes)
+    strategy = getattr(method, "resharding", "broadcast")
+    transfers = plan_transfers(
+        traced, graph, meshes, strategy=strategy, cluster=cluster, simulate=costs
+    )
     sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
     schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
     streams = emit_streams(graph, schedule, meshes, transfers)

@@ -1,42 +1,35 @@
-"""Pass: cross-mesh transfers of whole arrays by point-to-point send/recv.
+"""Pass: plan every cross-mesh transfer with the method's resharding strategy.
 
-Every destination host receives the whole array: each distinct block the source mesh
-holds is sent once per destination host, by the first source host that holds it.
-Simple and exact for any pair of shardings; the cross-mesh resharding planner replaces
-it with tile-level plans (broadcast trees, load balancing).
+Each cross-stage value becomes a :class:`~meshshard.tiles.ReshardingProblem` (its
+sharding on the producer's mesh -> its sharding on the consumer's mesh), which the
+resharding planner turns into messages: point-to-point sends, or broadcasts that
+cross each destination host boundary once.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
+from meshshard.cluster import ClusterSpec
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes, tensor_specs
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
-from meshshard.plan import MeshSpec, Message, TensorSpec, TransferSpec
-from meshshard.tiles import block_nbytes, device_blocks
-
-
-def whole_array_messages(
-    src: MeshSpec, dst: MeshSpec, src_spec, shape: tuple[int, ...], itemsize: int
-) -> tuple[Message, ...]:
-    """Messages that give every destination host the whole array."""
-    blocks = device_blocks(src.shape, src_spec, shape)
-    per_host = src.shape[1]
-    owner: dict = {}
-    for d, idx in enumerate(blocks):
-        owner.setdefault(idx, src.hosts[d // per_host])
-    msgs = []
-    for dst_host in dst.hosts:
-        for idx, src_host in owner.items():
-            msgs.append(Message(src_host, dst_host, idx, block_nbytes(idx, itemsize)))
-    return tuple(msgs)
+from meshshard.plan import MeshSpec, TensorSpec, TransferSpec
+from meshshard.resharding import plan_resharding
+from meshshard.tiles import resharding_problem
 
 
 def plan_transfers(
-    traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]
+    traced: TracedStep,
+    graph: StageGraph,
+    meshes: tuple[MeshSpec, ...],
+    *,
+    strategy: str,
+    cluster: ClusterSpec,
+    simulate: bool = False,
 ) -> tuple[TransferSpec, ...]:
-    """One TransferSpec per cross-stage edge of the stage graph."""
+    """One TransferSpec per cross-stage edge of the stage graph.
+
+    ``simulate`` also predicts each transfer's time on ``cluster`` (shown in the plan).
+    """
     info = tensor_specs(traced, graph, meshes)
     mbs = micro_batch_sizes(traced)
     out = []
@@ -47,7 +40,8 @@ def plan_transfers(
         dep = e.var in graph.batch_dependent
         src_spec = data_parallel_spec(shape, dep, mbs, src)
         dst_spec = data_parallel_spec(shape, dep, mbs, dst)
-        msgs = whole_array_messages(src, dst, src_spec, shape, np.dtype(dtype).itemsize)
+        problem = resharding_problem(shape, dtype, src, src_spec, dst, dst_spec)
+        planned = plan_resharding(problem, strategy, cluster, simulate=simulate)
         out.append(
             TransferSpec(
                 name=f"t{k}",
@@ -57,7 +51,10 @@ def plan_transfers(
                 dst_mesh=dst.id,
                 producer=e.producer,
                 consumer=e.consumer,
-                messages=msgs,
+                messages=planned.messages,
+                strategy=planned.strategy,
+                sim_time_s=planned.sim_time_s,
+                lower_bound_s=planned.lower_bound_s,
             )
         )
     return tuple(out)

@@ -12,9 +12,11 @@ MODELS = {
 }
 
 
-def check_parity(model_name: str, method, steps: int = 3):
+def check_parity(model_name: str, method, steps: int = 3, batch_size: int | None = None):
     """Parameters and loss after each of ``steps`` steps equal a single-device jax.jit run."""
     module, model, batch = MODELS[model_name]()
+    if batch_size is not None:
+        batch = module.make_batch(batch_size=batch_size)
     key = "x" if model_name == "mlp" else "inputs"
     state = module.make_state(model, batch[key])
     ref_step = jax.jit(module.train_step)

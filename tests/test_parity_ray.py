@@ -26,3 +26,23 @@ def test_gpt_four_stages_gpipe(ray_cluster):
 def test_data_parallel_on_four_devices(ray_cluster, model):
     step = check_parity(model, DataParallel(mesh_shape=(2, 2)))
     assert step.plan.meshes[0].num_devices == 4
+
+
+@pytest.mark.parametrize(
+    "strategy", ["broadcast", "broadcast_nolb", "send_recv", "local_allgather"]
+)
+def test_replicated_activations_cross_two_host_meshes(ray_cluster, strategy):
+    """Micro-batches of 2 rows cannot split over the (2, 2) mesh's 4 devices, so its
+    values are replicated there: the backward transfer from the one-host mesh must reach
+    both hosts of the first mesh.  ``broadcast_nolb`` does it with real broadcasts (torch
+    subgroups); ``broadcast`` picks whatever its simulation finds fastest (for these tiny
+    arrays, latency-bound point-to-point messages)."""
+    method = PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (1, 2)], resharding=strategy)
+    step = check_parity("mlp", method, batch_size=8)
+    backward = next(t for t in step.plan.transfers if t.consumer == "s0.B")
+    assert backward.dst_spec == () and len(step.plan.meshes[0].hosts) == 2
+    for w in step.plan.meshes[0].hosts:  # both hosts get every row
+        rows = sorted(m.index[0] for m in backward.messages if w in m.receivers)
+        assert rows[0][0] == 0 and rows[-1][1] == 2
+    if strategy == "broadcast_nolb":
+        assert all(m.is_broadcast for m in backward.messages)

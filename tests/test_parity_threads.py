@@ -3,6 +3,7 @@
 import pytest
 
 from meshshard import PipeshardParallel
+from meshshard.methods import RESHARDING_STRATEGIES
 from tests.parity import check_parity
 
 CASES = [
@@ -23,3 +24,12 @@ def test_pipeline_matches_single_device(threads_cluster, model, schedule, stages
     step = check_parity(model, method)
     assert len(step.plan.stages) == len(stages)
     assert len(step.plan.schedule.ticks) == 2 * (micro_batches + len(stages) - 1)
+
+
+@pytest.mark.parametrize("strategy", RESHARDING_STRATEGIES)
+def test_every_resharding_strategy_keeps_parity(threads_cluster, strategy):
+    method = PipeshardParallel(
+        num_micro_batches=2, stages=[(1, 2), (1, 1), (1, 2)], resharding=strategy
+    )
+    step = check_parity("mlp", method)
+    assert {t.strategy for t in step.plan.transfers} == {strategy}

@@ -11,6 +11,7 @@ import meshshard
 from examples import gpt, mlp
 from meshshard import ClusterSpec, DataParallel, PipeshardParallel, Plan
 from meshshard.instructions import Free, Recv, Send
+from meshshard.tiles import resharding_problem
 from meshshard.verify import verify
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -84,9 +85,23 @@ def test_every_send_has_its_receive_and_bytes_add_up():
                 nbytes = plan.transfer(ins.transfer).messages[ins.message].nbytes
                 received[(ins.peer, s.worker, ins.buffer, ins.message)] = nbytes
     assert sent == received and sent
-    for t in plan.transfers:  # every destination host gets the whole array, once
-        dst_hosts = plan.meshes[t.dst_mesh].hosts
-        assert t.nbytes == t.tensor.nbytes * len(dst_hosts)
+    for t in plan.transfers:  # with broadcasts each host receives each slice it needs once
+        problem = resharding_problem(
+            t.tensor.shape,
+            t.tensor.dtype,
+            plan.meshes[t.src_mesh],
+            t.tensor.spec,
+            plan.meshes[t.dst_mesh],
+            t.dst_spec,
+        )
+        for w in plan.meshes[t.dst_mesh].workers:
+            need = sum(
+                n.nbytes(problem.itemsize)
+                for n in problem.needs
+                if w in {h for h, _ in n.receivers}
+            )
+            got = sum(m.nbytes for m in t.messages if w in m.receivers)
+            assert got == need > 0, (t.name, w)
 
 
 def test_verify_reports_a_double_free():

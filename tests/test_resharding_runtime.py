@@ -86,15 +86,28 @@ def test_random_reshardings_deliver_exact_tiles_threads(case, strategy):
 
 
 RAY_CASES = [
-    ((8, 6), (1, 2), ("device",), (2, 2), ()),  # one host to two, replicated: broadcast
-    ((8, 4), (2, 2), ("host",), (2, 2), ("host",)),  # paper case 1, scaled down
-    ((8, 4), (2, 2), (None, "host"), (2, 2), ("host",)),  # paper case 3
-    ((6, 4), (1, 4), ("device",), (3, 1), ("host",)),  # 1 source host, 3 destination hosts
+    ((64, 48, 32), (1, 2), ("device",), (2, 2), ()),  # one host to two, replicated
+    ((64, 48, 32), (2, 2), ("host",), (2, 2), ("host",)),  # paper case 1, scaled down
+    ((64, 48, 32), (2, 2), (None, "host"), (2, 2), ("host",)),  # paper case 3
+    ((96, 40, 8), (1, 4), ("device",), (3, 1), ()),  # paper case 7 shape: 1 host to 3
 ]
 
 
+def test_ray_cases_exercise_collectives():
+    """Sanity of the cases below: real broadcasts run (broadcast_nolb always, ours where its
+    simulation finds them faster, as in the one-host-to-three case)."""
+    for case in RAY_CASES:
+        plan = make_plan(*case, "broadcast_nolb")
+        if len(plan.meshes[1].hosts) > 1 and case[4] == ():
+            assert all(m.is_broadcast for m in plan.transfers[0].messages), case
+    plan = make_plan(*RAY_CASES[3], "broadcast")
+    assert any(m.is_broadcast for m in plan.transfers[0].messages)
+
+
 @pytest.mark.ray
-@pytest.mark.parametrize("strategy", ["broadcast", "send_recv", "local_allgather"])
+@pytest.mark.parametrize(
+    "strategy", ["broadcast", "broadcast_nolb", "send_recv", "local_allgather"]
+)
 @pytest.mark.parametrize("case", RAY_CASES, ids=lambda c: f"{c[1]}{c[2]}->{c[3]}{c[4]}")
 def test_reshardings_on_ray_actors(ray_cluster, case, strategy):
     shape, src_shape, src_spec, dst_shape, dst_spec = case
