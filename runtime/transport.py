@@ -33,6 +33,14 @@ class Transport(Protocol):
         ...
 
 
+def _as_bytes(data: np.ndarray) -> np.ndarray:
+    """A writable flat uint8 view of ``data`` (copied only if it is not already one)."""
+    arr = np.ascontiguousarray(data)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return arr.reshape(-1).view(np.uint8)
+
+
 class _Done:
     def __init__(self, value=None):
         self.value = value
@@ -120,7 +128,7 @@ class TorchTransport:
         import torch
         import torch.distributed as dist
 
-        tensor = torch.from_numpy(np.frombuffer(data.tobytes(), np.uint8).copy())
+        tensor = torch.from_numpy(_as_bytes(data))
         work = dist.isend(tensor, dst=peer, tag=tag)
 
         class _Send:
@@ -149,7 +157,7 @@ class TorchTransport:
         import torch.distributed as dist
 
         if self.rank == group[0]:
-            tensor = torch.from_numpy(np.frombuffer(data.tobytes(), np.uint8).copy())
+            tensor = torch.from_numpy(_as_bytes(data))
         else:
             tensor = torch.empty(nbytes, dtype=torch.uint8)
         work = dist.broadcast(tensor, src=group[0], group=self.groups[key], async_op=True)
