@@ -171,8 +171,12 @@ class Message:
 
     def __str__(self) -> str:
         idx = ",".join(f"{a}:{b}" for a, b in self.index)
-        to = ",".join(f"w{w}" for w in self.receivers)
-        kind = "bcast " if self.group else ""
+        devs = self.dst_devices or ((),) * len(self.receivers)
+        to = ",".join(
+            f"w{w}" + (".{" + ",".join(map(str, d)) + "}" if d else "")
+            for w, d in zip(self.receivers, devs, strict=False)
+        )
+        kind = "bcast " if self.is_broadcast else ""
         rnd = f" r{self.round}" if self.round else ""
         return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {_fmt_bytes(self.nbytes)}{rnd}"
 
