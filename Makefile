@@ -21,6 +21,8 @@ demo: setup
 	$(PY) examples/train_gpt.py
 
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 lint: setup

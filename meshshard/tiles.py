@@ -140,4 +140,6 @@ def resharding_problem(
             if part is not None:
                 needs.append(SliceNeed(part, tuple(holders), tuple(receivers)))
     needs.sort(key=lambda n: n.index)
-    return ReshardingProblem(shape, str(np.dtype(dtype)), src, tuple(src_spec), dst, tuple(dst_spec), tuple(needs))
+    return ReshardingProblem(
+        shape, str(np.dtype(dtype)), src, tuple(src_spec), dst, tuple(dst_spec), tuple(needs)
+    )
