@@ -110,7 +110,7 @@ class BufferSpec:
 
     def __str__(self) -> str:
         mb = "@k" if self.per_micro_batch else ""
-        head = f"{self.name}{mb}  mesh{self.mesh}  {len(self.tensors)} arrays  {_fmt_bytes(self.nbytes)}"
+        head = f"{self.name}{mb}  mesh{self.mesh}  {len(self.tensors)} arrays  {fmt_bytes(self.nbytes)}"
         return "\n".join([head] + [f"    {t}" for t in self.tensors])
 
 
@@ -178,7 +178,7 @@ class Message:
         )
         kind = "bcast " if self.is_broadcast else ""
         rnd = f" r{self.round}" if self.round else ""
-        return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {_fmt_bytes(self.nbytes)}{rnd}"
+        return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
 
 
 @dataclass(frozen=True)
@@ -205,10 +205,10 @@ class TransferSpec:
     def __str__(self) -> str:
         t = self.tensor
         head = (
-            f"{self.name}  {t.name}  {_shape_str(t.dtype, t.shape)}  {_fmt_bytes(t.nbytes)}  "
+            f"{self.name}  {t.name}  {_shape_str(t.dtype, t.shape)}  {fmt_bytes(t.nbytes)}  "
             f"mesh{self.src_mesh} {spec_str(t.spec)} -> mesh{self.dst_mesh} {spec_str(self.dst_spec)}  "
             f"{self.producer} -> {self.consumer}  {self.strategy}, "
-            f"{len(self.messages)} msgs, {_fmt_bytes(self.nbytes)} on wire"
+            f"{len(self.messages)} msgs, {fmt_bytes(self.nbytes)} on wire"
         )
         if self.sim_time_s is not None:
             bound = (
@@ -373,7 +373,7 @@ class Plan:
         ]
         lines += [f"  {s}" for s in self.stages]
         lines.append(
-            f"  {len(self.transfers)} cross-mesh transfers, {_fmt_bytes(wire)} per step; "
+            f"  {len(self.transfers)} cross-mesh transfers, {fmt_bytes(wire)} per step; "
             f"schedule {self.schedule.name} in {len(self.schedule.ticks)} ticks; "
             f"{sum(len(s.instructions) for s in self.streams)} instructions"
         )
@@ -411,7 +411,8 @@ def _indent(text: str, pad: str = "  ") -> str:
     return "\n".join(pad + line for line in text.splitlines())
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number readable (``1.5 MiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

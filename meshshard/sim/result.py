@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
+from meshshard.plan import fmt_bytes
 from meshshard.sim.costs import ProgramCost
 
 __all__ = ["Span", "Counter", "WorkerStats", "LinkStats", "MemoryStats", "SimResult"]
@@ -122,14 +123,6 @@ class MemoryStats:
         )
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 @dataclass(frozen=True)
 class SimResult:
     """A predicted iteration of a plan on a cluster (see module docstring)."""
@@ -184,7 +177,7 @@ class SimResult:
         mem = {m.worker: m for m in self.memory}
         for w in self.workers:
             m = mem.get(w.worker)
-            peak = _fmt_bytes(m.peak) if m else "-"
+            peak = fmt_bytes(m.peak) if m else "-"
             cap = f"{100 * m.peak / m.capacity:.1f}%" if m else "-"
             if m and not m.fits:
                 cap += "!"
@@ -204,7 +197,7 @@ class SimResult:
             for s in shown:
                 busy_pct = 100 * s.busy / self.iteration_time if self.iteration_time else 0.0
                 lines.append(
-                    f"{s.name:<16}{s.capacity / 1e9:>9.4g}{_fmt_bytes(s.moved):>12}"
+                    f"{s.name:<16}{s.capacity / 1e9:>9.4g}{fmt_bytes(s.moved):>12}"
                     f"{busy_pct:>8.1f}{100 * s.utilisation:>8.1f}"
                 )
         over = [m for m in self.memory if not m.fits]
@@ -212,7 +205,7 @@ class SimResult:
             lines += [
                 "",
                 f"memory: {len(over)} worker(s) exceed device memory ("
-                f"{_fmt_bytes(self.cluster.device_memory)}): "
+                f"{fmt_bytes(self.cluster.device_memory)}): "
                 + ", ".join(f"w{m.worker}" for m in over),
             ]
         if self.notes:
