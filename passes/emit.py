@@ -33,35 +33,14 @@ def _ordered(t: TransferSpec) -> list[int]:
     return sorted(range(len(t.messages)), key=lambda i: (t.messages[i].round, i))
 
 
-def send_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
-    """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
+def _issue(t: TransferSpec, buffer: str, w: int, sending: bool) -> list[Instruction]:
+    """The communication worker ``w`` issues for ``buffer`` of transfer ``t``, in order:
+    a broadcast it takes part in is one ``COLL`` on both sides; a point-to-point
+    message is a ``SEND`` on its sender and a ``RECV`` on its receiver."""
     out: list[Instruction] = []
     for i in _ordered(t):
         msg = t.messages[i]
-        if msg.src != w:
-            continue
-        if msg.is_broadcast:
-            out.append(
-                Collective(
-                    kind="broadcast",
-                    buffer=buffer,
-                    transfer=t.name,
-                    message=i,
-                    group=msg.group,
-                    root=w,
-                )
-            )
-        else:
-            out.append(Send(buffer=buffer, transfer=t.name, message=i, peer=msg.receivers[0]))
-    return out
-
-
-def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
-    """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
-    out: list[Instruction] = []
-    for i in _ordered(t):
-        msg = t.messages[i]
-        if w not in msg.receivers:
+        if (msg.src != w) if sending else (w not in msg.receivers):
             continue
         if msg.is_broadcast:
             out.append(
@@ -74,9 +53,21 @@ def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
                     root=msg.src,
                 )
             )
+        elif sending:
+            out.append(Send(buffer=buffer, transfer=t.name, message=i, peer=msg.receivers[0]))
         else:
             out.append(Recv(buffer=buffer, transfer=t.name, message=i, peer=msg.src))
-    return out + [Wait(buffer=buffer)]
+    return out
+
+
+def send_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+    """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
+    return _issue(t, buffer, w, sending=True)
+
+
+def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+    """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
+    return _issue(t, buffer, w, sending=False) + [Wait(buffer=buffer)]
 
 
 def transfer_streams(
