@@ -34,7 +34,7 @@ def micro_batch_sizes(traced: TracedStep) -> set[int]:
     return {leaf.shape[0] // m for leaf in traced.inputs if leaf.is_batch}
 
 
-def tensor_specs(traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]) -> dict:
+def tensor_specs(traced: TracedStep) -> dict:
     """Var id -> (readable name, shape, dtype) for every value a buffer may hold."""
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
@@ -50,7 +50,7 @@ def build_buffers(
     traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]
 ) -> tuple[BufferSpec, ...]:
     """One BufferSpec per non-empty group of the stage graph, with a spec per array."""
-    info = tensor_specs(traced, graph, meshes)
+    info = tensor_specs(traced)
     mbs = micro_batch_sizes(traced)
     out = []
     for name, content in graph.groups:

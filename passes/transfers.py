@@ -30,7 +30,7 @@ def plan_transfers(
 
     ``simulate`` also predicts each transfer's time on ``cluster`` (shown in the plan).
     """
-    info = tensor_specs(traced, graph, meshes)
+    info = tensor_specs(traced)
     mbs = micro_batch_sizes(traced)
     out = []
     for k, e in enumerate(graph.edges):

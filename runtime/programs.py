@@ -49,13 +49,11 @@ class CompiledProgram:
         return result
 
 
-def group_contents(plan: Plan, name: str):
-    """(var ids, specs) of buffer group or transfer ``name`` as seen on its mesh."""
+def group_contents(plan: Plan, name: str) -> tuple[int, ...]:
+    """Var ids held by buffer group or transfer ``name``."""
     if name.startswith("t"):
-        t = plan.transfer(name)
-        return (t.tensor.var,), None
-    b = plan.buffer(name)
-    return tuple(t.var for t in b.tensors), tuple(t.spec for t in b.tensors)
+        return (plan.transfer(name).tensor.var,)
+    return tuple(t.var for t in plan.buffer(name).tensors)
 
 
 def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
@@ -76,8 +74,8 @@ def build_programs(
         fn = program_function(
             traced,
             spec.eqns,
-            [(g, group_contents(plan, g)[0]) for g in spec.inputs],
-            [(g, group_contents(plan, g)[0]) for g in spec.outputs],
+            [(g, group_contents(plan, g)) for g in spec.inputs],
+            [(g, group_contents(plan, g)) for g in spec.outputs],
             plan.num_micro_batches,
             spec.name.endswith(".apply"),
         )
