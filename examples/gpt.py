@@ -1,6 +1,7 @@
 """A small GPT-style decoder (token + position embedding, pre-LN blocks with causal
-self-attention and an MLP, final layer norm, untied output head) with a pipeline
-boundary after every block."""
+self-attention and an MLP, final layer norm, an output head that is its own matrix or,
+with ``tie_embeddings=True``, the token embedding) with a pipeline boundary after
+every block."""
 
 from __future__ import annotations
 
@@ -38,24 +39,32 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model; ``num_layers`` blocks, a boundary after each but the last."""
+    """Decoder-only language model; ``num_layers`` blocks, a boundary after each but the last.
+
+    ``tie_embeddings``: the output head is the token embedding ``wte`` (read by the
+    first and the last stage).
+    """
 
     vocab: int = 64
     d_model: int = 32
     num_heads: int = 4
     num_layers: int = 4
     max_len: int = 16
+    tie_embeddings: bool = False
 
     @nn.compact
     def __call__(self, tokens):
         pos = jnp.arange(tokens.shape[1])[None, :]
-        x = nn.Embed(self.vocab, self.d_model, name="wte")(tokens)
+        wte = nn.Embed(self.vocab, self.d_model, name="wte")
+        x = wte(tokens)
         x = x + nn.Embed(self.max_len, self.d_model, name="wpe")(pos)
         for i in range(self.num_layers):
             x = Block(self.d_model, self.num_heads, name=f"block{i}")(x)
             if i < self.num_layers - 1:
                 meshshard.mark_pipeline_boundary()
         x = nn.LayerNorm(name="ln_f")(x)
+        if self.tie_embeddings:
+            return wte.attend(x)
         return nn.Dense(self.vocab, use_bias=False, name="head")(x)
 
 

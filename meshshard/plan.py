@@ -61,6 +61,14 @@ class MeshSpec:
     shape: tuple[int, int]
     hosts: tuple[int, ...]
 
+    def reduction(self, name: str) -> ReductionSpec:
+        """The cross-mesh all-reduce called ``name`` (``r0``; a ``@k`` suffix is ignored)."""
+        base = name.split("@", 1)[0]
+        for r in self.reductions:
+            if r.name == base:
+                return r
+        raise KeyError(f"plan has no reduction {name!r}")
+
     @property
     def workers(self) -> tuple[int, ...]:
         """Worker ids of this mesh (one host-actor per host)."""
@@ -218,6 +226,53 @@ class TransferSpec:
         return "\n".join([head] + [f"    #{i} {m}" for i, m in enumerate(self.messages)])
 
 
+#: Element-wise reductions a cross-mesh all-reduce can apply.
+REDUCE_OPS = ("sum", "max", "min", "and", "or")
+
+
+@dataclass(frozen=True)
+class ReductionSpec:
+    """A cross-mesh all-reduce of one small value of the update step.
+
+    Each mesh computes its partial (``op`` over the ``parts`` it holds; ``literals`` are
+    added on the first mesh), its ``leaders`` worker contributes it (the mesh's other
+    workers contribute the identity), and every worker of ``group`` gets the result.
+    ``producer``/``consumer`` name the update phases that make and read it.
+    """
+
+    name: str
+    tensor: TensorSpec
+    op: str
+    group: tuple[int, ...]
+    leaders: tuple[int, ...]
+    parts: tuple[tuple[int, tuple[int, ...]], ...]
+    producer: str
+    consumer: str
+    literals: tuple[float, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+    @property
+    def var(self) -> int:
+        """The traced value being reduced."""
+        return self.tensor.var
+
+    def __str__(self) -> str:
+        t = self.tensor
+        parts = " + ".join(
+            f"mesh{m}({','.join(f'%{v}' for v in vs) or '-'})" for m, vs in self.parts
+        )
+        lits = f" + {list(self.literals)}" if self.literals else ""
+        group = ",".join(f"w{w}" for w in self.group)
+        return (
+            f"{self.name}  {t.name}  {_shape_str(t.dtype, t.shape)}  {fmt_bytes(t.nbytes)}  "
+            f"all-reduce {self.op} of {parts}{lits} over [{group}]  "
+            f"{self.producer} -> {self.consumer}"
+        )
+
+
 @dataclass(frozen=True)
 class Task:
     """One cell of a schedule: stage ``stage`` runs its forward (F) or backward (B) on ``mb``."""
@@ -332,6 +387,7 @@ class Plan:
     inputs: tuple[InputSpec, ...]
     outputs: tuple[OutputSpec, ...]
     notes: tuple[str, ...] = field(default=())
+    reductions: tuple[ReductionSpec, ...] = field(default=())
 
     # --- lookups -------------------------------------------------------------------
     def program(self, name: str) -> ProgramSpec:
@@ -356,6 +412,14 @@ class Plan:
             if t.name == base:
                 return t
         raise KeyError(f"plan has no transfer {name!r}")
+
+    def reduction(self, name: str) -> ReductionSpec:
+        """The cross-mesh all-reduce called ``name`` (``r0``; a ``@k`` suffix is ignored)."""
+        base = name.split("@", 1)[0]
+        for r in self.reductions:
+            if r.name == base:
+                return r
+        raise KeyError(f"plan has no reduction {name!r}")
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -386,6 +450,8 @@ class Plan:
         out += ["", "programs:"] + [f"  {p}" for p in self.programs]
         out += ["", "buffers:"] + [_indent(str(b)) for b in self.buffers]
         out += ["", "transfers:"] + ([_indent(str(t)) for t in self.transfers] or ["  (none)"])
+        if self.reductions:
+            out += ["", "all-reduces:"] + [f"  {r}" for r in self.reductions]
         out += ["", "inputs:"] + [f"  {i}" for i in self.inputs]
         out += ["", "outputs:"] + [f"  {o}" for o in self.outputs]
         out += ["", "schedule " + _indent(str(self.schedule)).lstrip()]
@@ -539,4 +605,18 @@ def _decode_plan(d: dict) -> Plan:
             for o in d["outputs"]
         ),
         notes=tuple(d.get("notes", ())),
+        reductions=tuple(
+            ReductionSpec(
+                name=r["name"],
+                tensor=_tensor(r["tensor"]),
+                op=r["op"],
+                group=tuple(r["group"]),
+                leaders=tuple(r["leaders"]),
+                parts=_tuple(r["parts"]),
+                producer=r["producer"],
+                consumer=r["consumer"],
+                literals=tuple(r["literals"]),
+            )
+            for r in d.get("reductions", ())
+        ),
     )

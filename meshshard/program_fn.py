@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
 
@@ -20,12 +21,15 @@ def program_function(
     outputs: Sequence[tuple[str, Sequence[int]]],
     num_micro_batches: int,
     is_apply: bool,
+    partials: dict | None = None,
 ) -> Callable:
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
     ``inputs``/``outputs`` are (buffer group, var ids) in order.  Accumulator groups
     (``A*``) are special: a stage program returns input + its contribution; the update
-    program reads them divided by the number of micro-batches (the mean).
+    program reads them divided by the number of micro-batches (the mean).  ``partials``
+    (var id -> (op, term var ids, literal terms)) are outputs computed as this mesh's
+    part of a cross-mesh all-reduce.
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -38,6 +42,10 @@ def program_function(
     in_groups = [(g, [by_id[i] for i in ids]) for g, ids in inputs]
     out_groups = [(g, [by_id[i] for i in ids]) for g, ids in outputs]
     m = num_micro_batches
+    partial_vars = {
+        by_id[i]: (op, [by_id[t] for t in terms], lits)
+        for i, (op, terms, lits) in (partials or {}).items()
+    }
 
     def fn(*flat):
         env = dict(consts)
@@ -58,7 +66,9 @@ def program_function(
         outs = []
         for g, vs in out_groups:
             for v in vs:
-                if g.startswith("A") and not is_apply:
+                if v in partial_vars:
+                    outs.append(_partial(partial_vars[v], env, v.aval))
+                elif g.startswith("A") and not is_apply:
                     operand = result_to_operand[v]
                     contribution = read_var(env, operand) if operand in defined else None
                     outs.append(acc_in[v] if contribution is None else acc_in[v] + contribution)
@@ -67,3 +77,36 @@ def program_function(
         return tuple(outs)
 
     return fn
+
+
+_REDUCERS = {
+    "sum": jnp.add,
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+    "and": jnp.logical_and,
+    "or": jnp.logical_or,
+}
+
+
+def _partial(spec, env, aval):
+    """This mesh's part of an all-reduce: ``op`` over its terms, or the identity."""
+    op, terms, literals = spec
+    vals = [env[t] for t in terms] + [jnp.asarray(x, aval.dtype) for x in literals]
+    if not vals:
+        return jnp.asarray(reduction_identity(op, aval.shape, aval.dtype))
+    out = vals[0]
+    for x in vals[1:]:
+        out = _REDUCERS[op](out, x)
+    return jnp.asarray(out, aval.dtype)
+
+
+def reduction_identity(op: str, shape, dtype) -> np.ndarray:
+    """The value that leaves ``op`` unchanged: what a mesh without a part contributes."""
+    dtype = np.dtype(dtype)
+    if op in ("and", "or"):
+        return np.full(shape, op == "and", dtype)
+    if op == "sum":
+        return np.zeros(shape, dtype)
+    info = np.finfo(dtype) if np.issubdtype(dtype, np.floating) else np.iinfo(dtype)
+    big = np.inf if np.issubdtype(dtype, np.floating) else info.max
+    return np.full(shape, -big if op == "max" else big, dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from meshshard.instructions import Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
+from meshshard.instructions import Collective, Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
 from meshshard.plan import Plan, Schedule
 
 
@@ -29,7 +29,9 @@ def verify(plan: Plan) -> list[str]:
             for b in ins.reads:
                 if b not in live:
                     problems.append(f"{where}: reads {b} before it is written")
-            if isinstance(ins, Recv):
+            if isinstance(ins, Collective) and ins.kind == "allreduce":
+                received.add(ins.buffer)  # every member's result arrives at its WAIT
+            elif isinstance(ins, Recv):
                 received.add(ins.buffer)
                 recvs[(ins.peer, w, ins.buffer, ins.message)] += 1
             elif isinstance(ins, Wait):

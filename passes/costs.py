@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from meshshard.jaxpr_util import var_ids
+from meshshard.passes.apply_programs import program_partials
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.program_fn import program_function
@@ -24,7 +25,13 @@ def program_costs(
     out = {}
     for p in graph.programs:
         fn = program_function(
-            traced, p.eqns, p.inputs, p.outputs, traced.num_micro_batches, p.name.endswith(".apply")
+            traced,
+            p.eqns,
+            p.inputs,
+            p.outputs,
+            traced.num_micro_batches,
+            ".apply" in p.name,
+            partials=program_partials(graph.reductions, p.outputs, p.stage),
         )
         args = [
             jax.ShapeDtypeStruct(by_id[i].aval.shape, by_id[i].aval.dtype)

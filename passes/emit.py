@@ -22,8 +22,9 @@ from meshshard.instructions import (
     WorkerStream,
     Zeros,
 )
+from meshshard.passes.emit_apply import apply_instructions
 from meshshard.passes.stage_graph import StageGraph
-from meshshard.plan import MeshSpec, Plan, Schedule, TransferSpec
+from meshshard.plan import MeshSpec, Plan, ReductionSpec, Schedule, TransferSpec
 
 PER_MB_PREFIXES = ("X", "R", "t")
 
@@ -95,6 +96,7 @@ def emit_streams(
     schedule: Schedule,
     meshes: tuple[MeshSpec, ...],
     transfers: tuple[TransferSpec, ...],
+    reductions: tuple[ReductionSpec, ...] = (),
 ) -> tuple[WorkerStream, ...]:
     """The per-worker instruction streams that run ``schedule`` over ``graph``."""
     streams: dict[int, list[Instruction]] = {w: [] for m in meshes for w in m.workers}
@@ -144,21 +146,11 @@ def emit_streams(
                 if x_readers[s] and x_readers[s][-1] == ph:
                     out.append(Free(buffer=f"X{s}@{k}"))
 
-    for m in meshes:
-        prog = progs[f"m{m.id}.apply"]
-        for w in m.workers:
-            out = streams[w]
-            out.append(
-                Run(
-                    program=prog.name,
-                    mb=None,
-                    inputs=tuple(g for g, _ in prog.inputs),
-                    outputs=tuple(g for g, _ in prog.outputs),
-                )
-            )
-            if groups.get(f"A{m.id}"):
-                out.append(Free(buffer=f"A{m.id}"))
-            out.append(WaitAll())
+    update = apply_instructions(
+        progs, groups, meshes, graph.apply_phases, by_name, reductions, send_side, receive_side
+    )
+    for w, ins in update.items():
+        streams[w] += ins + [WaitAll()]
     return tuple(WorkerStream(w, tuple(ins)) for w, ins in sorted(streams.items()))
 
 

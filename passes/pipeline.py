@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from meshshard.cluster import ClusterSpec
 from meshshard.methods import DataParallel, Method
+from meshshard.passes.apply_programs import plan_reductions
 from meshshard.passes.costs import program_costs
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
@@ -56,7 +57,8 @@ def plan_traced(
     )
     sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
     schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
-    streams = emit_streams(graph, schedule, meshes, transfers)
+    reductions = plan_reductions(traced, graph, meshes)
+    streams = emit_streams(graph, schedule, meshes, transfers, reductions)
     cost = program_costs(traced, graph) if costs else {}
     programs = tuple(
         ProgramSpec(
@@ -88,6 +90,7 @@ def plan_traced(
         inputs=_input_specs(traced, graph),
         outputs=_output_specs(traced, graph),
         notes=tuple(notes),
+        reductions=reductions,
     )
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
-from meshshard.passes.apply_placement import ApplyPlacement, place_apply
+from meshshard.passes.apply_placement import place_apply
+from meshshard.passes.apply_programs import PlannedReduction, apply_program_ios, build_apply_graph
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
 
@@ -60,6 +61,8 @@ class StageGraph:
     output_slots: tuple[tuple[int, str, tuple[tuple[str, int], ...], int | None, object], ...]
     grad_pairs: tuple[tuple[int, int], ...]
     batch_dependent: frozenset
+    reductions: tuple[PlannedReduction, ...] = ()
+    apply_phases: int = 1
 
     def program(self, name: str) -> ProgramIO:
         return next(p for p in self.programs if p.name == name)
@@ -173,7 +176,6 @@ def build_stage_graph(
     seeds: dict = {r: stage for r, stage in grad_stage.items()}
     for leaf, stages in state_read_by.items():
         seeds[jaxpr.invars[leaf]] = next(iter(stages))
-    state_leaves = tuple(i for i in range(n_in) if not is_batch[i])
     apply_eqns = slicing.apply_eqns
     compute_vars = set(producer)
     for i in apply_eqns:
@@ -192,12 +194,7 @@ def build_stage_graph(
                     "micro-batch outside what meshshard.grad returns; compute it inside the "
                     "loss function and return it as aux (has_aux=True)"
                 )
-    placement: ApplyPlacement = place_apply(jaxpr, apply_eqns, seeds, state_leaves, describe)
-    apply_by_mesh: dict[int, list[int]] = {m: [] for m in range(num_stages)}
-    for i, meshes in placement.eqn_meshes:
-        for m in meshes:
-            apply_by_mesh[m].append(i)
-
+    placement = place_apply(jaxpr, ids, apply_eqns, seeds, num_stages, describe)
     # --- groups ----------------------------------------------------------------------
     groups: dict[str, tuple[int, ...]] = {}
     for s in range(num_stages):
@@ -207,22 +204,24 @@ def build_stage_graph(
         groups[f"A{s}"] = tuple(
             ids[r] for r, st in grad_stage.items() if st == s
         )  # grad_end result ids, in grad_end order
-    # state inputs the apply on mesh m reads that are not already in P{m}
-    for m in range(num_stages):
-        need = []
-        for i in apply_by_mesh[m]:
-            for v in eqns[i].invars:
-                if not is_literal(v) and v in invar_leaf and invar_leaf[v] not in groups[f"P{m}"]:
-                    need.append(invar_leaf[v])
-        groups[f"S{m}"] = tuple(sorted(set(need)))
+    apply_outputs = tuple(
+        dict.fromkeys(
+            ids[v]
+            for v in jaxpr.outvars
+            if not is_literal(v) and v not in literal_grads and v not in invar_leaf
+        )
+    )
+    state_reads = {m: {leaf: f"P{m}" for leaf in groups[f"P{m}"]} for m in range(num_stages)}
+    grad_mesh = {ids[r]: st for r, st in grad_stage.items()}
+    apply = build_apply_graph(
+        jaxpr, ids, placement, num_stages, grad_mesh, state_reads, apply_outputs
+    )
+    groups.update(apply.groups)
+    computed_in_apply = {ids[v] for i, _ in placement.runs for v in eqns[i].outvars if v in ids}
+    computed_in_apply |= {r.var for r in placement.reductions}
 
     # --- step outputs ------------------------------------------------------------------
-    apply_producer: dict = {}
-    for m in range(num_stages):
-        for i in apply_by_mesh[m]:
-            for v in eqns[i].outvars:
-                apply_producer.setdefault(v, []).append(m)
-    o_groups: dict[int, list[int]] = {m: [] for m in range(num_stages)}
+    out_meshes = dict(apply.out_meshes)
     output_slots = []
     for j, v in enumerate(jaxpr.outvars):
         if is_literal(v):
@@ -231,21 +230,14 @@ def build_stage_graph(
             output_slots.append((j, "literal", (), None, literal_grads[v]))
         elif v in invar_leaf:
             output_slots.append((j, "input", (), invar_leaf[v], None))
-        elif v in apply_producer or v in grad_stage:
-            meshes = apply_producer.get(v) or [grad_stage[v]]
-            slots = []
-            for m in meshes:
-                if ids[v] not in o_groups[m]:
-                    o_groups[m].append(ids[v])
-                slots.append((f"O{m}", o_groups[m].index(ids[v])))
-            output_slots.append((j, "buffer", tuple(slots), None, None))
+        elif ids[v] in computed_in_apply or v in grad_stage:
+            slots = tuple((f"O{m}", groups[f"O{m}"].index(ids[v])) for m in out_meshes[ids[v]])
+            output_slots.append((j, "buffer", slots, None, None))
         else:
             raise MeshshardInputError(
                 f"step output {traced.outputs[j].path} is computed per micro-batch outside "
                 "meshshard.grad; return it from the loss function as aux (has_aux=True)"
             )
-    for m in range(num_stages):
-        groups[f"O{m}"] = tuple(o_groups[m])
 
     # --- programs --------------------------------------------------------------------
     programs = []
@@ -277,15 +269,9 @@ def build_stage_graph(
             for k in edge_out.get(name, []):
                 outs.append((f"t{k}", (edges[k].var,)))
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
-    for m in range(num_stages):
-        ins = []
-        for g in (f"A{m}", f"P{m}", f"S{m}"):
-            if groups[g]:
-                ins.append((g, groups[g]))
-        outs = [(f"O{m}", groups[f"O{m}"])] if groups[f"O{m}"] else []
-        programs.append(
-            ProgramIO(f"m{m}.apply", m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs))
-        )
+    first_move = len(edges)
+    edges += [Edge(var, prod, cons) for var, prod, cons in apply.moves]
+    programs += apply_program_ios(apply, groups, first_move)
 
     # --- step input slots ------------------------------------------------------------
     input_slots = []
@@ -308,6 +294,8 @@ def build_stage_graph(
         output_slots=tuple(output_slots),
         grad_pairs=tuple(grad_pairs),
         batch_dependent=_batch_dependent(jaxpr, is_batch, ids, slicing),
+        reductions=apply.reductions,
+        apply_phases=placement.num_phases,
     )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
+from meshshard.passes.inline import inline_update_calls
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def trace_step(
     treedef = jax.tree.structure(args)
     abstract_args = jax.tree.unflatten(treedef, leaves_abs)
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+    closed = inline_update_calls(closed)  # one equation per mesh in the update part
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = tuple(
         LeafInfo("out" + _path_str(p), tuple(s.shape), str(np.dtype(s.dtype))) for p, s in out_paths

@@ -30,6 +30,7 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import Plan, TransferSpec
+from meshshard.program_fn import reduction_identity
 from meshshard.runtime.programs import CompiledProgram, sharding
 from meshshard.runtime.transport import Transport
 
@@ -58,6 +59,7 @@ def broadcast_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
         for m in t.messages
         if m.is_broadcast
     }
+    keys.update({group_key(r.name, r.group): tuple(sorted(r.group)) for r in plan.reductions})
     return sorted(keys.items())
 
 
@@ -174,6 +176,10 @@ class StreamInterpreter:
                     pending_recv.setdefault(ins.buffer, []).append((msg, handle))
                 elif isinstance(ins, Collective):
                     self._collective(ins, buffers, pending_send, pending_recv)
+                elif isinstance(ins, Wait) and ins.buffer.startswith("r"):
+                    ((_, handle),) = pending_recv.pop(ins.buffer)
+                    full = np.asarray(handle.wait())
+                    buffers[ins.buffer] = (array_from_host(full, sharding(self.mesh, ())),)
                 elif isinstance(ins, Wait):
                     parts = [(msg, h.wait()) for msg, h in pending_recv.pop(ins.buffer)]
                     t = self._transfers[ins.buffer.split("@")[0]]
@@ -193,6 +199,9 @@ class StreamInterpreter:
         return buffers
 
     def _collective(self, ins: Collective, buffers, pending_send, pending_recv) -> None:
+        if ins.kind == "allreduce":
+            self._allreduce(ins, buffers, pending_recv)
+            return
         if ins.kind != "broadcast":
             raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")
         msg = self._transfers[ins.transfer].messages[ins.message]
@@ -204,6 +213,19 @@ class StreamInterpreter:
         else:
             handle = self.transport.ibroadcast(None, msg.nbytes, msg.group, key, tag)
             pending_recv.setdefault(ins.buffer, []).append((msg, handle))
+
+    def _allreduce(self, ins: Collective, buffers, pending_recv) -> None:
+        """Contribute this mesh's partial (its leader worker) or the identity (the
+        mesh's other workers) to the all-reduce of ``ins.buffer``."""
+        r = self.plan.reduction(ins.buffer)
+        value = buffers.pop(ins.buffer)[0]
+        if self.worker in r.leaders:
+            data = np.asarray(value.addressable_shards[0].data)
+        else:
+            data = reduction_identity(r.op, r.tensor.shape, r.tensor.dtype)
+        key = group_key(r.name, r.group)
+        handle = self.transport.iallreduce(data, r.op, r.group, key)
+        pending_recv[ins.buffer] = [(None, handle)]
 
     def _zeros(self, name: str) -> tuple:
         spec = self._buffers_spec[name]

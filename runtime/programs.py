@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshshard.passes.apply_programs import program_partials
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, Plan, Spec
 from meshshard.program_fn import program_function
@@ -53,6 +54,8 @@ def group_contents(plan: Plan, name: str) -> tuple[int, ...]:
     """Var ids held by buffer group or transfer ``name``."""
     if name.startswith("t"):
         return (plan.transfer(name).tensor.var,)
+    if name.startswith("r"):
+        return (plan.reduction(name).tensor.var,)
     return tuple(t.var for t in plan.buffer(name).tensors)
 
 
@@ -60,6 +63,8 @@ def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
     if group.startswith("t"):
         t = plan.transfer(group)
         return (t.tensor.spec if t.src_mesh == mesh_id else t.dst_spec,)
+    if group.startswith("r"):
+        return ((),)
     return tuple(t.spec for t in plan.buffer(group).tensors)
 
 
@@ -77,14 +82,18 @@ def build_programs(
             [(g, group_contents(plan, g)) for g in spec.inputs],
             [(g, group_contents(plan, g)) for g in spec.outputs],
             plan.num_micro_batches,
-            spec.name.endswith(".apply"),
+            ".apply" in spec.name,
+            partials=program_partials(plan.reductions, spec.outputs, mesh_id),
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
         )
+        phased = ".apply" in spec.name and not spec.name.endswith(".apply")
         donate = tuple(
-            i for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id)) if g.startswith("A")
+            i
+            for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
+            if g.startswith("A") and not phased  # a later update phase still reads A
         )
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(

@@ -32,6 +32,26 @@ class Transport(Protocol):
         a receiver's ``wait()`` returns the bytes.  ``key`` names the group's channel."""
         ...
 
+    def iallreduce(self, data: np.ndarray, op: str, group: tuple[int, ...], key: str) -> Handle:
+        """Reduce ``data`` element-wise with ``op`` over every member of ``group``; each
+        member's ``wait()`` returns the result (same shape and dtype as ``data``)."""
+        ...
+
+
+def reduce_arrays(op: str, arrays: list[np.ndarray]) -> np.ndarray:
+    """``op`` (sum, max, min, and, or) over ``arrays`` element-wise, in list order."""
+    fn = {
+        "sum": np.add,
+        "max": np.maximum,
+        "min": np.minimum,
+        "and": np.logical_and,
+        "or": np.logical_or,
+    }[op]
+    out = arrays[0]
+    for a in arrays[1:]:
+        out = fn(out, a)
+    return np.asarray(out, dtype=arrays[0].dtype)
+
 
 def _as_bytes(data: np.ndarray) -> np.ndarray:
     """A writable flat uint8 view of ``data`` (copied only if it is not already one)."""
@@ -99,6 +119,34 @@ class QueueTransport:
                 self.isend(data, peer, tag)
             return _Done()
         return self.irecv(nbytes, group[0], tag)
+
+    def iallreduce(self, data, op, group, key):
+        """Every member sends its value to the others and reduces all of them in group
+        order, so every member computes the same bits."""
+        tag = ("allreduce", key)
+        for peer in group:
+            if peer != self.rank:
+                self._q(self.rank, peer, tag).put(np.array(data, copy=True))
+        queues = {p: self._q(p, self.rank, tag) for p in group if p != self.rank}
+        timeout = self.timeout_s
+        mine = np.array(data, copy=True)
+
+        class _AllReduce:
+            def wait(self_inner):
+                parts = []
+                for p in group:
+                    if p not in queues:
+                        parts.append(mine)
+                        continue
+                    try:
+                        parts.append(queues[p].get(timeout=timeout))
+                    except queue.Empty:
+                        raise TimeoutError(
+                            f"all-reduce {key}: w{p} did not contribute in {timeout}s"
+                        ) from None
+                return reduce_arrays(op, parts)
+
+        return _AllReduce()
 
 
 class TorchTransport:
@@ -169,6 +217,30 @@ class TorchTransport:
 
         return _Bcast()
 
+    def iallreduce(self, data, op, group, key):
+        """``torch.distributed.all_reduce`` on the group's channel: values in float64
+        (bools as 0/1 with and = min, or = max), converted back to ``data``'s dtype."""
+        import torch
+        import torch.distributed as dist
+
+        dtype = np.asarray(data).dtype
+        tensor = torch.from_numpy(np.array(data, dtype=np.float64, copy=True))
+        red = {
+            "sum": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+            "and": dist.ReduceOp.MIN,
+            "or": dist.ReduceOp.MAX,
+        }[op]
+        work = dist.all_reduce(tensor, op=red, group=self.groups[key], async_op=True)
+
+        class _AllReduce:
+            def wait(self_inner):
+                work.wait()
+                return tensor.numpy().astype(dtype)
+
+        return _AllReduce()
+
 
 class CountingTransport:
     """Wraps a transport and counts the bytes this worker sends and receives."""
@@ -191,6 +263,10 @@ class CountingTransport:
             self.bytes_sent += nbytes * (len(group) - 1)
             return self.inner.ibroadcast(data, nbytes, group, key, tag)
         return self._counted(self.inner.ibroadcast(data, nbytes, group, key, tag))
+
+    def iallreduce(self, data, op, group, key):
+        self.bytes_sent += data.nbytes * (len(group) - 1)
+        return self._counted(self.inner.iallreduce(data, op, group, key))
 
     def _counted(self, handle):
         outer = self

@@ -422,6 +422,10 @@ class _Engine:
         except (KeyError, IndexError):
             pass
         try:
+            return float(self.plan.reduction(ins.transfer).nbytes)
+        except KeyError:
+            pass
+        try:
             return float(self.plan.buffer(ins.buffer).nbytes)
         except KeyError:
             self.notes.append(f"COLL {ins.kind} {ins.buffer}: size unknown, taken as 0 bytes")
