@@ -15,18 +15,27 @@ from dataclasses import dataclass
 
 from meshshard.jaxpr_util import is_literal
 from meshshard.passes.apply_placement import ApplyPlacement
+from meshshard.refs import BufferGroup, BufferKind, BufferRef, Phase, ProgramRef
+
+A, P, S, K, OUT = (  # buffer kinds (OUT prints as O)
+    BufferKind.ACCUMULATORS,
+    BufferKind.PARAMS,
+    BufferKind.APPLY_STATE,
+    BufferKind.CARRY,
+    BufferKind.APPLY_OUTPUTS,
+)
 
 
 @dataclass(frozen=True)
 class ApplyProgram:
     """One update phase of one mesh: equations and the groups it reads and writes."""
 
-    name: str
+    name: ProgramRef
     mesh: int
     phase: int
     eqns: tuple[int, ...]
-    inputs: tuple[tuple[str, tuple[int, ...]], ...]
-    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    inputs: tuple[tuple[BufferRef, tuple[int, ...] | None], ...]
+    outputs: tuple[tuple[BufferRef, tuple[int, ...] | None], ...]
 
 
 @dataclass(frozen=True)
@@ -47,15 +56,15 @@ class ApplyGraph:
     """Everything the update adds to the stage graph."""
 
     programs: tuple[ApplyProgram, ...]
-    groups: tuple[tuple[str, tuple[int, ...]], ...]
-    moves: tuple[tuple[int, str, str], ...]  # (var, producer, consumer), in transfer order
+    groups: tuple[tuple[BufferRef, tuple[int, ...]], ...]
+    moves: tuple[tuple[int, ProgramRef, ProgramRef], ...]  # (var, producer, consumer)
     reductions: tuple[PlannedReduction, ...]
     out_meshes: tuple[tuple[int, tuple[int, ...]], ...]  # output var id -> meshes
 
 
-def program_name(mesh: int, phase: int, num_phases: int) -> str:
+def program_name(mesh: int, phase: int, num_phases: int) -> ProgramRef:
     """``m{mesh}.apply`` for a one-phase update, else ``m{mesh}.apply{phase}``."""
-    return f"m{mesh}.apply" if num_phases == 1 else f"m{mesh}.apply{phase}"
+    return ProgramRef(Phase.APPLY, mesh, part=None if num_phases == 1 else phase)
 
 
 class _Sources:
@@ -95,7 +104,7 @@ def build_apply_graph(
     """Programs, groups and communication of the update.
 
     ``grad_mesh``: gradient var id -> mesh of its accumulator ``A{m}``;
-    ``state_reads``: mesh -> {var id of a step input: the group (``P{m}``/``S{m}``)
+    ``state_reads``: mesh -> {var id of a step input: the kind of group (``P``/``S``)
     holding it}, extended here with the ``S{m}`` reads the update adds;
     ``outputs``: var ids of step results the update computes.
     """
@@ -140,7 +149,7 @@ def build_apply_graph(
             if how is None:
                 if var not in grad_mesh and var not in state_reads[m]:
                     if by_id[var] not in jaxpr.constvars:
-                        state_reads[m][var] = f"S{m}"
+                        state_reads[m][var] = S
             elif how[1] < ph and var not in carry[m]:
                 carry[m].append(var)
 
@@ -168,10 +177,12 @@ def build_apply_graph(
 def _groups(num_meshes, state_reads, carry, out_meshes) -> tuple:
     out = []
     for m in range(num_meshes):
-        s_leaves = sorted(v for v, g in state_reads[m].items() if g == f"S{m}")
-        out.append((f"S{m}", tuple(s_leaves)))
-    out += [(f"K{m}", tuple(carry[m])) for m in range(num_meshes)]
-    out += [(f"O{m}", tuple(v for v, ms in out_meshes if m in ms)) for m in range(num_meshes)]
+        s_leaves = sorted(v for v, kind in state_reads[m].items() if kind is S)
+        out.append((BufferRef(S, m), tuple(s_leaves)))
+    out += [(BufferRef(K, m), tuple(carry[m])) for m in range(num_meshes)]
+    out += [
+        (BufferRef(OUT, m), tuple(v for v, ms in out_meshes if m in ms)) for m in range(num_meshes)
+    ]
     return tuple(out)
 
 
@@ -183,26 +194,33 @@ def _programs(placement, eqns, n_ph, num_meshes, groups, moves, reductions) -> t
         for m in range(num_meshes):
             name = program_name(m, ph, n_ph)
             own = tuple(i for i, where in runs.items() if where.get(m) == ph)
-            ins: list = [(f"{k}{m}", None) for k in ("A", "P", "S")]
+            ins: list = [(BufferRef(kind, m), None) for kind in (A, P, S)]
             outs: list = []
-            if g[f"K{m}"]:
-                ins.append((f"K{m}", g[f"K{m}"]))
+            carry = BufferRef(K, m)
+            if g[carry]:
+                ins.append((carry, g[carry]))
                 if ph < n_ph - 1:
-                    outs.append((f"K{m}", g[f"K{m}"]))
+                    outs.append((carry, g[carry]))
             for k, (var, prod, cons) in enumerate(moves):
                 if cons == name:
-                    ins.append((f"T{k}", (var,)))
+                    ins.append((_move_ref(k), (var,)))
                 if prod == name:
-                    outs.append((f"T{k}", (var,)))
-            for r in reductions:
+                    outs.append((_move_ref(k), (var,)))
+            for j, r in enumerate(reductions):
+                ref = BufferRef(BufferKind.REDUCTION, j)
                 if r.consumer == f"apply{ph}":
-                    ins.append((r.name, (r.var,)))
+                    ins.append((ref, (r.var,)))
                 if r.producer == f"apply{ph}":
-                    outs.append((r.name, (r.var,)))
-            if ph == n_ph - 1 and g[f"O{m}"]:
-                outs.append((f"O{m}", g[f"O{m}"]))
+                    outs.append((ref, (r.var,)))
+            if ph == n_ph - 1 and g[BufferRef(OUT, m)]:
+                outs.append((BufferRef(OUT, m), g[BufferRef(OUT, m)]))
             progs.append(ApplyProgram(name, m, ph, own, tuple(ins), tuple(outs)))
     return tuple(progs)
+
+
+def _move_ref(k: int) -> BufferRef:
+    """Placeholder for move ``k`` (renumbered after the stage graph's own transfers)."""
+    return BufferRef(BufferKind.TRANSFER, -1 - k)
 
 
 def apply_program_ios(apply: ApplyGraph, groups: dict, first_move: int) -> list:
@@ -212,14 +230,14 @@ def apply_program_ios(apply: ApplyGraph, groups: dict, first_move: int) -> list:
 
     def resolve(pairs):
         out = []
-        for g, content in pairs:
-            if g.startswith("T"):
-                out.append((f"t{first_move + int(g[1:])}", content))
-            elif content is None:
-                if groups[g]:
-                    out.append((g, groups[g]))
-            else:
-                out.append((g, content))
+        for ref, content in pairs:
+            if ref.kind is BufferKind.TRANSFER and ref.owner < 0:
+                ref = BufferRef(BufferKind.TRANSFER, first_move - 1 - ref.owner)
+            if content is None:
+                content = groups.get(ref, ())
+                if not content:
+                    continue
+            out.append(BufferGroup(ref, content))
         return tuple(out)
 
     return [
@@ -260,8 +278,8 @@ def plan_reductions(traced, graph, meshes) -> tuple:
 
 def program_partials(reductions, outputs, mesh: int) -> dict:
     """Var id -> (op, this mesh's term var ids, literal terms) of each all-reduce partial
-    among a program's ``outputs`` (group names or (group, contents) pairs)."""
-    names = {g if isinstance(g, str) else g[0] for g in outputs}
+    among a program's ``outputs`` (buffer references or groups)."""
+    names = {str(getattr(g, "ref", g)) for g in outputs}
     out = {}
     for r in reductions:
         if r.name in names:

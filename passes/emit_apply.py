@@ -10,73 +10,76 @@ accumulators ``A{m}`` and the carry ``K{m}`` are freed after the last phase.
 from __future__ import annotations
 
 from meshshard.instructions import Collective, Free, Instruction, Run, Wait, Zeros
-from meshshard.plan import MeshSpec, ReductionSpec, TransferSpec
+from meshshard.plan import MeshSpec, ReductionSpec
+from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef
+
+_T, _R = BufferKind.TRANSFER, BufferKind.REDUCTION
 
 
 def apply_instructions(
-    programs: dict,
-    groups: dict,
+    graph,
+    progs: dict,
     meshes: tuple[MeshSpec, ...],
-    num_phases: int,
-    transfers: dict[str, TransferSpec],
+    transfers: dict,
     reductions: tuple[ReductionSpec, ...],
     send_side,
     receive_side,
 ) -> dict[int, list[Instruction]]:
     """The update instructions of each worker (before its final ``WAITALL``)."""
-    from meshshard.passes.apply_programs import program_name
-
+    n_ph = graph.apply_phases
     out: dict[int, list[Instruction]] = {w: [] for m in meshes for w in m.workers}
     for m in meshes:
-        if groups.get(f"K{m.id}"):
+        carry = BufferRef(BufferKind.CARRY, m.id)
+        if graph.group(carry):
             for w in m.workers:
-                out[w].append(Zeros(buffer=f"K{m.id}"))
-    for ph in range(num_phases):
+                out[w].append(Zeros(buffer=carry))
+    by_name = {r.name: r for r in reductions}
+    for ph in range(n_ph):
         for m in meshes:
-            prog = programs[program_name(m.id, ph, num_phases)]
+            prog = progs[ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph)]
             for w in m.workers:
-                out[w] += _phase(prog, w, transfers, reductions, send_side, receive_side)
-                if ph == num_phases - 1:
-                    for g in (f"A{m.id}", f"K{m.id}"):
-                        if groups.get(g):
-                            out[w].append(Free(buffer=g))
+                out[w] += _phase(prog, w, transfers, by_name, send_side, receive_side)
+                if ph == n_ph - 1:
+                    for kind in (BufferKind.ACCUMULATORS, BufferKind.CARRY):
+                        if graph.group(BufferRef(kind, m.id)):
+                            out[w].append(Free(buffer=BufferRef(kind, m.id)))
     return out
 
 
-def _phase(prog, w, transfers, reductions, send_side, receive_side) -> list[Instruction]:
-    ins_names = [g for g, _ in prog.inputs]
-    out_names = [g for g, _ in prog.outputs]
+def _phase(prog, w, transfers, reductions: dict, send_side, receive_side) -> list[Instruction]:
+    ins = [g.ref for g in prog.inputs]
+    outs = [g.ref for g in prog.outputs]
     out: list[Instruction] = []
-    for g in ins_names:
-        if g.startswith("t"):
-            out += receive_side(transfers[g], f"{g}@0", w)
-        elif g.startswith("r"):
+    for g in ins:
+        if g.kind is _T:
+            out += receive_side(transfers[g.transfer], g.at(0), w)
+        elif g.kind is _R:
             out.append(Wait(buffer=g))
     out.append(
         Run(
             program=prog.name,
             mb=None,
-            inputs=tuple(_buf(g) for g in ins_names),
-            outputs=tuple(_buf(g) for g in out_names),
+            inputs=tuple(g.at(0) for g in ins),
+            outputs=tuple(g.at(0) for g in outs),
         )
     )
-    by_name = {r.name: r for r in reductions}
-    for g in out_names:
-        if g.startswith("t"):
-            out += send_side(transfers[g], f"{g}@0", w)
-            out.append(Free(buffer=f"{g}@0"))
-        elif g.startswith("r"):
-            r = by_name[g]
+    for g in outs:
+        if g.kind is _T:
+            out += send_side(transfers[g.transfer], g.at(0), w)
+            out.append(Free(buffer=g.at(0)))
+        elif g.kind is _R:
+            group = reductions[str(g)].group
             out.append(
                 Collective(
-                    kind="allreduce", buffer=g, transfer=g, message=0, group=r.group, root=None
+                    kind=CollectiveKind.ALLREDUCE,
+                    buffer=g,
+                    transfer=None,
+                    message=0,
+                    group=group,
+                    root=None,
                 )
             )
-    for g in ins_names:
-        if g.startswith(("t", "r")):
-            out.append(Free(buffer=_buf(g)))
+    for g in ins:
+        if g.kind in (_T, _R):
+            out.append(Free(buffer=g.at(0)))
     return out
-
-
-def _buf(group: str) -> str:
-    return f"{group}@0" if group.startswith("t") else group

@@ -18,24 +18,39 @@ from dataclasses import dataclass
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 from meshshard.passes.apply_placement import place_apply
-from meshshard.passes.apply_programs import PlannedReduction, apply_program_ios, build_apply_graph
+from meshshard.passes.apply_programs import (
+    PlannedReduction,
+    apply_program_ios,
+    build_apply_graph,
+)
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
+from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
+
+_PHASE = {FWD: Phase.FORWARD, BWD: Phase.BACKWARD}
+X, P, R, A, S, O = (  # noqa: E741 (buffer kinds by their print letter)
+    BufferKind.BATCH,
+    BufferKind.PARAMS,
+    BufferKind.RESIDUALS,
+    BufferKind.ACCUMULATORS,
+    BufferKind.APPLY_STATE,
+    BufferKind.APPLY_OUTPUTS,
+)
 
 
 @dataclass(frozen=True)
 class ProgramIO:
     """A program's equations and the var ids it reads and writes, by buffer group."""
 
-    name: str
+    name: ProgramRef
     stage: int
     eqns: tuple[int, ...]
-    inputs: tuple[tuple[str, tuple[int, ...]], ...]
-    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    inputs: tuple[BufferGroup, ...]
+    outputs: tuple[BufferGroup, ...]
 
     def __str__(self) -> str:
-        ins = " ".join(g for g, _ in self.inputs)
-        outs = " ".join(g for g, _ in self.outputs)
+        ins = " ".join(str(g.ref) for g in self.inputs)
+        outs = " ".join(str(g.ref) for g in self.outputs)
         return f"{self.name}: {len(self.eqns)} eqns ({ins}) -> ({outs})"
 
 
@@ -44,8 +59,35 @@ class Edge:
     """Value ``var`` made by program ``producer`` and read by program ``consumer`` (another stage)."""
 
     var: int
-    producer: str
-    consumer: str
+    producer: ProgramRef
+    consumer: ProgramRef
+
+
+@dataclass(frozen=True)
+class InputSlots:
+    """Step input leaf ``leaf`` and the (buffer group, position) places that hold it."""
+
+    leaf: int
+    slots: tuple[tuple[BufferRef, int], ...]
+
+
+@dataclass(frozen=True)
+class OutputSlots:
+    """Where step output leaf ``leaf`` comes from (see :class:`~meshshard.plan.OutputSpec`)."""
+
+    leaf: int
+    source: OutputSource
+    slots: tuple[tuple[BufferRef, int], ...] = ()
+    input_leaf: int | None = None
+    literal: object = None
+
+
+@dataclass(frozen=True)
+class GradPair:
+    """A ``meshshard.grad`` result (var id ``result``) and the value it returns (``operand``)."""
+
+    operand: int
+    result: int
 
 
 @dataclass(frozen=True)
@@ -55,20 +97,22 @@ class StageGraph:
     num_stages: int
     layer_groups: tuple[tuple[int, ...], ...]
     programs: tuple[ProgramIO, ...]
-    groups: tuple[tuple[str, tuple[int, ...]], ...]
+    groups: tuple[BufferGroup, ...]
     edges: tuple[Edge, ...]
-    input_slots: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]
-    output_slots: tuple[tuple[int, str, tuple[tuple[str, int], ...], int | None, object], ...]
-    grad_pairs: tuple[tuple[int, int], ...]
+    input_slots: tuple[InputSlots, ...]
+    output_slots: tuple[OutputSlots, ...]
+    grad_pairs: tuple[GradPair, ...]
     batch_dependent: frozenset
     reductions: tuple[PlannedReduction, ...] = ()
     apply_phases: int = 1
 
-    def program(self, name: str) -> ProgramIO:
-        return next(p for p in self.programs if p.name == name)
+    def program(self, ref: ProgramRef) -> ProgramIO:
+        """The program ``ref``."""
+        return next(p for p in self.programs if p.name == ref)
 
-    def group(self, name: str) -> tuple[int, ...]:
-        return dict(self.groups)[name]
+    def group(self, ref: BufferRef) -> tuple[int, ...]:
+        """The var ids buffer group ``ref`` holds (empty when the group is absent)."""
+        return next((g.vars for g in self.groups if g.ref == ref), ())
 
 
 def group_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
@@ -102,10 +146,10 @@ def build_stage_graph(
         return f"%{ids.get(v, '?')}"
 
     # --- which program defines each value --------------------------------------------
-    prog_of_eqn: dict[int, str] = {}
+    prog_of_eqn: dict[int, ProgramRef] = {}
     for i, (ly, ph) in enumerate(zip(slicing.layer, slicing.phase, strict=True)):
-        if ph in (FWD, BWD):
-            prog_of_eqn[i] = f"s{stage_of_layer[ly]}.{ph}"
+        if ph in _PHASE:
+            prog_of_eqn[i] = ProgramRef(_PHASE[ph], stage_of_layer[ly])
     producer: dict = {}
     for i, name in prog_of_eqn.items():
         for v in eqns[i].outvars:
@@ -125,11 +169,11 @@ def build_stage_graph(
                 f"meshshard.grad returns {describe(operand)} unchanged from its inputs; "
                 "return only values computed from the loss function"
             )
-        grad_stage[result] = int(producer[operand][1:].split(".")[0])
-        grad_pairs.append((ids[operand], ids[result]))
+        grad_stage[result] = producer[operand].owner
+        grad_pairs.append(GradPair(ids[operand], ids[result]))
 
     # --- reads of each compute program ---------------------------------------------
-    reads: dict[str, list] = {}
+    reads: dict[ProgramRef, list] = {}
     for i, name in prog_of_eqn.items():
         lst = reads.setdefault(name, [])
         for v in eqns[i].invars:
@@ -141,7 +185,7 @@ def build_stage_graph(
             ):
                 lst.append(v)
     # grad_end operands are "read" by the accumulator of their producing program
-    acc_of_prog: dict[str, list] = {}
+    acc_of_prog: dict[ProgramRef, list] = {}
     for operand in g_eqn.invars:
         if not is_literal(operand):
             acc_of_prog.setdefault(producer[operand], []).append(operand)
@@ -151,19 +195,21 @@ def build_stage_graph(
     p_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     r_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     edges: list[Edge] = []
-    for name in sorted(reads, key=_prog_key):
-        s = int(name[1:].split(".")[0])
+    for name in sorted(reads, key=lambda p: p.sort_key):
+        s = name.owner
         for v in reads[name]:
             if v in invar_leaf:
                 leaf = invar_leaf[v]
                 (x_groups if is_batch[leaf] else p_groups)[s].append(leaf)
                 if not is_batch[leaf]:
                     state_read_by.setdefault(leaf, set()).add(s)
-            elif producer[v] == f"s{s}.F" and name == f"s{s}.B":
+            elif producer[v] == ProgramRef(Phase.FORWARD, s) and name == ProgramRef(
+                Phase.BACKWARD, s
+            ):
                 r_groups[s].append(ids[v])
             else:
                 edges.append(Edge(ids[v], producer[v], name))
-    edges.sort(key=lambda e: (e.var, _prog_key(e.consumer)))
+    edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
     for leaf, stages in state_read_by.items():
         if len(stages) > 1:
             raise MeshshardInputError(
@@ -196,26 +242,15 @@ def build_stage_graph(
                 )
     placement = place_apply(jaxpr, ids, apply_eqns, seeds, num_stages, describe)
     # --- groups ----------------------------------------------------------------------
-    groups: dict[str, tuple[int, ...]] = {}
+    groups: dict[BufferRef, tuple[int, ...]] = {}
     for s in range(num_stages):
-        groups[f"X{s}"] = tuple(sorted(set(x_groups[s])))
-        groups[f"P{s}"] = tuple(sorted(set(p_groups[s])))
-        groups[f"R{s}"] = tuple(dict.fromkeys(r_groups[s]))
-        groups[f"A{s}"] = tuple(
+        groups[BufferRef(X, s)] = tuple(sorted(set(x_groups[s])))
+        groups[BufferRef(P, s)] = tuple(sorted(set(p_groups[s])))
+        groups[BufferRef(R, s)] = tuple(dict.fromkeys(r_groups[s]))
+        groups[BufferRef(A, s)] = tuple(
             ids[r] for r, st in grad_stage.items() if st == s
         )  # grad_end result ids, in grad_end order
-    apply_outputs = tuple(
-        dict.fromkeys(
-            ids[v]
-            for v in jaxpr.outvars
-            if not is_literal(v) and v not in literal_grads and v not in invar_leaf
-        )
-    )
-    state_reads = {m: {leaf: f"P{m}" for leaf in groups[f"P{m}"]} for m in range(num_stages)}
-    grad_mesh = {ids[r]: st for r, st in grad_stage.items()}
-    apply = build_apply_graph(
-        jaxpr, ids, placement, num_stages, grad_mesh, state_reads, apply_outputs
-    )
+    apply = _apply_graph(jaxpr, ids, placement, groups, grad_stage, literal_grads, invar_leaf)
     groups.update(apply.groups)
     computed_in_apply = {ids[v] for i, _ in placement.runs for v in eqns[i].outvars if v in ids}
     computed_in_apply |= {r.var for r in placement.reductions}
@@ -225,14 +260,16 @@ def build_stage_graph(
     output_slots = []
     for j, v in enumerate(jaxpr.outvars):
         if is_literal(v):
-            output_slots.append((j, "literal", (), None, v.val))
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
         elif v in literal_grads:
-            output_slots.append((j, "literal", (), None, literal_grads[v]))
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=literal_grads[v]))
         elif v in invar_leaf:
-            output_slots.append((j, "input", (), invar_leaf[v], None))
+            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=invar_leaf[v]))
         elif ids[v] in computed_in_apply or v in grad_stage:
-            slots = tuple((f"O{m}", groups[f"O{m}"].index(ids[v])) for m in out_meshes[ids[v]])
-            output_slots.append((j, "buffer", slots, None, None))
+            slots = tuple(
+                (BufferRef(O, m), groups[BufferRef(O, m)].index(ids[v])) for m in out_meshes[ids[v]]
+            )
+            output_slots.append(OutputSlots(j, OutputSource.BUFFER, slots))
         else:
             raise MeshshardInputError(
                 f"step output {traced.outputs[j].path} is computed per micro-batch outside "
@@ -241,33 +278,35 @@ def build_stage_graph(
 
     # --- programs --------------------------------------------------------------------
     programs = []
-    edge_out: dict[str, list] = {}
-    edge_in: dict[str, list] = {}
+    edge_out: dict[ProgramRef, list] = {}
+    edge_in: dict[ProgramRef, list] = {}
     for k, e in enumerate(edges):
         edge_out.setdefault(e.producer, []).append(k)
         edge_in.setdefault(e.consumer, []).append(k)
     for s in range(num_stages):
-        for ph in (FWD, BWD):
-            name = f"s{s}.{ph}"
+        for ph in (Phase.FORWARD, Phase.BACKWARD):
+            name = ProgramRef(ph, s)
             own = tuple(i for i, p in prog_of_eqn.items() if p == name)
-            ins: list[tuple[str, tuple[int, ...]]] = []
-            outs: list[tuple[str, tuple[int, ...]]] = []
+            ins: list[BufferGroup] = []
+            outs: list[BufferGroup] = []
             read_set = {ids[v] for v in reads.get(name, [])}
-            for g, content in (("P", groups[f"P{s}"]), ("X", groups[f"X{s}"])):
-                used = tuple(leaf for leaf in content if leaf in read_set)
-                if used:
-                    ins.append((f"{g}{s}", content))
-            if ph == BWD and groups[f"R{s}"]:
-                ins.append((f"R{s}", groups[f"R{s}"]))
+            for kind in (P, X):
+                content = groups[BufferRef(kind, s)]
+                if any(leaf in read_set for leaf in content):
+                    ins.append(BufferGroup(BufferRef(kind, s), content))
+            residuals = BufferGroup(BufferRef(R, s), groups[BufferRef(R, s)])
+            if ph is Phase.BACKWARD and residuals.vars:
+                ins.append(residuals)
             for k in edge_in.get(name, []):
-                ins.append((f"t{k}", (edges[k].var,)))
+                ins.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
             if acc_of_prog.get(name):
-                ins.append((f"A{s}", groups[f"A{s}"]))
-                outs.append((f"A{s}", groups[f"A{s}"]))
-            if ph == FWD and groups[f"R{s}"]:
-                outs.append((f"R{s}", groups[f"R{s}"]))
+                acc = BufferGroup(BufferRef(A, s), groups[BufferRef(A, s)])
+                ins.append(acc)
+                outs.append(acc)
+            if ph is Phase.FORWARD and residuals.vars:
+                outs.append(residuals)
             for k in edge_out.get(name, []):
-                outs.append((f"t{k}", (edges[k].var,)))
+                outs.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
     first_move = len(edges)
     edges += [Edge(var, prod, cons) for var, prod, cons in apply.moves]
@@ -278,17 +317,17 @@ def build_stage_graph(
     for leaf in range(n_in):
         slots = []
         for s in range(num_stages):
-            for g in ("X", "P", "S"):
-                content = groups[f"{g}{s}"]
+            for kind in (X, P, S):
+                content = groups[BufferRef(kind, s)]
                 if leaf in content:
-                    slots.append((f"{g}{s}", content.index(leaf)))
-        input_slots.append((leaf, tuple(slots)))
+                    slots.append((BufferRef(kind, s), content.index(leaf)))
+        input_slots.append(InputSlots(leaf, tuple(slots)))
 
     return StageGraph(
         num_stages=num_stages,
         layer_groups=layer_groups,
         programs=tuple(programs),
-        groups=tuple(groups.items()),
+        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
         edges=tuple(edges),
         input_slots=tuple(input_slots),
         output_slots=tuple(output_slots),
@@ -299,9 +338,19 @@ def build_stage_graph(
     )
 
 
-def _prog_key(name: str) -> tuple[int, str]:
-    s, ph = name[1:].split(".")
-    return int(s), ph
+def _apply_graph(jaxpr, ids, placement, groups, grad_stage, literal_grads, invar_leaf):
+    """The update's programs and groups (see :mod:`~meshshard.passes.apply_programs`)."""
+    num_stages = len({g.owner for g in groups if g.kind is P})
+    outputs = tuple(
+        dict.fromkeys(
+            ids[v]
+            for v in jaxpr.outvars
+            if not is_literal(v) and v not in literal_grads and v not in invar_leaf
+        )
+    )
+    state_reads = {m: dict.fromkeys(groups[BufferRef(P, m)], P) for m in range(num_stages)}
+    grad_mesh = {ids[r]: st for r, st in grad_stage.items()}
+    return build_apply_graph(jaxpr, ids, placement, num_stages, grad_mesh, state_reads, outputs)
 
 
 def _batch_dependent(jaxpr, is_batch, ids, slicing) -> frozenset:

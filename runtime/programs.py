@@ -18,6 +18,7 @@ from meshshard.passes.apply_programs import program_partials
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, Plan, Spec
 from meshshard.program_fn import program_function
+from meshshard.refs import BufferGroup, BufferKind, BufferRef, Phase, ProgramRef
 
 
 def make_mesh(devices: Sequence, shape: tuple[int, int]) -> Mesh:
@@ -34,10 +35,10 @@ def sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 class CompiledProgram:
     """A jitted program and how its flat inputs/outputs split into buffer groups."""
 
-    name: str
+    name: ProgramRef
     fn: Callable
-    input_groups: tuple[str, ...]
-    output_groups: tuple[str, ...]
+    input_groups: tuple[BufferRef, ...]
+    output_groups: tuple[BufferRef, ...]
     output_sizes: tuple[int, ...]
 
     def __call__(self, groups: Sequence[tuple]) -> list[tuple]:
@@ -50,27 +51,27 @@ class CompiledProgram:
         return result
 
 
-def group_contents(plan: Plan, name: str) -> tuple[int, ...]:
-    """Var ids held by buffer group or transfer ``name``."""
-    if name.startswith("t"):
-        return (plan.transfer(name).tensor.var,)
-    if name.startswith("r"):
-        return (plan.reduction(name).tensor.var,)
-    return tuple(t.var for t in plan.buffer(name).tensors)
+def group_contents(plan: Plan, ref: BufferRef) -> BufferGroup:
+    """Buffer group, transfer or all-reduce ``ref`` with the var ids it holds."""
+    if ref.kind is BufferKind.TRANSFER:
+        return BufferGroup(ref, (plan.transfer(ref).tensor.var,))
+    if ref.kind is BufferKind.REDUCTION:
+        return BufferGroup(ref, (plan.reduction(ref).tensor.var,))
+    return BufferGroup(ref, tuple(t.var for t in plan.buffer(ref).tensors))
 
 
-def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
-    if group.startswith("t"):
+def _specs_for(plan: Plan, group: BufferRef, mesh_id: int) -> tuple[Spec, ...]:
+    if group.kind is BufferKind.TRANSFER:
         t = plan.transfer(group)
         return (t.tensor.spec if t.src_mesh == mesh_id else t.dst_spec,)
-    if group.startswith("r"):
+    if group.kind is BufferKind.REDUCTION:
         return ((),)
     return tuple(t.spec for t in plan.buffer(group).tensors)
 
 
 def build_programs(
     traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh
-) -> dict[str, CompiledProgram]:
+) -> dict[ProgramRef, CompiledProgram]:
     """Compile every program of mesh ``mesh_id`` (its stage's F/B and its update)."""
     out = {}
     for spec in plan.programs:
@@ -79,21 +80,21 @@ def build_programs(
         fn = program_function(
             traced,
             spec.eqns,
-            [(g, group_contents(plan, g)) for g in spec.inputs],
-            [(g, group_contents(plan, g)) for g in spec.outputs],
+            [group_contents(plan, g) for g in spec.inputs],
+            [group_contents(plan, g) for g in spec.outputs],
             plan.num_micro_batches,
-            ".apply" in spec.name,
+            spec.name.phase is Phase.APPLY,
             partials=program_partials(plan.reductions, spec.outputs, mesh_id),
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
         )
-        phased = ".apply" in spec.name and not spec.name.endswith(".apply")
+        phased = spec.name.part is not None
         donate = tuple(
             i
             for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
-            if g.startswith("A") and not phased  # a later update phase still reads A
+            if g.kind is BufferKind.ACCUMULATORS and not phased  # a later phase reads A
         )
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(
@@ -106,5 +107,5 @@ def build_programs(
     return out
 
 
-def _flat_groups(plan: Plan, groups: Sequence[str], mesh_id: int) -> list[str]:
+def _flat_groups(plan: Plan, groups: Sequence[BufferRef], mesh_id: int) -> list[BufferRef]:
     return [g for g in groups for _ in _specs_for(plan, g, mesh_id)]

@@ -154,8 +154,7 @@ def test_large_cross_stage_value_moves_through_the_resharding_planner():
         ref, ref_mixed = jax.jit(step_fn)(state, batches(0))
         got, got_mixed = step(state, batches(0))
     np.testing.assert_allclose(np.asarray(got_mixed), np.asarray(ref_mixed), rtol=1e-5)
-    moves = [t for t in step.plan.transfers if ".apply" in t.producer]
-    assert [(t.producer, t.consumer) for t in moves] == [("m0.apply0", "m1.apply1")] or [
-        (t.producer, t.consumer) for t in moves
-    ] == [("m1.apply0", "m0.apply1")]
+    moves = [(str(t.producer), str(t.consumer)) for t in step.plan.transfers]
+    moves = [m for m in moves if ".apply" in m[0]]
+    assert moves in ([("m0.apply0", "m1.apply1")], [("m1.apply0", "m0.apply1")])
     assert verify(step.plan) == []
