@@ -73,7 +73,7 @@ def plan_traced(
         )
         for p in graph.programs
     )
-    notes = []
+    notes = list(graph.notes)
     if slicing.num_layers > 1 and isinstance(method, DataParallel):
         notes.append(f"{slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     return Plan(

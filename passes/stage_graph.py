@@ -105,6 +105,7 @@ class StageGraph:
     batch_dependent: frozenset
     reductions: tuple[PlannedReduction, ...] = ()
     apply_phases: int = 1
+    notes: tuple[str, ...] = ()
 
     def program(self, ref: ProgramRef) -> ProgramIO:
         """The program ``ref``."""
@@ -195,10 +196,14 @@ def build_stage_graph(
     p_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     r_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     edges: list[Edge] = []
+    owner = _state_owners(traced, reads, invar_leaf, is_batch)
     for name in sorted(reads, key=lambda p: p.sort_key):
         s = name.owner
         for v in reads[name]:
-            if v in invar_leaf:
+            if v in invar_leaf and not is_batch[invar_leaf[v]] and owner[v] != s:
+                # a shared parameter: a copy from its owner's forward (a transfer)
+                edges.append(Edge(ids[v], ProgramRef(Phase.FORWARD, owner[v]), name))
+            elif v in invar_leaf:
                 leaf = invar_leaf[v]
                 (x_groups if is_batch[leaf] else p_groups)[s].append(leaf)
                 if not is_batch[leaf]:
@@ -210,13 +215,6 @@ def build_stage_graph(
             else:
                 edges.append(Edge(ids[v], producer[v], name))
     edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
-    for leaf, stages in state_read_by.items():
-        if len(stages) > 1:
-            raise MeshshardInputError(
-                f"parameter {traced.inputs[leaf].path} is read by stages {sorted(stages)}; "
-                "a parameter must belong to one stage (tied weights across stages are not "
-                "supported yet): untie it or put the layers that use it in one stage"
-            )
 
     # --- apply-gradient placement ----------------------------------------------------
     seeds: dict = {r: stage for r, stage in grad_stage.items()}
@@ -335,7 +333,51 @@ def build_stage_graph(
         batch_dependent=_batch_dependent(jaxpr, is_batch, ids, slicing),
         reductions=apply.reductions,
         apply_phases=placement.num_phases,
+        notes=_shared_notes(traced, edges, ids, owner, invar_leaf),
     )
+
+
+def _state_owners(traced, reads, invar_leaf, is_batch) -> dict:
+    """Var -> owner stage of each state input: the first stage whose forward reads it.
+
+    Other stages reading it get a copy (a transfer); its gradient contributions are
+    summed on the owner (JAX adds them in the owner's backward, which runs last).
+    """
+    readers: dict = {}
+    for name in reads:
+        for v in reads[name]:
+            if v in invar_leaf and not is_batch[invar_leaf[v]]:
+                readers.setdefault(v, set()).add(name)
+    owner = {}
+    for v, progs in readers.items():
+        first = min(p.owner for p in progs)
+        if ProgramRef(Phase.FORWARD, first) not in progs and len({p.owner for p in progs}) > 1:
+            stages = sorted({p.owner for p in progs})
+            raise MeshshardInputError(
+                f"state input {traced.inputs[invar_leaf[v]].path} is read by stages {stages} "
+                f"but not by the forward of stage {first}, so no stage can own it and send "
+                "copies; read it in the forward pass of its first stage, or move the layers "
+                "that use it into one stage"
+            )
+        owner[v] = first
+    return owner
+
+
+def _shared_notes(traced, edges, ids, owner, invar_leaf) -> tuple[str, ...]:
+    """One plan note per shared parameter: owner, copies and gradient reduction."""
+    notes = []
+    for v, o in sorted(owner.items(), key=lambda kv: ids[kv[0]]):
+        copies = [(k, e) for k, e in enumerate(edges) if e.var == ids[v]]
+        if not copies:
+            continue
+        where = ", ".join(f"t{k} -> {e.consumer}" for k, e in copies)
+        stages = sorted({e.consumer.owner for _, e in copies})
+        notes.append(
+            f"shared parameter {traced.inputs[invar_leaf[v]].path}: owner stage {o} (P{o}); "
+            f"copies {where}; gradient contributions of stages {stages} are summed on "
+            f"stage {o} before its one update"
+        )
+    return tuple(notes)
 
 
 def _apply_graph(jaxpr, ids, placement, groups, grad_stage, literal_grads, invar_leaf):
