@@ -11,7 +11,7 @@ from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
 from meshshard.autodiff import grad, value_and_grad  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
-from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
+from meshshard.methods import DataParallel, FollowParallel, PipeshardParallel  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
 from meshshard.runtime.cluster import init, shutdown  # noqa: E402
@@ -20,6 +20,7 @@ from meshshard.sim import SimResult, simulate  # noqa: E402
 __all__ = [
     "ClusterSpec",
     "DataParallel",
+    "FollowParallel",
     "MeshshardInputError",
     "MeshshardRuntimeError",
     "ParallelizedFunction",

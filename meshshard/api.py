@@ -11,7 +11,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.methods import DataParallel, Method, PipeshardParallel
+from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
 
 
@@ -24,19 +24,23 @@ class ParallelizedFunction:
     def __init__(
         self,
         fn: Callable,
-        method: Method,
+        method: Method | None,
         donate_argnums: Sequence[int],
         batch_argnums: Sequence[int],
     ):
-        if not isinstance(method, DataParallel | PipeshardParallel):
+        if method is None:
+            method = DataParallel()  # the whole cluster as one data-parallel mesh
+        if not isinstance(method, DataParallel | PipeshardParallel | FollowParallel):
             raise MeshshardInputError(
-                f"method must be DataParallel() or PipeshardParallel(...), got {method!r}"
+                "method must be DataParallel(), PipeshardParallel(...) or "
+                f"FollowParallel(step), got {method!r}"
             )
         self.fn = fn
         self.method = method
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
         self._executables: dict = {}
+        self._lowered: Plan | None = None
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
 
@@ -60,6 +64,7 @@ class ParallelizedFunction:
             batch_argnums=self.batch_argnums,
             costs=costs,
         )
+        self._lowered = plan
         return plan
 
     def __call__(self, *args):
@@ -96,9 +101,10 @@ class ParallelizedFunction:
 
     @property
     def plan(self) -> Plan | None:
-        """The plan of the most recent compilation (None before the first call)."""
+        """The plan of the most recent compilation, else of the last ``lower`` (None
+        before either)."""
         if not self._executables:
-            return None
+            return self._lowered
         return list(self._executables.values())[-1].plan
 
     @property
@@ -110,7 +116,7 @@ class ParallelizedFunction:
 def parallelize(
     fn: Callable | None = None,
     *,
-    method: Method,
+    method: Method | None = None,
     donate_argnums: Sequence[int] = (),
     batch_argnums: Sequence[int] = (1,),
 ):
@@ -120,7 +126,10 @@ def parallelize(
     ``@parallelize(method=PipeshardParallel(num_micro_batches=4))``.  Arguments in
     ``batch_argnums`` are split into micro-batches along their first dimension; the
     others (parameters, optimizer state) live on the meshes between steps.  Inside
-    ``fn`` compute gradients with ``meshshard.grad``/``meshshard.value_and_grad``.
+    ``fn`` compute gradients with ``meshshard.grad``/``meshshard.value_and_grad``; a
+    step without them (evaluation, inference) runs as a forward-only pipeline.
+    ``method`` defaults to ``DataParallel()`` (the whole cluster as one mesh);
+    ``FollowParallel(train_step)`` runs with another step's placement.
     """
     if fn is None:
         return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums)

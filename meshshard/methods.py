@@ -121,4 +121,50 @@ def _check_micro_batches(m, owner: str) -> None:
         raise MeshshardInputError(f"{owner}.num_micro_batches must be a positive int, got {m!r}")
 
 
-Method = DataParallel | PipeshardParallel
+class FollowParallel:
+    """Run a step with the placement of another parallelized step (an eval step with
+    its train step's): the same meshes and layers per stage, so every parameter is read
+    where the other step left it, with no movement and no new actors.
+
+    Args:
+        step: the ``parallelize``d step to follow; it must have run (or been lowered)
+            once, so its plan exists.
+        num_micro_batches: micro-batches of this step (a step without gradients runs one).
+
+    >>> FollowParallel(print)
+    FollowParallel(print)
+    """
+
+    def __init__(self, step, num_micro_batches: int = 1):
+        _check_micro_batches(num_micro_batches, "FollowParallel")
+        self.step = step
+        self.num_micro_batches = num_micro_batches
+
+    @property
+    def plan(self):
+        """The followed step's plan; a clear error when it has none yet."""
+        plan = getattr(self.step, "plan", None)
+        if plan is None:
+            name = getattr(self.step, "__name__", repr(self.step))
+            raise MeshshardInputError(
+                f"FollowParallel({name}): that step has no plan yet; call it (or its "
+                ".lower(...)) once before planning a step that follows it"
+            )
+        return plan
+
+    @property
+    def schedule(self) -> str:
+        """The followed plan's pipeline schedule (``1f1b`` when it had none)."""
+        name = self.plan.schedule.name
+        return name if name in SCHEDULES else "1f1b"
+
+    @property
+    def resharding(self) -> str:
+        return "broadcast"
+
+    def __repr__(self) -> str:
+        name = getattr(self.step, "__name__", type(self.step).__name__)
+        return f"FollowParallel({name})"
+
+
+Method = DataParallel | PipeshardParallel | FollowParallel

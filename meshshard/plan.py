@@ -358,16 +358,18 @@ class StageSpec:
     mesh: int
     layers: tuple[int, ...]
     forward: ProgramRef
-    backward: ProgramRef
+    backward: ProgramRef | None  #: None in a forward-only step
     summary: str
 
     def __post_init__(self) -> None:
         _set(self, "forward", ProgramRef.of(self.forward))
-        _set(self, "backward", ProgramRef.of(self.backward))
+        if self.backward is not None:
+            _set(self, "backward", ProgramRef.of(self.backward))
 
     def __str__(self) -> str:
         layers = ",".join(map(str, self.layers))
-        return f"stage{self.id}  mesh{self.mesh}  layers [{layers}]  {self.forward}/{self.backward}  {self.summary}"
+        progs = f"{self.forward}/{self.backward}" if self.backward else str(self.forward)
+        return f"stage{self.id}  mesh{self.mesh}  layers [{layers}]  {progs}  {self.summary}"
 
 
 @dataclass(frozen=True)

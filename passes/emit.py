@@ -119,7 +119,8 @@ def _batch_readers(graph: StageGraph, progs: dict, stage: int) -> list[TaskKind]
     return [
         kind
         for kind in (TaskKind.F, TaskKind.B)
-        if any(g.ref == x for g in progs[ProgramRef(kind.phase, stage)].inputs)
+        if ProgramRef(kind.phase, stage) in progs  # no B in a forward-only step
+        and any(g.ref == x for g in progs[ProgramRef(kind.phase, stage)].inputs)
     ]
 
 

@@ -27,9 +27,14 @@ def _expandable(eqn) -> bool:
 
 
 def inline_update_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` with every call and ``cond`` after the ``grad_end`` marker expanded."""
+    """``closed`` with every call and ``cond`` after the ``grad_end`` marker expanded
+    (a step without ``grad_end`` gets its forward boundaries instead)."""
     eqns = closed.jaxpr.eqns
     ends = [i for i, e in enumerate(eqns) if is_marker(e, "grad_end")]
+    if not ends:  # a forward-only step: its markers carry the values crossing them
+        from meshshard.passes.forward_only import with_forward_boundaries
+
+        return with_forward_boundaries(closed)
     if len(ends) != 1 or not any(_expandable(e) for e in eqns[ends[0] + 1 :]):
         return closed
     start = ends[0] + 1

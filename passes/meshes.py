@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.methods import DataParallel, Method, PipeshardParallel
+from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.passes.stage_graph import group_layers
 from meshshard.plan import MeshSpec
 
@@ -17,6 +17,8 @@ def stage_layout(
     method: Method, cluster: ClusterSpec, num_layers: int
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[MeshSpec, ...]]:
     """Layer groups per stage and the mesh of each stage, validated against the cluster."""
+    if isinstance(method, FollowParallel):
+        return follow_layout(method, num_layers)
     if isinstance(method, DataParallel):
         shape = method.mesh_shape or (cluster.num_hosts, cluster.devices_per_host)
         return (tuple(range(num_layers)),), allocate_meshes([shape], cluster)
@@ -34,6 +36,20 @@ def stage_layout(
         shapes = list(method.stages)
         _check_stage_count(len(shapes), num_layers)
     return group_layers(num_layers, len(shapes)), allocate_meshes(shapes, cluster)
+
+
+def follow_layout(method: FollowParallel, num_layers: int):
+    """The followed plan's layer groups and meshes; its stages must cover these layers."""
+    plan = method.plan
+    groups = tuple(st.layers for st in plan.stages)
+    have = sum(len(g) for g in groups)
+    if have != num_layers:
+        raise MeshshardInputError(
+            f"{method!r}: this step has {num_layers} layers (pipeline boundaries + 1) but "
+            f"the followed step's {len(groups)} stages hold {have}; both steps must call "
+            "the same model (the same mark_pipeline_boundary() calls)"
+        )
+    return groups, plan.meshes
 
 
 def _check_stage_count(num_stages: int, num_layers: int) -> None:

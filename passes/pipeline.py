@@ -14,6 +14,12 @@ from meshshard.methods import DataParallel, Method
 from meshshard.passes.apply_programs import plan_reductions
 from meshshard.passes.costs import program_costs
 from meshshard.passes.emit import emit_streams
+from meshshard.passes.forward_only import (
+    build_forward_graph,
+    check_forward_only,
+    is_forward_only,
+    slice_forward,
+)
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.schedules import make_schedule
 from meshshard.passes.sharding import build_buffers
@@ -48,15 +54,24 @@ def plan_traced(
     traced: TracedStep, *, method: Method, cluster: ClusterSpec, costs: bool = False
 ) -> Plan:
     """Every pass after tracing."""
-    slicing = slice_layers(traced.jaxpr)
+    forward_only = is_forward_only(traced.jaxpr)
+    if forward_only:
+        check_forward_only(traced)
+        slicing = slice_forward(traced.jaxpr)
+    else:
+        slicing = slice_layers(traced.jaxpr)
     layer_groups, meshes = stage_layout(method, cluster, slicing.num_layers)
-    graph = build_stage_graph(traced, slicing, layer_groups)
+    if forward_only:
+        graph = build_forward_graph(traced, slicing, layer_groups)
+    else:
+        graph = build_stage_graph(traced, slicing, layer_groups)
     buffers = build_buffers(traced, graph, meshes)
     strategy = getattr(method, "resharding", "broadcast")
     transfers = plan_transfers(
         traced, graph, meshes, strategy=strategy, cluster=cluster, simulate=costs
     )
     sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
+    sched_name = "inference" if forward_only else sched_name
     schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
     reductions = plan_reductions(traced, graph, meshes)
     streams = emit_streams(graph, schedule, meshes, transfers, reductions)
@@ -108,8 +123,12 @@ def _stage_specs(traced: TracedStep, graph: StageGraph) -> tuple[StageSpec, ...]
     out = []
     for s, layers in enumerate(graph.layer_groups):
         f = graph.program(ProgramRef(Phase.FORWARD, s))
+        summary = f"F: {_summary(traced, f.eqns)}"
+        if graph.apply_phases == 0:  # forward-only
+            out.append(StageSpec(s, s, layers, f.name, None, summary))
+            continue
         b = graph.program(ProgramRef(Phase.BACKWARD, s))
-        summary = f"F: {_summary(traced, f.eqns)}; B: {_summary(traced, b.eqns)}"
+        summary += f"; B: {_summary(traced, b.eqns)}"
         out.append(StageSpec(s, s, layers, f.name, b.name, summary))
     return tuple(out)
 

@@ -47,11 +47,17 @@ def one_f_one_b(num_stages: int, num_micro_batches: int) -> Schedule:
     return _place("1f1b", num_stages, num_micro_batches, orders)
 
 
-SCHEDULE_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def inference(num_stages: int, num_micro_batches: int) -> Schedule:
+    """Forward tasks only (a step without gradients): each stage runs F0, F1, ..."""
+    orders = [[(FWD, m) for m in range(num_micro_batches)] for _ in range(num_stages)]
+    return _place("inference", num_stages, num_micro_batches, orders)
+
+
+SCHEDULE_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "inference": inference}
 
 
 def make_schedule(name: str, num_stages: int, num_micro_batches: int) -> Schedule:
-    """The schedule called ``name`` (``gpipe`` or ``1f1b``)."""
+    """The schedule called ``name`` (``gpipe``, ``1f1b`` or ``inference``)."""
     return SCHEDULE_GENERATORS[name](num_stages, num_micro_batches)
 
 
