@@ -9,6 +9,7 @@ MODULES = [
     "meshshard.cluster",
     "meshshard.sim.collectives",
     "meshshard.sim.network",
+    "meshshard.sim.rules",
     "meshshard.sim.simulator",
     "meshshard.sim.synthetic",
     "meshshard.sim.topology",
