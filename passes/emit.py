@@ -4,86 +4,26 @@ Per task of a stage, every worker of the stage's mesh gets, in order: ``LOAD`` o
 micro-batch's inputs, ``RECV``/``WAIT`` of incoming transfers, the ``RUN``, ``SEND`` of
 outgoing transfers, and ``FREE`` of every per-micro-batch buffer after its last use.
 A step starts with ``ZEROS`` of the gradient accumulators and ends with the update
-``RUN`` of each mesh and a ``WAITALL`` for outstanding sends.
+``RUN`` of each mesh and a ``WAITALL`` for outstanding sends.  What a transfer puts on
+the wire comes from :func:`~meshshard.passes.lower_transfer.lower_transfer`.
 """
 
 from __future__ import annotations
 
 from meshshard.instructions import (
-    Collective,
     Free,
     Instruction,
     Load,
-    Recv,
     Run,
-    Send,
-    Wait,
     WaitAll,
     WorkerStream,
     Zeros,
 )
+from meshshard.passes.lower_transfer import lower_transfer, transfer_streams
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.plan import MeshSpec, Plan, Schedule, TransferSpec
 
 PER_MB_PREFIXES = ("X", "R", "t")
-
-
-def _ordered(t: TransferSpec) -> list[int]:
-    """Message indices in issue order: by round, then plan order."""
-    return sorted(range(len(t.messages)), key=lambda i: (t.messages[i].round, i))
-
-
-def _issue(t: TransferSpec, buffer: str, w: int, sending: bool) -> list[Instruction]:
-    """The communication worker ``w`` issues for ``buffer`` of transfer ``t``, in order:
-    a broadcast it takes part in is one ``COLL`` on both sides; a point-to-point
-    message is a ``SEND`` on its sender and a ``RECV`` on its receiver."""
-    out: list[Instruction] = []
-    for i in _ordered(t):
-        msg = t.messages[i]
-        if (msg.src != w) if sending else (w not in msg.receivers):
-            continue
-        if msg.is_broadcast:
-            out.append(
-                Collective(
-                    kind="broadcast",
-                    buffer=buffer,
-                    transfer=t.name,
-                    message=i,
-                    group=msg.group,
-                    root=msg.src,
-                )
-            )
-        elif sending:
-            out.append(Send(buffer=buffer, transfer=t.name, message=i, peer=msg.receivers[0]))
-        else:
-            out.append(Recv(buffer=buffer, transfer=t.name, message=i, peer=msg.src))
-    return out
-
-
-def send_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
-    """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
-    return _issue(t, buffer, w, sending=True)
-
-
-def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
-    """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
-    return _issue(t, buffer, w, sending=False) + [Wait(buffer=buffer)]
-
-
-def transfer_streams(
-    t: TransferSpec, meshes: tuple[MeshSpec, ...], mb: int = 0
-) -> tuple[WorkerStream, ...]:
-    """Streams that run transfer ``t`` alone (micro-batch ``mb``): the source workers send
-    and free, the destination workers receive and wait; every stream ends in WAITALL."""
-    buffer = f"{t.name}@{mb}"
-    streams = []
-    for w in meshes[t.src_mesh].workers:
-        streams.append(
-            WorkerStream(w, tuple(send_side(t, buffer, w)) + (Free(buffer=buffer), WaitAll()))
-        )
-    for w in meshes[t.dst_mesh].workers:
-        streams.append(WorkerStream(w, tuple(receive_side(t, buffer, w)) + (WaitAll(),)))
-    return tuple(sorted(streams, key=lambda s: s.worker))
 
 
 def _name(group: str, mb: int) -> str:
@@ -124,7 +64,7 @@ def emit_streams(
                     out.append(Load(buffer=f"X{s}@{k}", mb=k))
                 incoming = [g for g, _ in prog.inputs if g.startswith("t")]
                 for g in incoming:
-                    out += receive_side(by_name[g], f"{g}@{k}", w)
+                    out += lower_transfer(by_name[g], f"{g}@{k}", w)
                 out.append(
                     Run(
                         program=prog.name,
@@ -135,7 +75,7 @@ def emit_streams(
                 )
                 outgoing = [g for g, _ in prog.outputs if g.startswith("t")]
                 for g in outgoing:
-                    out += send_side(by_name[g], f"{g}@{k}", w)
+                    out += lower_transfer(by_name[g], f"{g}@{k}", w)
                     out.append(Free(buffer=f"{g}@{k}"))
                 for g in incoming:
                     out.append(Free(buffer=f"{g}@{k}"))
