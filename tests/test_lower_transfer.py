@@ -179,6 +179,7 @@ def test_bcast_is_printed_only_for_what_runs_as_a_broadcast():
     assert {(2, False), (3, True)} <= kinds  # a two-member group prints p2p, three bcast
 
 
+@pytest.mark.slow
 def test_pipeline_transfers_run_what_their_printed_time_simulates(threads_cluster, monkeypatch):
     """In a real pipeline step, each worker issues exactly the lowering of each transfer,
     and those instructions, simulated alone, give the time the plan prints."""

@@ -54,7 +54,9 @@ METHODS = [
 
 
 @pytest.mark.parametrize("method", METHODS, ids=repr)
-@pytest.mark.parametrize("make", [mlp_plan, gpt_plan], ids=["mlp", "gpt"])
+@pytest.mark.parametrize(
+    "make", [mlp_plan, pytest.param(gpt_plan, marks=pytest.mark.slow)], ids=["mlp", "gpt"]
+)
 def test_plans_verify_and_round_trip(make, method):
     plan = make(method)
     assert verify(plan) == []
