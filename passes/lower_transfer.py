@@ -38,6 +38,7 @@ from meshshard.instructions import (
     WorkerStream,
 )
 from meshshard.plan import MeshSpec, Message, TransferSpec
+from meshshard.refs import BufferRef
 
 __all__ = ["issue_order", "lower_transfer", "transfer_streams"]
 
@@ -47,7 +48,9 @@ def issue_order(messages: Sequence[Message]) -> list[int]:
     return sorted(range(len(messages)), key=lambda i: (messages[i].round, i))
 
 
-def _lower_message(t: TransferSpec, i: int, buffer: str, worker: int) -> tuple[Instruction, ...]:
+def _lower_message(
+    t: TransferSpec, i: int, buffer: BufferRef, worker: int
+) -> tuple[Instruction, ...]:
     """What ``worker`` issues for message ``i`` of ``t`` (nothing when it takes no part)."""
     msg = t.messages[i]
     if msg.is_broadcast:
@@ -75,7 +78,7 @@ def _receives(ins: Instruction, worker: int) -> bool:
     return isinstance(ins, Recv) or (isinstance(ins, Collective) and ins.root != worker)
 
 
-def lower_transfer(t: TransferSpec, buffer: str, worker: int) -> tuple[Instruction, ...]:
+def lower_transfer(t: TransferSpec, buffer: BufferRef, worker: int) -> tuple[Instruction, ...]:
     """The instructions ``worker`` issues to move ``buffer`` by transfer ``t``.
 
     Its sends, receives and broadcasts in ``(round, position)`` order (module
@@ -98,7 +101,7 @@ def transfer_streams(
     its two meshes: the worker's share (:func:`lower_transfer`), ``FREE`` of the buffer
     on a worker that only sends, then ``WAITALL``.  Transfer-only plans run these, and
     the resharding simulator times them."""
-    buffer = f"{t.name}@{mb}"
+    buffer = t.name.buffer(mb)
     src, dst = meshes[t.src_mesh].workers, meshes[t.dst_mesh].workers
     streams = []
     for w in sorted(set(src) | set(dst)):

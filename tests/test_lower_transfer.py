@@ -197,7 +197,7 @@ def test_pipeline_transfers_run_what_their_printed_time_simulates(threads_cluste
     assert plan.transfers
     for t in plan.transfers:
         assert t.sim_time_s is not None
-        buf = f"{t.name}@0"
+        buf = t.name.buffer(0)
         streams = {}
         for w in (*plan.meshes[t.src_mesh].workers, *plan.meshes[t.dst_mesh].workers):
             mine = tuple(

@@ -154,6 +154,7 @@ def test_a_sharded_array_crosses_meshes_on_the_device_path(nccl, monkeypatch):
         Message(0, 1, ((2, 4), (0, 6)), 48, src_device=1),
     )
     plan = transfer_plan(shape, src, ("device",), dst, (), msgs)
+    buf = plan.transfers[0].name.buffer(0)
     full = np.arange(24, dtype=np.float32).reshape(shape)
     devs = jax.devices()
     meshes = {0: make_mesh(devs[0:2], (1, 2)), 1: make_mesh(devs[2:4], (1, 2))}
@@ -173,9 +174,9 @@ def test_a_sharded_array_crosses_meshes_on_the_device_path(nccl, monkeypatch):
         t = tp.TorchTransport(w, devices=fake_gpus)
         interp = StreamInterpreter(plan.streams[w], plan, {}, meshes[w], t)
         assert isinstance(interp.blocks, DeviceBlocks)
-        out[w] = interp.run({"t0@0": (value,)} if w == 0 else {}, load=None)
+        out[w] = interp.run({buf: (value,)} if w == 0 else {}, load=None)
     assert len(reads) == 2 and all(isinstance(r, jax.Array) for r in reads)
-    got = out[1]["t0@0"][0]
+    got = out[1][buf][0]
     assert got.sharding == sharding(meshes[1], ())
     np.testing.assert_array_equal(np.asarray(got), full)
     for shard in got.addressable_shards:
