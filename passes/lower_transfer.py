@@ -38,7 +38,7 @@ from meshshard.instructions import (
     WorkerStream,
 )
 from meshshard.plan import MeshSpec, Message, TransferSpec
-from meshshard.refs import BufferRef
+from meshshard.refs import BufferRef, CollectiveKind
 
 __all__ = ["issue_order", "lower_transfer", "transfer_streams"]
 
@@ -57,7 +57,7 @@ def _lower_message(
         if worker not in msg.group:
             return ()
         coll = Collective(
-            kind="broadcast",
+            kind=CollectiveKind.BROADCAST,
             buffer=buffer,
             transfer=t.name,
             message=i,
