@@ -118,9 +118,10 @@ class HostActor:
             devices = [devs[i * per + j] for i in range(h) for j in range(d)]
         else:
             devices = jax.local_devices()[:d]
-        worker = Worker(
-            self.host, devices, TorchTransport(self.host, self.torch_groups), store=self.store
-        )
+        # the transport's data path is fixed here, at compile time: NCCL with host
+        # arrays raises now instead of hanging at the first message
+        transport = TorchTransport(self.host, self.torch_groups, devices=devices)
+        worker = Worker(self.host, devices, transport, store=self.store)
         seconds = worker.compile(fn, abstract_args, batch_argnums, plan)
         self.workers[plan_id] = worker
         return seconds

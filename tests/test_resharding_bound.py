@@ -101,6 +101,7 @@ def test_more_nics_raise_the_bandwidth():
 CLUSTER6 = dataclasses.replace(P38, num_hosts=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(problem=problems(), scale=st.sampled_from([1 << 12, 1 << 20]))
 def test_no_strategy_beats_the_bound(problem, scale):

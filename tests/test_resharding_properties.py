@@ -129,6 +129,7 @@ def plan_messages(problem, strategy):
     return plan_resharding(problem, strategy, CLUSTER, simulate=False).messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=problems(), seed=st.integers(0, 2**16))

@@ -7,7 +7,10 @@
 >>> print(ReshardingPlan(p, "broadcast", (m,), lower_bound_s=1e-3, sim_time_s=None, planning_s=0.0))
 reshard i32[8] 32 B: mesh0 (1, 1) P() -> mesh1 (1, 2) P()
   broadcast: 1 messages, 32 B over the network, lower bound 1.000 ms
-  #0 r0 bcast w0.0 -> w1.{0,1} [0:8] 32 B
+  #0 r0 p2p   w0.0 -> w1.{0,1} [0:8] 32 B
+
+A group of root and one receiver runs as a send, so it prints ``p2p``; ``bcast`` is
+for groups of three or more workers.
 """
 
 from __future__ import annotations
@@ -42,12 +45,16 @@ def fmt_seconds(s: float) -> str:
 
 
 def message_str(i: int, m: Message) -> str:
-    """One message as ``#i r<round> bcast|p2p w<src>.<dev> -> w<h>.{devs} ... [block] size``."""
+    """One message as ``#i r<round> bcast|p2p w<src>.<dev> -> w<h>.{devs} ... [block] size``.
+
+    ``bcast`` only for what runs as a broadcast (a group of three or more workers); a
+    group of root and one receiver runs as a send, so it prints ``p2p``.
+    """
     to = " ".join(
         f"w{h}.{{{','.join(map(str, devs))}}}"
         for h, devs in zip(m.receivers, m.dst_devices or ((),) * len(m.receivers), strict=True)
     )
-    kind = "bcast" if m.group else "p2p  "
+    kind = "bcast" if m.is_broadcast else "p2p  "
     return f"#{i} r{m.round} {kind} w{m.src}.{m.src_device} -> {to} [{index_str(m.index)}] {fmt_bytes(m.nbytes)}"
 
 
