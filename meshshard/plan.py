@@ -148,7 +148,8 @@ class Message:
     (``dst`` is then the first receiver).  ``src_device``/``dst_devices`` name the
     local devices that send and, per receiving worker in order, the devices that need the
     block (for the simulator's intra-host hops); ``round`` orders messages for load
-    balancing (messages of one round may run at once).
+    balancing (messages of one round may run at once).  ``chunk_bytes`` is a
+    broadcast's pipelining chunk when the planner chose one (0: the cluster's).
     """
 
     src: int
@@ -159,6 +160,7 @@ class Message:
     src_device: int = 0
     dst_devices: tuple[tuple[int, ...], ...] = ()
     round: int = 0
+    chunk_bytes: int = 0
 
     @property
     def receivers(self) -> tuple[int, ...]:
@@ -178,7 +180,11 @@ class Message:
         )
         kind = "bcast " if self.is_broadcast else ""
         rnd = f" r{self.round}" if self.round else ""
-        return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
+        chunk = f" chunk {fmt_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
+        return (
+            f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
+            f"{chunk}"
+        )
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,7 @@ class TransferSpec:
     strategy: str = "send_recv"
     sim_time_s: float | None = None
     lower_bound_s: float | None = None
+    tight_bound_s: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -214,6 +221,8 @@ class TransferSpec:
             bound = (
                 f" / lower bound {self.lower_bound_s * 1e3:.3f} ms" if self.lower_bound_s else ""
             )
+            if self.tight_bound_s and self.tight_bound_s > (self.lower_bound_s or 0) * (1 + 1e-9):
+                bound += f" / tight bound {self.tight_bound_s * 1e3:.3f} ms"
             head += f"\n    simulated {self.sim_time_s * 1e3:.3f} ms{bound}"
         return "\n".join([head] + [f"    #{i} {m}" for i, m in enumerate(self.messages)])
 
@@ -500,12 +509,14 @@ def _decode_plan(d: dict) -> Plan:
                         m.get("src_device", 0),
                         _tuple(m.get("dst_devices", [])),
                         m.get("round", 0),
+                        m.get("chunk_bytes", 0),
                     )
                     for m in t["messages"]
                 ),
                 strategy=t["strategy"],
                 sim_time_s=t.get("sim_time_s"),
                 lower_bound_s=t.get("lower_bound_s"),
+                tight_bound_s=t.get("tight_bound_s"),
             )
             for t in d["transfers"]
         ),

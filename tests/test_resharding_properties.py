@@ -3,8 +3,8 @@
 A NumPy executor written here, independent of the planners' own checker, runs the
 messages on a random array: every source device starts with its tile, each message
 copies its block from the sender device into every listed destination device, and
-(for ``local_allgather`` only) a host's devices holding the same tile then share what
-they received.  Every destination device must end up with exactly the NumPy slice of
+(for ``local_allgather`` and ``broadcast``, which may end in local all-gathers) a
+host's devices holding the same tile then share what they received.  Every destination device must end up with exactly the NumPy slice of
 its tile, every element delivered once.
 """
 
@@ -135,7 +135,7 @@ def plan_messages(problem, strategy):
 def test_every_destination_tile_is_exact(strategy, problem, seed):
     array = np.random.default_rng(seed).integers(-100, 100, problem.shape).astype(problem.dtype)
     messages = plan_messages(problem, strategy)
-    gather = strategy == "local_allgather"
+    gather = strategy in ("local_allgather", "broadcast")  # broadcast + local gather
     out, count = execute(problem, messages, array, gather)
     dst = tiles(problem.dst, problem.dst_spec, problem.shape)
     for dev, tile in dst.items():
