@@ -191,3 +191,13 @@ def test_one_host_destinations_never_lose_to_local_allgather(dst_devices, src, e
     ours = plan_resharding(p, "broadcast", CLUSTER6).sim_time_s
     alpa = plan_resharding(p, "local_allgather", CLUSTER6).sim_time_s
     assert ours <= alpa * (1 + 1e-9)
+
+
+def test_equal_chunks_below_the_floor_count_in_the_bound():
+    """75,076 bytes move in three equal 25 KB chunks, not 32 KiB ones: the relay's fill
+    in the tight bound is the smaller chunk (the bound was 4% too high before)."""
+    p = problem((1, 4), ("host", None), (2, 1), ("device", None), (137, 137))
+    r = plan_resharding(p, "broadcast", CLUSTER6)
+    n = 137 * 137 * 4
+    assert multicast_seconds(n, 1, 2, P38) == pytest.approx(2 * ALPHA + (n + n / 3) / B)
+    assert r.tight_bound_s <= r.sim_time_s <= 1.001 * r.tight_bound_s

@@ -34,7 +34,8 @@ a set ``A`` of source hosts needs that for what only it holds, divided over its
 small multicasts: chunks, hops and fan-out, in the plans' execution model (a host
 runs one operation at a time; only a source device sends a block, so a destination
 host relays only inside a chain broadcast; a broadcast moves in chunks of at least
-:data:`MIN_CHUNK_BYTES`, NCCL's smallest, 32 KiB, or the whole block if smaller).
+:data:`MIN_CHUNK_BYTES`, NCCL's smallest, 32 KiB, cut into equal chunks, so
+:func:`smallest_chunk` of the block).
 
 - *multicast*: a slice of ``n`` bytes held by ``s`` source hosts and needed by ``h``
   hosts reaches them through chains.  A holder's ``k``-th chain starts once its
@@ -63,6 +64,7 @@ whole, as they do in small plans (cutting one adds an ``alpha`` per piece and ho
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
@@ -77,6 +79,7 @@ __all__ = [
     "lower_bound_terms",
     "host_bandwidth",
     "multicast_seconds",
+    "smallest_chunk",
     "tight_bound",
     "tight_bound_terms",
 ]
@@ -186,6 +189,17 @@ def lower_bound(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
     return lower_bound_terms(problem, cluster).seconds
 
 
+def smallest_chunk(nbytes: float) -> float:
+    """The smallest chunk a block of ``nbytes`` moves in: a broadcast cuts it into equal
+    chunks of at most its chunk size, which is at least :data:`MIN_CHUNK_BYTES`, so
+    ``n / ceil(n / MIN_CHUNK_BYTES)`` (the whole block if smaller).
+
+    >>> smallest_chunk(1000), smallest_chunk(32 << 10), smallest_chunk((32 << 10) + 2)
+    (1000.0, 32768.0, 16385.0)
+    """
+    return nbytes / max(1, math.ceil(nbytes / MIN_CHUNK_BYTES))
+
+
 def multicast_seconds(nbytes: int, senders: int, receivers: int, cluster: ClusterSpec) -> float:
     """Earliest time ``receivers`` hosts can all have a slice of ``nbytes`` that
     ``senders`` hosts hold, in chunked chain broadcasts from the holders (module docstring).
@@ -197,7 +211,7 @@ def multicast_seconds(nbytes: int, senders: int, receivers: int, cluster: Cluste
     if receivers <= 0 or nbytes <= 0:
         return 0.0
     bw, lat = host_bandwidth(cluster), float(cluster.nic_latency)
-    chunk = min(MIN_CHUNK_BYTES, nbytes)
+    chunk = smallest_chunk(nbytes)
     first, again = lat + chunk / bw, lat + nbytes / bw
     slots = [(first, True)] * max(1, senders)  # (first chunk of the next host, from a holder?)
     heapq.heapify(slots)
@@ -219,7 +233,7 @@ def _multicast_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> list[B
         r = len({h for h, _ in need.receivers})
         if r <= s:
             continue  # one direct send per receiver: the NIC terms cover it
-        chunk = min(MIN_CHUNK_BYTES, nbytes)
+        chunk = smallest_chunk(nbytes)
         detail = f"{fmt_bytes(nbytes)} in {fmt_bytes(chunk)} chunks"
         name = f"slice [{index_str(need.index)}] to {r} hosts from {s}"
         t = multicast_seconds(nbytes, s, r, cluster)
@@ -239,7 +253,7 @@ def _relay_tail_terms(
         if len(holders) != 1 or len({h for h, _ in need.receivers}) < 2:
             continue
         nbytes = need.nbytes(itemsize)
-        tail = nic.latency + min(MIN_CHUNK_BYTES, nbytes) / nic.bandwidth
+        tail = nic.latency + smallest_chunk(nbytes) / nic.bandwidth
         (h,) = holders
         tails[h] = min(tails.get(h, tail), tail)
     out = []
@@ -278,7 +292,7 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
         if nbytes <= MIN_CHUNK_BYTES:
             per_hop = cluster.intra_latency
         else:
-            per_hop = nbytes / -(-nbytes // MIN_CHUNK_BYTES) / cluster.intra_bandwidth
+            per_hop = smallest_chunk(nbytes) / cluster.intra_bandwidth
         out.append({h: min((r - 1) * per_hop, cluster.nic_latency) for h, r in count.items()})
     return out
 
