@@ -63,6 +63,7 @@ whole, as they do in small plans (cutting one adds an ``alpha`` per piece and ho
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -94,7 +95,9 @@ _MAX_SUBSET_HOSTS = 16  # beyond this, only single hosts and the whole mesh are 
 @dataclass(frozen=True)
 class BoundTerm:
     """One resource's time: ``nbytes`` and ``slices`` through ``hosts`` host(s)' NICs
-    (or, for the tight bound's multicast terms, ``detail`` says what it is)."""
+    (or, for the tight bound's multicast terms, ``detail`` says what it is).  ``side``
+    (``"ingress"`` or ``"egress"``) and ``members`` (the hosts) say whose NICs a NIC
+    term is about."""
 
     resource: str
     nbytes: int
@@ -102,6 +105,8 @@ class BoundTerm:
     hosts: int
     seconds: float
     detail: str = ""
+    side: str = ""
+    members: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         if self.detail:
@@ -161,7 +166,8 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
         acc[1] += 1
     for h, (nbytes, n) in ingress.items():
         if n:
-            terms.append(BoundTerm(f"w{h} ingress", nbytes, n, 1, n * lat + nbytes / bw))
+            term = BoundTerm(f"w{h} ingress", nbytes, n, 1, n * lat + nbytes / bw)
+            terms.append(dataclasses.replace(term, side="ingress", members=(h,)))
     hosts = list(problem.src.hosts)
     if len(hosts) <= _MAX_SUBSET_HOSTS:
         subsets = range(1, 1 << len(hosts))
@@ -176,7 +182,9 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
         nbytes, n = sum(x[0] for x in inside), sum(x[1] for x in inside)
         size = bin(a).count("1")
         name = "+".join(f"w{h}" for h in hosts if bit[h] & a) + " egress"
-        terms.append(BoundTerm(name, nbytes, n, size, (n * lat + nbytes / bw) / size))
+        members = tuple(h for h in hosts if bit[h] & a)
+        term = BoundTerm(name, nbytes, n, size, (n * lat + nbytes / bw) / size)
+        terms.append(dataclasses.replace(term, side="egress", members=members))
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, lat, bw, tuple(terms))
 
@@ -258,17 +266,16 @@ def _relay_tail_terms(
         tails[h] = min(tails.get(h, tail), tail)
     out = []
     for t in nic.terms:
-        host = t.resource.removesuffix(" egress")
-        if t.hosts != 1 or not t.resource.endswith(" egress") or int(host[1:]) not in tails:
+        if t.side != "egress" or len(t.members) != 1 or t.members[0] not in tails:
             continue
         every = all(
             len({h for h, _ in n.receivers}) > 1
             for n in problem.needs
-            if {h for h, _ in n.holders} == {int(host[1:])}
+            if {h for h, _ in n.holders} == set(t.members)
         )
         if not every:
             continue  # it can end with a direct send
-        tail = tails[int(host[1:])]
+        tail = tails[t.members[0]]
         detail = f"{fmt_bytes(t.nbytes)} out, then a relay hop ({fmt_seconds(tail)})"
         out.append(
             BoundTerm(f"{t.resource} + relay tail", t.nbytes, t.slices, 1, t.seconds + tail, detail)
@@ -309,14 +316,12 @@ def _fan_out_terms(
     for t in tails:
         for h, tail in t.items():
             ingress[h] = min(ingress.get(h, tail), tail)
-    hosts = list(problem.src.hosts)
     out = []
     for t in nic.terms:
-        name = t.resource.split()[0]
-        if t.resource.endswith(" ingress"):
-            tail = ingress.get(int(name[1:]), 0.0)
+        if t.side == "ingress":
+            tail = ingress.get(t.members[0], 0.0)
         else:
-            inside = {int(w[1:]) for w in name.split("+")} if name != "" else set(hosts)
+            inside = set(t.members)
             tail = min(
                 (
                     min(t_.values())
