@@ -80,15 +80,7 @@ def search_schedule(works: list[Work], max_nodes: int = NODE_BUDGET) -> SearchRe
     senders = [tuple(slot[s] for s in x.senders) for x in works]
     receivers = [tuple(slot[r] for r in x.receivers) for x in works]
     dur = [x.duration for x in works]
-    # no schedule beats the busiest receiver, nor (for single-sender works) the sender
-    floor = [0] * len(workers)
-    for i in range(n):
-        for r in receivers[i]:
-            floor[r] += dur[i]
-        if len(senders[i]) == 1:
-            floor[senders[i][0]] += dur[i]
-    target = max(floor, default=0)
-
+    target = _floor(senders, receivers, dur, len(workers))
     clock = [0] * len(workers)
     placed = [False] * n
     order: list[int] = []
@@ -143,22 +135,38 @@ def search_schedule(works: list[Work], max_nodes: int = NODE_BUDGET) -> SearchRe
                 return
 
     visit(0)
-    sol_senders = [workers[s] for s in best["senders"]]
-    starts = [0] * n
-    clock = [0] * len(workers)
-    for i in best["order"]:
-        members = (best["senders"][i],) + receivers[i]
-        starts[i] = max(clock[m] for m in members)
-        for m in members:
-            clock[m] = starts[i] + dur[i]
+    starts = _starts(best["order"], best["senders"], receivers, dur, len(workers))
     return SearchResult(
-        tuple(sol_senders),
+        tuple(workers[s] for s in best["senders"]),
         tuple(best["order"]),
-        tuple(starts),
+        starts,
         int(best["time"] or 0),
         stats["nodes"],
         not stats["timeout"],
     )
+
+
+def _floor(senders, receivers, dur, workers: int) -> int:
+    """No schedule beats the busiest receiver, nor (for single-sender works) the sender."""
+    floor = [0] * workers
+    for i, d in enumerate(dur):
+        for r in receivers[i]:
+            floor[r] += d
+        if len(senders[i]) == 1:
+            floor[senders[i][0]] += d
+    return max(floor, default=0)
+
+
+def _starts(order, chosen, receivers, dur, workers: int) -> tuple[int, ...]:
+    """When each work starts when run in ``order`` from its ``chosen`` sender."""
+    starts = [0] * len(dur)
+    clock = [0] * workers
+    for i in order:
+        members = (chosen[i],) + receivers[i]
+        starts[i] = max(clock[m] for m in members)
+        for m in members:
+            clock[m] = starts[i] + dur[i]
+    return tuple(starts)
 
 
 def broadcast_search(
