@@ -529,10 +529,12 @@ class _Engine:
         ins: Collective = members[0].ins
         nbytes = self._coll_bytes(ins)
         devices = self._broadcast_devices(ins)
-        key = (ins.kind, ins.group, ins.root, nbytes, devices)
+        msg = self._message(ins) if ins.kind == "broadcast" else None
+        chunk = (msg.chunk_bytes if msg is not None else 0) or self.opt.chunk_bytes
+        key = (ins.kind, ins.group, ins.root, nbytes, devices, chunk)
         prep = self.coll_cache.get(key)
         if prep is None:
-            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices)
+            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices, chunk)
         paths, lats, sizes, succ, ndeps, touching, per_member = prep
         by_worker = {op.worker: op for op in members}
         left = dict(per_member)
@@ -572,7 +574,9 @@ class _Engine:
         pairs += [(h, tuple(d)) for h, d in zip(msg.group[1:], msg.dst_devices, strict=True)]
         return tuple(pairs)
 
-    def _prepare_collective(self, ins: Collective, nbytes: float, devices: tuple | None = None):
+    def _prepare_collective(
+        self, ins: Collective, nbytes: float, devices: tuple | None = None, chunk: int | None = None
+    ):
         d = decompose(
             ins.kind,
             ins.group,
@@ -580,7 +584,7 @@ class _Engine:
             nbytes,
             self.cluster,
             allreduce=self.opt.allreduce,
-            chunk_bytes=self.opt.chunk_bytes,
+            chunk_bytes=chunk or self.opt.chunk_bytes,
             max_chunks=self.opt.max_chunks,
             devices=dict(devices) if devices else None,
         )
