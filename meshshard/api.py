@@ -77,6 +77,8 @@ class ParallelizedFunction:
             ),
         )
         exe = self._executables.get(key)
+        if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
+            exe = None  # compiled for a cluster that was shut down: compile on this one
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
