@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -441,7 +442,10 @@ def _ray_init(address) -> None:
     if not verbose():
         quiet.setLevel(logging.ERROR)  # "Token authentication is enabled ..." notices
     try:
-        ray.init(address=address, **kwargs)
+        with warnings.catch_warnings():
+            if not verbose():  # Ray starts its processes with fork+exec: harmless here
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            ray.init(address=address, **kwargs)
     finally:
         quiet.setLevel(level)
 
