@@ -7,7 +7,9 @@ with ``jax.jit`` after recovery) on the local cluster and on a two-node
 """
 
 import json
+import logging
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -67,11 +69,17 @@ def test_init_reuses_a_matching_cluster_and_refuses_another(fresh_threads):
         meshshard.init(backend="threads", num_hosts=2)
 
 
-def test_steps_and_arrays_after_shutdown_fail_clearly(fresh_threads):
+def test_steps_and_arrays_after_shutdown_fail_clearly(fresh_threads, caplog):
     batch = mlp.make_batch(8)
     state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
     step = meshshard.parallelize(mlp.train_step, method=PIPELINE)
-    new_state, _ = step(state, batch)
+    with caplog.at_level(logging.INFO, logger="meshshard"):
+        new_state, _ = step(state, batch)
+    assert [(r.name, r.levelname) for r in caplog.records] == [("meshshard.api", "INFO")]
+    assert re.match(
+        r"compiled train_step for threads-4x2 in [\d.]+s \(2 stages, 2 workers\)",
+        caplog.records[0].getMessage(),
+    )
     kernel = new_state.params["dense1"]["kernel"]
     assert isinstance(kernel, RemoteArray)
     host_copy = meshshard.fetch(new_state)
@@ -158,4 +166,6 @@ def test_fault_matrix(tmp_path, kind):
         assert "died" in r["error"], r
         kept, total = map(int, r["state_kept"].split()[0].split("/"))
         assert 0 < kept < total, r  # the survivor's leaves stay; the dead host's are lost
-    assert "[Gloo]" not in proc.stdout + proc.stderr
+    assert "[Gloo]" not in proc.stdout + proc.stderr  # quiet unless MESHSHARD_VERBOSE=1
+    assert "Token authentication" not in proc.stderr
+    assert "restarting host-actors" in proc.stderr  # meshshard's own warnings do show
