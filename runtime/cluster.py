@@ -323,8 +323,6 @@ class RayCluster:
 
     def prepare(self, plan: Plan) -> None:
         """Make every actor's process layout match ``plan`` (restarting actors if needed)."""
-        import ray
-
         need: dict[int, object] = {}
         for m in plan.meshes:
             for h in m.hosts:
@@ -349,7 +347,6 @@ class RayCluster:
                 )
         for h, g in need.items():
             self._groups[h] = g
-        del ray
 
     def prepare_transport(self) -> None:
         """(Re)build the torch.distributed group over all actors if it is stale."""
