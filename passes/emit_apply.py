@@ -22,8 +22,7 @@ def apply_instructions(
     meshes: tuple[MeshSpec, ...],
     transfers: dict,
     reductions: tuple[ReductionSpec, ...],
-    send_side,
-    receive_side,
+    lower_transfer,
 ) -> dict[int, list[Instruction]]:
     """The update instructions of each worker (before its final ``WAITALL``)."""
     n_ph = graph.apply_phases
@@ -38,7 +37,7 @@ def apply_instructions(
         for m in meshes:
             prog = progs[ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph)]
             for w in m.workers:
-                out[w] += _phase(prog, w, transfers, by_name, send_side, receive_side)
+                out[w] += _phase(prog, w, transfers, by_name, lower_transfer)
                 if ph == n_ph - 1:
                     for kind in (BufferKind.ACCUMULATORS, BufferKind.CARRY):
                         if graph.group(BufferRef(kind, m.id)):
@@ -46,13 +45,13 @@ def apply_instructions(
     return out
 
 
-def _phase(prog, w, transfers, reductions: dict, send_side, receive_side) -> list[Instruction]:
+def _phase(prog, w, transfers, reductions: dict, lower_transfer) -> list[Instruction]:
     ins = [g.ref for g in prog.inputs]
     outs = [g.ref for g in prog.outputs]
     out: list[Instruction] = []
     for g in ins:
         if g.kind is _T:
-            out += receive_side(transfers[g.transfer], g.at(0), w)
+            out += lower_transfer(transfers[g.transfer], g.at(0), w)
         elif g.kind is _R:
             out.append(Wait(buffer=g))
     out.append(
@@ -65,7 +64,7 @@ def _phase(prog, w, transfers, reductions: dict, send_side, receive_side) -> lis
     )
     for g in outs:
         if g.kind is _T:
-            out += send_side(transfers[g.transfer], g.at(0), w)
+            out += lower_transfer(transfers[g.transfer], g.at(0), w)
             out.append(Free(buffer=g.at(0)))
         elif g.kind is _R:
             group = reductions[str(g)].group

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
-from meshshard.passes.apply_placement import place_apply
+from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.apply_programs import (
+    ApplyGraph,
     PlannedReduction,
     apply_program_ios,
     build_apply_graph,
@@ -104,7 +105,7 @@ class StageGraph:
     grad_pairs: tuple[GradPair, ...]
     batch_dependent: frozenset
     reductions: tuple[PlannedReduction, ...] = ()
-    apply_phases: int = 1
+    apply_phases: int = 1  #: 0 for a forward-only step
     notes: tuple[str, ...] = ()
 
     def program(self, ref: ProgramRef) -> ProgramIO:
@@ -127,57 +128,119 @@ def group_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every sub-step of :func:`build_stage_graph` reads about the traced step."""
+
+    traced: TracedStep
+    ids: dict
+    invar_leaf: dict
+    is_batch: tuple[bool, ...]
+    num_stages: int
+
+    @property
+    def eqns(self):
+        return self.traced.jaxpr.eqns
+
+    def describe(self, v) -> str:
+        """A value as users know it: an input leaf's path, else ``%id``."""
+        if v in self.invar_leaf:
+            return self.traced.inputs[self.invar_leaf[v]].path
+        return f"%{self.ids.get(v, '?')}"
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """What ``meshshard.grad`` returns: results by stage, literal results, pairs."""
+
+    stage: dict  # grad_end result Var -> stage
+    literals: dict  # grad_end result Var -> literal value
+    pairs: tuple[GradPair, ...]
+
+
 def build_stage_graph(
     traced: TracedStep, slicing: LayerSlicing, layer_groups: tuple[tuple[int, ...], ...]
 ) -> StageGraph:
     """Derive programs, buffer groups, cross-stage edges and step input/output slots."""
     jaxpr = traced.jaxpr
-    eqns = jaxpr.eqns
-    ids = var_ids(jaxpr)
-    num_stages = len(layer_groups)
+    st = _Step(
+        traced,
+        var_ids(jaxpr),
+        {v: i for i, v in enumerate(jaxpr.invars)},
+        tuple(leaf.is_batch for leaf in traced.inputs),
+        len(layer_groups),
+    )
+    prog_of_eqn, producer = _programs_of_values(st, slicing, layer_groups)
+    grads = _grad_results(st, jaxpr.eqns[slicing.grad_end], producer)
+    reads = _reads(st, jaxpr, prog_of_eqn, producer)
+    owner = _state_owners(st, reads)
+    per_stage, edges, state_read_by = _classify_reads(st, reads, producer, owner)
+    placement = _place_update(st, slicing, producer, grads, state_read_by)
+    groups = _compute_groups(st, per_stage, grads)
+    update = _update_graph(st, placement, groups, grads)
+    groups.update(update.groups)
+    output_slots = _output_slots(st, placement, update, grads, groups)
+    acc_of_prog = {producer[v] for v in jaxpr.eqns[slicing.grad_end].invars if not is_literal(v)}
+    programs = _stage_programs(st, prog_of_eqn, reads, edges, groups, acc_of_prog)
+    first_move = len(edges)
+    edges += [Edge(var, prod, cons) for var, prod, cons in update.moves]
+    programs += apply_program_ios(update, groups, first_move)
+    return StageGraph(
+        num_stages=st.num_stages,
+        layer_groups=layer_groups,
+        programs=tuple(programs),
+        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
+        edges=tuple(edges),
+        input_slots=_input_slots(st, groups),
+        output_slots=output_slots,
+        grad_pairs=grads.pairs,
+        batch_dependent=_batch_dependent(jaxpr, st.is_batch, st.ids, slicing),
+        reductions=update.reductions,
+        apply_phases=placement.num_phases,
+        notes=_shared_notes(st, edges, owner),
+    )
+
+
+def _programs_of_values(st: _Step, slicing: LayerSlicing, layer_groups) -> tuple[dict, dict]:
+    """Equation index -> the F/B program it belongs to, and value -> program defining it."""
     stage_of_layer = {ly: s for s, g in enumerate(layer_groups) for ly in g}
-    n_in = len(jaxpr.invars)
-    invar_leaf = {v: i for i, v in enumerate(jaxpr.invars)}
-    constvars = set(jaxpr.constvars)
-    is_batch = [leaf.is_batch for leaf in traced.inputs]
-
-    def describe(v) -> str:
-        if v in invar_leaf:
-            return traced.inputs[invar_leaf[v]].path
-        return f"%{ids.get(v, '?')}"
-
-    # --- which program defines each value --------------------------------------------
     prog_of_eqn: dict[int, ProgramRef] = {}
     for i, (ly, ph) in enumerate(zip(slicing.layer, slicing.phase, strict=True)):
         if ph in _PHASE:
             prog_of_eqn[i] = ProgramRef(_PHASE[ph], stage_of_layer[ly])
     producer: dict = {}
     for i, name in prog_of_eqn.items():
-        for v in eqns[i].outvars:
+        for v in st.eqns[i].outvars:
             producer[v] = name
-    g_eqn = eqns[slicing.grad_end]
-    grad_pairs = []  # (operand var id, result var id)
-    grad_stage: dict = {}  # grad_end result Var -> stage
-    literal_grads: dict = {}
+    return prog_of_eqn, producer
+
+
+def _grad_results(st: _Step, g_eqn, producer: dict) -> _Grads:
+    """Which stage computes each gradient ``meshshard.grad`` returns."""
+    pairs, stage, literals = [], {}, {}
     for operand, result in zip(g_eqn.invars, g_eqn.outvars, strict=True):
         if is_dropvar(result):
             continue
         if is_literal(operand):
-            literal_grads[result] = operand.val
+            literals[result] = operand.val
             continue
         if operand not in producer:
             raise MeshshardInputError(
-                f"meshshard.grad returns {describe(operand)} unchanged from its inputs; "
+                f"meshshard.grad returns {st.describe(operand)} unchanged from its inputs; "
                 "return only values computed from the loss function"
             )
-        grad_stage[result] = producer[operand].owner
-        grad_pairs.append(GradPair(ids[operand], ids[result]))
+        stage[result] = producer[operand].owner
+        pairs.append(GradPair(st.ids[operand], st.ids[result]))
+    return _Grads(stage, literals, tuple(pairs))
 
-    # --- reads of each compute program ---------------------------------------------
+
+def _reads(st: _Step, jaxpr, prog_of_eqn: dict, producer: dict) -> dict[ProgramRef, list]:
+    """Values each compute program reads from outside itself, in first-use order."""
+    constvars = set(jaxpr.constvars)
     reads: dict[ProgramRef, list] = {}
     for i, name in prog_of_eqn.items():
         lst = reads.setdefault(name, [])
-        for v in eqns[i].invars:
+        for v in st.eqns[i].invars:
             if (
                 not is_literal(v)
                 and v not in constvars
@@ -185,214 +248,215 @@ def build_stage_graph(
                 and v not in lst
             ):
                 lst.append(v)
-    # grad_end operands are "read" by the accumulator of their producing program
-    acc_of_prog: dict[ProgramRef, list] = {}
-    for operand in g_eqn.invars:
-        if not is_literal(operand):
-            acc_of_prog.setdefault(producer[operand], []).append(operand)
-
-    state_read_by: dict[int, set] = {}
-    x_groups: dict[int, list] = {s: [] for s in range(num_stages)}
-    p_groups: dict[int, list] = {s: [] for s in range(num_stages)}
-    r_groups: dict[int, list] = {s: [] for s in range(num_stages)}
-    edges: list[Edge] = []
-    owner = _state_owners(traced, reads, invar_leaf, is_batch)
-    for name in sorted(reads, key=lambda p: p.sort_key):
-        s = name.owner
-        for v in reads[name]:
-            if v in invar_leaf and not is_batch[invar_leaf[v]] and owner[v] != s:
-                # a shared parameter: a copy from its owner's forward (a transfer)
-                edges.append(Edge(ids[v], ProgramRef(Phase.FORWARD, owner[v]), name))
-            elif v in invar_leaf:
-                leaf = invar_leaf[v]
-                (x_groups if is_batch[leaf] else p_groups)[s].append(leaf)
-                if not is_batch[leaf]:
-                    state_read_by.setdefault(leaf, set()).add(s)
-            elif producer[v] == ProgramRef(Phase.FORWARD, s) and name == ProgramRef(
-                Phase.BACKWARD, s
-            ):
-                r_groups[s].append(ids[v])
-            else:
-                edges.append(Edge(ids[v], producer[v], name))
-    edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
-
-    # --- apply-gradient placement ----------------------------------------------------
-    seeds: dict = {r: stage for r, stage in grad_stage.items()}
-    for leaf, stages in state_read_by.items():
-        seeds[jaxpr.invars[leaf]] = next(iter(stages))
-    apply_eqns = slicing.apply_eqns
-    compute_vars = set(producer)
-    for i in apply_eqns:
-        for v in eqns[i].invars:
-            if is_literal(v):
-                continue
-            if v in invar_leaf and is_batch[invar_leaf[v]]:
-                raise MeshshardInputError(
-                    f"the update part of the step (after meshshard.grad) reads the batch "
-                    f"leaf {describe(v)}; compute everything that needs the batch inside "
-                    "the loss function (return it as aux with has_aux=True)"
-                )
-            if v in compute_vars:
-                raise MeshshardInputError(
-                    f"the update part of the step reads {describe(v)}, a value computed per "
-                    "micro-batch outside what meshshard.grad returns; compute it inside the "
-                    "loss function and return it as aux (has_aux=True)"
-                )
-    placement = place_apply(jaxpr, ids, apply_eqns, seeds, num_stages, describe)
-    # --- groups ----------------------------------------------------------------------
-    groups: dict[BufferRef, tuple[int, ...]] = {}
-    for s in range(num_stages):
-        groups[BufferRef(X, s)] = tuple(sorted(set(x_groups[s])))
-        groups[BufferRef(P, s)] = tuple(sorted(set(p_groups[s])))
-        groups[BufferRef(R, s)] = tuple(dict.fromkeys(r_groups[s]))
-        groups[BufferRef(A, s)] = tuple(
-            ids[r] for r, st in grad_stage.items() if st == s
-        )  # grad_end result ids, in grad_end order
-    apply = _apply_graph(jaxpr, ids, placement, groups, grad_stage, literal_grads, invar_leaf)
-    groups.update(apply.groups)
-    computed_in_apply = {ids[v] for i, _ in placement.runs for v in eqns[i].outvars if v in ids}
-    computed_in_apply |= {r.var for r in placement.reductions}
-
-    # --- step outputs ------------------------------------------------------------------
-    out_meshes = dict(apply.out_meshes)
-    output_slots = []
-    for j, v in enumerate(jaxpr.outvars):
-        if is_literal(v):
-            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
-        elif v in literal_grads:
-            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=literal_grads[v]))
-        elif v in invar_leaf:
-            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=invar_leaf[v]))
-        elif ids[v] in computed_in_apply or v in grad_stage:
-            slots = tuple(
-                (BufferRef(O, m), groups[BufferRef(O, m)].index(ids[v])) for m in out_meshes[ids[v]]
-            )
-            output_slots.append(OutputSlots(j, OutputSource.BUFFER, slots))
-        else:
-            raise MeshshardInputError(
-                f"step output {traced.outputs[j].path} is computed per micro-batch outside "
-                "meshshard.grad; return it from the loss function as aux (has_aux=True)"
-            )
-
-    # --- programs --------------------------------------------------------------------
-    programs = []
-    edge_out: dict[ProgramRef, list] = {}
-    edge_in: dict[ProgramRef, list] = {}
-    for k, e in enumerate(edges):
-        edge_out.setdefault(e.producer, []).append(k)
-        edge_in.setdefault(e.consumer, []).append(k)
-    for s in range(num_stages):
-        for ph in (Phase.FORWARD, Phase.BACKWARD):
-            name = ProgramRef(ph, s)
-            own = tuple(i for i, p in prog_of_eqn.items() if p == name)
-            ins: list[BufferGroup] = []
-            outs: list[BufferGroup] = []
-            read_set = {ids[v] for v in reads.get(name, [])}
-            for kind in (P, X):
-                content = groups[BufferRef(kind, s)]
-                if any(leaf in read_set for leaf in content):
-                    ins.append(BufferGroup(BufferRef(kind, s), content))
-            residuals = BufferGroup(BufferRef(R, s), groups[BufferRef(R, s)])
-            if ph is Phase.BACKWARD and residuals.vars:
-                ins.append(residuals)
-            for k in edge_in.get(name, []):
-                ins.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
-            if acc_of_prog.get(name):
-                acc = BufferGroup(BufferRef(A, s), groups[BufferRef(A, s)])
-                ins.append(acc)
-                outs.append(acc)
-            if ph is Phase.FORWARD and residuals.vars:
-                outs.append(residuals)
-            for k in edge_out.get(name, []):
-                outs.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
-            programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
-    first_move = len(edges)
-    edges += [Edge(var, prod, cons) for var, prod, cons in apply.moves]
-    programs += apply_program_ios(apply, groups, first_move)
-
-    # --- step input slots ------------------------------------------------------------
-    input_slots = []
-    for leaf in range(n_in):
-        slots = []
-        for s in range(num_stages):
-            for kind in (X, P, S):
-                content = groups[BufferRef(kind, s)]
-                if leaf in content:
-                    slots.append((BufferRef(kind, s), content.index(leaf)))
-        input_slots.append(InputSlots(leaf, tuple(slots)))
-
-    return StageGraph(
-        num_stages=num_stages,
-        layer_groups=layer_groups,
-        programs=tuple(programs),
-        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
-        edges=tuple(edges),
-        input_slots=tuple(input_slots),
-        output_slots=tuple(output_slots),
-        grad_pairs=tuple(grad_pairs),
-        batch_dependent=_batch_dependent(jaxpr, is_batch, ids, slicing),
-        reductions=apply.reductions,
-        apply_phases=placement.num_phases,
-        notes=_shared_notes(traced, edges, ids, owner, invar_leaf),
-    )
+    return reads
 
 
-def _state_owners(traced, reads, invar_leaf, is_batch) -> dict:
+def _state_owners(st: _Step, reads: dict) -> dict:
     """Var -> owner stage of each state input: the first stage whose forward reads it.
 
-    Other stages reading it get a copy (a transfer); its gradient contributions are
-    summed on the owner (JAX adds them in the owner's backward, which runs last).
+    Other stages reading it get a copy (a transfer from the owner's forward); its
+    gradient contributions are summed on the owner (JAX adds them in the owner's
+    backward, which runs last), so its one update runs there.
     """
     readers: dict = {}
-    for name in reads:
-        for v in reads[name]:
-            if v in invar_leaf and not is_batch[invar_leaf[v]]:
+    for name, values in reads.items():
+        for v in values:
+            if v in st.invar_leaf and not st.is_batch[st.invar_leaf[v]]:
                 readers.setdefault(v, set()).add(name)
     owner = {}
     for v, progs in readers.items():
-        first = min(p.owner for p in progs)
-        if ProgramRef(Phase.FORWARD, first) not in progs and len({p.owner for p in progs}) > 1:
-            stages = sorted({p.owner for p in progs})
+        stages = sorted({p.owner for p in progs})
+        if len(stages) > 1 and ProgramRef(Phase.FORWARD, stages[0]) not in progs:
             raise MeshshardInputError(
-                f"state input {traced.inputs[invar_leaf[v]].path} is read by stages {stages} "
-                f"but not by the forward of stage {first}, so no stage can own it and send "
-                "copies; read it in the forward pass of its first stage, or move the layers "
-                "that use it into one stage"
+                f"state input {st.describe(v)} is read by stages {stages} but not by the "
+                f"forward of stage {stages[0]}, so no stage can own it and send copies; "
+                "read it in the forward pass of its first stage, or move the layers that "
+                "use it into one stage"
             )
-        owner[v] = first
+        owner[v] = stages[0]
     return owner
 
 
-def _shared_notes(traced, edges, ids, owner, invar_leaf) -> tuple[str, ...]:
-    """One plan note per shared parameter: owner, copies and gradient reduction."""
+def _shared_notes(st: _Step, edges, owner: dict) -> tuple[str, ...]:
+    """One plan note per shared parameter: its owner, its copies, its gradient sum."""
     notes = []
-    for v, o in sorted(owner.items(), key=lambda kv: ids[kv[0]]):
-        copies = [(k, e) for k, e in enumerate(edges) if e.var == ids[v]]
+    for v, o in sorted(owner.items(), key=lambda kv: st.ids[kv[0]]):
+        copies = [(k, e) for k, e in enumerate(edges) if e.var == st.ids[v]]
         if not copies:
             continue
         where = ", ".join(f"t{k} -> {e.consumer}" for k, e in copies)
         stages = sorted({e.consumer.owner for _, e in copies})
         notes.append(
-            f"shared parameter {traced.inputs[invar_leaf[v]].path}: owner stage {o} (P{o}); "
-            f"copies {where}; gradient contributions of stages {stages} are summed on "
-            f"stage {o} before its one update"
+            f"shared parameter {st.describe(v)}: owner stage {o} (P{o}); copies {where}; "
+            f"gradient contributions of stages {stages} are summed on stage {o} before "
+            "its one update"
         )
     return tuple(notes)
 
 
-def _apply_graph(jaxpr, ids, placement, groups, grad_stage, literal_grads, invar_leaf):
+def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
+    """Sort each read into batch inputs, parameters, residuals or a cross-stage edge
+    (a value of another stage, or a copy of a parameter another stage owns).
+
+    Returns ``({kind: {stage: [leaf or var id]}}, edges, {state leaf: reading stages})``.
+    """
+    per_stage = {kind: {s: [] for s in range(st.num_stages)} for kind in (X, P, R)}
+    state_read_by: dict[int, set] = {}
+    edges: list[Edge] = []
+    for name in sorted(reads, key=lambda p: p.sort_key):
+        s = name.owner
+        for v in reads[name]:
+            if v in owner and owner[v] != s:  # a copy of a shared parameter
+                edges.append(Edge(st.ids[v], ProgramRef(Phase.FORWARD, owner[v]), name))
+            elif v in st.invar_leaf:
+                leaf = st.invar_leaf[v]
+                per_stage[X if st.is_batch[leaf] else P][s].append(leaf)
+                if not st.is_batch[leaf]:
+                    state_read_by.setdefault(leaf, set()).add(s)
+            elif producer[v] == ProgramRef(Phase.FORWARD, s) and name == ProgramRef(
+                Phase.BACKWARD, s
+            ):
+                per_stage[R][s].append(st.ids[v])
+            else:
+                edges.append(Edge(st.ids[v], producer[v], name))
+    edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
+    return per_stage, edges, state_read_by
+
+
+def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
+    """The update may read neither batch leaves nor per-micro-batch values."""
+    for i in apply_eqns:
+        for v in st.eqns[i].invars:
+            if is_literal(v):
+                continue
+            if v in st.invar_leaf and st.is_batch[st.invar_leaf[v]]:
+                raise MeshshardInputError(
+                    f"the update part of the step (after meshshard.grad) reads the batch "
+                    f"leaf {st.describe(v)}; compute everything that needs the batch inside "
+                    "the loss function (return it as aux with has_aux=True)"
+                )
+            if v in producer:
+                raise MeshshardInputError(
+                    f"the update part of the step reads {st.describe(v)}, a value computed "
+                    "per micro-batch outside what meshshard.grad returns; compute it inside "
+                    "the loss function and return it as aux (has_aux=True)"
+                )
+
+
+def _place_update(st: _Step, slicing, producer, grads: _Grads, state_read_by) -> ApplyPlacement:
+    """Where and in which phase each update equation runs (seeded by where gradients
+    and state live; see :mod:`~meshshard.passes.apply_placement`)."""
+    jaxpr = st.traced.jaxpr
+    seeds: dict = dict(grads.stage)
+    for leaf, stages in state_read_by.items():
+        seeds[jaxpr.invars[leaf]] = next(iter(stages))
+    _check_update_reads(st, slicing.apply_eqns, producer)
+    return place_apply(jaxpr, st.ids, slicing.apply_eqns, seeds, st.num_stages, st.describe)
+
+
+def _compute_groups(st: _Step, per_stage, grads: _Grads) -> dict:
+    """Buffer groups ``X P R A`` of each stage (the update adds ``S K O``)."""
+    groups: dict[BufferRef, tuple[int, ...]] = {}
+    for s in range(st.num_stages):
+        groups[BufferRef(X, s)] = tuple(sorted(set(per_stage[X][s])))
+        groups[BufferRef(P, s)] = tuple(sorted(set(per_stage[P][s])))
+        groups[BufferRef(R, s)] = tuple(dict.fromkeys(per_stage[R][s]))
+        # grad_end result ids, in grad_end order
+        groups[BufferRef(A, s)] = tuple(st.ids[r] for r, g in grads.stage.items() if g == s)
+    return groups
+
+
+def _update_graph(st: _Step, placement, groups: dict, grads: _Grads) -> ApplyGraph:
     """The update's programs and groups (see :mod:`~meshshard.passes.apply_programs`)."""
-    num_stages = len({g.owner for g in groups if g.kind is P})
+    jaxpr = st.traced.jaxpr
     outputs = tuple(
         dict.fromkeys(
-            ids[v]
+            st.ids[v]
             for v in jaxpr.outvars
-            if not is_literal(v) and v not in literal_grads and v not in invar_leaf
+            if not is_literal(v) and v not in grads.literals and v not in st.invar_leaf
         )
     )
-    state_reads = {m: dict.fromkeys(groups[BufferRef(P, m)], P) for m in range(num_stages)}
-    grad_mesh = {ids[r]: st for r, st in grad_stage.items()}
-    return build_apply_graph(jaxpr, ids, placement, num_stages, grad_mesh, state_reads, outputs)
+    state_reads = {m: dict.fromkeys(groups[BufferRef(P, m)], P) for m in range(st.num_stages)}
+    grad_mesh = {st.ids[r]: g for r, g in grads.stage.items()}
+    return build_apply_graph(
+        jaxpr, st.ids, placement, st.num_stages, grad_mesh, state_reads, outputs
+    )
+
+
+def _output_slots(st: _Step, placement, update: ApplyGraph, grads: _Grads, groups: dict):
+    """Where each step output comes from (the ``O{m}`` groups hold update results)."""
+    computed = {st.ids[v] for i, _ in placement.runs for v in st.eqns[i].outvars if v in st.ids}
+    computed |= {r.var for r in placement.reductions}
+    out_meshes = dict(update.out_meshes)
+    output_slots = []
+    for j, v in enumerate(st.traced.jaxpr.outvars):
+        if is_literal(v):
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
+        elif v in grads.literals:
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=grads.literals[v]))
+        elif v in st.invar_leaf:
+            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=st.invar_leaf[v]))
+        elif st.ids[v] in computed or v in grads.stage:
+            slots = tuple(
+                (BufferRef(O, m), groups[BufferRef(O, m)].index(st.ids[v]))
+                for m in out_meshes[st.ids[v]]
+            )
+            output_slots.append(OutputSlots(j, OutputSource.BUFFER, slots))
+        else:
+            raise MeshshardInputError(
+                f"step output {st.traced.outputs[j].path} is computed per micro-batch outside "
+                "meshshard.grad; return it from the loss function as aux (has_aux=True)"
+            )
+    return tuple(output_slots)
+
+
+def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -> list:
+    """The forward and backward program of every stage with its buffer groups."""
+    edge_out: dict[ProgramRef, list] = {}
+    edge_in: dict[ProgramRef, list] = {}
+    for k, e in enumerate(edges):
+        edge_out.setdefault(e.producer, []).append(k)
+        edge_in.setdefault(e.consumer, []).append(k)
+
+    def group(kind, s) -> BufferGroup:
+        return BufferGroup(BufferRef(kind, s), groups[BufferRef(kind, s)])
+
+    def transfer(k) -> BufferGroup:
+        return BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,))
+
+    programs = []
+    for s in range(st.num_stages):
+        for ph in (Phase.FORWARD, Phase.BACKWARD):
+            name = ProgramRef(ph, s)
+            own = tuple(i for i, p in prog_of_eqn.items() if p == name)
+            read_set = {st.ids[v] for v in reads.get(name, [])}
+            ins = [group(k, s) for k in (P, X) if any(x in read_set for x in group(k, s).vars)]
+            outs: list[BufferGroup] = []
+            if ph is Phase.BACKWARD and group(R, s).vars:
+                ins.append(group(R, s))
+            ins += [transfer(k) for k in edge_in.get(name, [])]
+            if name in acc_of_prog:
+                ins.append(group(A, s))
+                outs.append(group(A, s))
+            if ph is Phase.FORWARD and group(R, s).vars:
+                outs.append(group(R, s))
+            outs += [transfer(k) for k in edge_out.get(name, [])]
+            programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
+    return programs
+
+
+def _input_slots(st: _Step, groups: dict) -> tuple[InputSlots, ...]:
+    """For every step input leaf, the (group, position) places that hold it."""
+    out = []
+    for leaf in range(len(st.traced.jaxpr.invars)):
+        slots = []
+        for s in range(st.num_stages):
+            for kind in (X, P, S):
+                content = groups[BufferRef(kind, s)]
+                if leaf in content:
+                    slots.append((BufferRef(kind, s), content.index(leaf)))
+        out.append(InputSlots(leaf, tuple(slots)))
+    return tuple(out)
 
 
 def _batch_dependent(jaxpr, is_batch, ids, slicing) -> frozenset:
