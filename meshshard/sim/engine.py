@@ -31,7 +31,9 @@ have been reached, which exposes head-of-line blocking and order effects.
 
 Devices: a message of the plan that names its devices (``Message.dst_devices``)
 moves between them: a point-to-point flow runs from ``src_device`` to the first
-device listed for its receiving worker (through those devices' NICs), and a broadcast chains
+device listed for its receiving worker (through those devices' NICs) and, when the
+receiver lists several devices, is chained on through the rest (the in-host fan-out
+the runtime does after the receive), and a broadcast chains
 through the root's ``src_device`` and every listed device of each receiver, so the
 intra-host fan-out costs its fabric hops.  Otherwise a host's NIC device stands in.
 
@@ -171,7 +173,18 @@ class _Queue:
 class _P2P:
     """A matched SEND/RECV pair."""
 
-    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel", "devices")
+    __slots__ = (
+        "send",
+        "recv",
+        "nbytes",
+        "flow_done",
+        "src",
+        "dst",
+        "channel",
+        "devices",
+        "fanout",
+        "chunk",
+    )
 
     def __init__(self):
         self.send: _Op | None = None
@@ -179,6 +192,8 @@ class _P2P:
         self.nbytes = 0.0
         self.flow_done = False
         self.devices: tuple[int, int] | None = None  # (src device, dst device) when known
+        self.fanout: tuple[int, ...] = ()  # every receiving device, when several need it
+        self.chunk = 0
 
 
 class _Rendezvous:
@@ -323,6 +338,8 @@ class _Engine:
             devs = msg.dst_devices[msg.receivers.index(peer)] if msg.dst_devices else ()
             if devs:
                 pair.devices = (msg.src_device, devs[0])
+            if len(devs) > 1:
+                pair.fanout, pair.chunk = tuple(devs), msg.chunk_bytes
 
     def _check_run_group(self, key: RunKey, n: int) -> None:
         mesh = self.mesh_of_program[key.program]
@@ -499,6 +516,9 @@ class _Engine:
         send = pair.send
         src = send.worker
         dst = send.ins.peer
+        if pair.fanout:
+            self._start_fanout(pair)
+            return
         if pair.devices is not None:  # the message names its devices: route between them
             a, b = (src, pair.devices[0]), (dst, pair.devices[1])
         elif src == dst:
@@ -517,6 +537,53 @@ class _Engine:
             label=str(send.ins),
         )
 
+    def _start_fanout(self, pair: _P2P) -> None:
+        """A message several devices of its receiving host need: one flow to the first,
+        then the in-host fan-out chained through the rest, as a two-member broadcast."""
+        src, dst = pair.send.worker, pair.send.ins.peer
+        d = decompose(
+            "broadcast",
+            (src, dst),
+            src,
+            pair.nbytes,
+            self.cluster,
+            chunk_bytes=pair.chunk or self.opt.chunk_bytes,
+            max_chunks=self.opt.max_chunks,
+            devices={src: (pair.devices[0],), dst: pair.fanout},
+        )
+        steps = d.steps
+        remaining = [len(s.deps) for s in steps]
+        succ: list[list[int]] = [[] for _ in steps]
+        for i, s in enumerate(steps):
+            for dep in s.deps:
+                succ[dep].append(i)
+        left = [len(steps)]
+        pair.send.comm_start = pair.recv.comm_start = self.now
+
+        def launch(i: int) -> None:
+            s = steps[i]
+            lat = self.topo.latency(s.src, s.dst) if s.latency else 0.0
+            self.net.start(
+                self.now,
+                self.topo.path(s.src, s.dst),
+                s.nbytes,
+                latency=lat,
+                on_done=lambda f: done(i),
+            )
+
+        def done(i: int) -> None:
+            left[0] -= 1
+            for j in succ[i]:
+                remaining[j] -= 1
+                if remaining[j] == 0:
+                    launch(j)
+            if left[0] == 0:
+                self._p2p_done(pair)
+
+        for i, n in enumerate(remaining):
+            if n == 0:
+                launch(i)
+
     def _p2p_done(self, pair: _P2P) -> None:
         pair.flow_done = True
         pair.send.comm_end = pair.recv.comm_end = self.now
@@ -530,10 +597,12 @@ class _Engine:
         ins: Collective = members[0].ins
         nbytes = self._coll_bytes(ins)
         devices = self._broadcast_devices(ins)
-        key = (ins.kind, ins.group, ins.root, nbytes, devices)
+        msg = self._message(ins) if ins.kind == "broadcast" else None
+        chunk = (msg.chunk_bytes if msg is not None else 0) or self.opt.chunk_bytes
+        key = (ins.kind, ins.group, ins.root, nbytes, devices, chunk)
         prep = self.coll_cache.get(key)
         if prep is None:
-            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices)
+            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices, chunk)
         paths, lats, sizes, succ, ndeps, touching, per_member = prep
         by_worker = {op.worker: op for op in members}
         left = dict(per_member)
@@ -573,7 +642,9 @@ class _Engine:
         pairs += [(h, tuple(d)) for h, d in zip(msg.group[1:], msg.dst_devices, strict=True)]
         return tuple(pairs)
 
-    def _prepare_collective(self, ins: Collective, nbytes: float, devices: tuple | None = None):
+    def _prepare_collective(
+        self, ins: Collective, nbytes: float, devices: tuple | None = None, chunk: int | None = None
+    ):
         d = decompose(
             ins.kind,
             ins.group,
@@ -581,7 +652,7 @@ class _Engine:
             nbytes,
             self.cluster,
             allreduce=self.opt.allreduce,
-            chunk_bytes=self.opt.chunk_bytes,
+            chunk_bytes=chunk or self.opt.chunk_bytes,
             max_chunks=self.opt.max_chunks,
             devices=dict(devices) if devices else None,
         )
