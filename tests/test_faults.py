@@ -58,6 +58,7 @@ def fresh_threads():
         meshshard.shutdown()
 
 
+@pytest.mark.slow
 def test_init_reuses_a_matching_cluster_and_refuses_another(fresh_threads):
     assert meshshard.init() is fresh_threads
     assert meshshard.init(backend="threads", num_hosts=4) is fresh_threads
@@ -69,6 +70,7 @@ def test_init_reuses_a_matching_cluster_and_refuses_another(fresh_threads):
         meshshard.init(backend="threads", num_hosts=2)
 
 
+@pytest.mark.slow
 def test_steps_and_arrays_after_shutdown_fail_clearly(fresh_threads, caplog):
     batch = mlp.make_batch(8)
     state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
