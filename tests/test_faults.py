@@ -58,7 +58,6 @@ def fresh_threads():
         meshshard.shutdown()
 
 
-@pytest.mark.slow
 def test_init_reuses_a_matching_cluster_and_refuses_another(fresh_threads):
     assert meshshard.init() is fresh_threads
     assert meshshard.init(backend="threads", num_hosts=4) is fresh_threads
