@@ -31,7 +31,9 @@ have been reached, which exposes head-of-line blocking and order effects.
 
 Devices: a message of the plan that names its devices (``Message.dst_devices``)
 moves between them: a point-to-point flow runs from ``src_device`` to the first
-device listed for its receiving worker (through those devices' NICs), and a broadcast chains
+device listed for its receiving worker (through those devices' NICs) and, when the
+receiver lists several devices, is chained on through the rest (the in-host fan-out
+the runtime does after the receive), and a broadcast chains
 through the root's ``src_device`` and every listed device of each receiver, so the
 intra-host fan-out costs its fabric hops.  Otherwise a host's NIC device stands in.
 
@@ -171,7 +173,18 @@ class _Queue:
 class _P2P:
     """A matched SEND/RECV pair."""
 
-    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel", "devices")
+    __slots__ = (
+        "send",
+        "recv",
+        "nbytes",
+        "flow_done",
+        "src",
+        "dst",
+        "channel",
+        "devices",
+        "fanout",
+        "chunk",
+    )
 
     def __init__(self):
         self.send: _Op | None = None
@@ -179,6 +192,8 @@ class _P2P:
         self.nbytes = 0.0
         self.flow_done = False
         self.devices: tuple[int, int] | None = None  # (src device, dst device) when known
+        self.fanout: tuple[int, ...] = ()  # every receiving device, when several need it
+        self.chunk = 0
 
 
 class _Rendezvous:
@@ -242,6 +257,7 @@ class _Engine:
         self.p2p: dict = {}
         self.coll_cache: dict = {}
         self.mesh_of_program = {p.name: p.mesh for p in plan.programs}
+        self.transfers = {t.name: t for t in plan.transfers}
         self.mesh_workers = {m.id: tuple(m.hosts) for m in plan.meshes}
         self.costs: dict[str, ProgramCost] = {}
         for p in plan.programs:
@@ -322,6 +338,8 @@ class _Engine:
             devs = msg.dst_devices[msg.receivers.index(peer)] if msg.dst_devices else ()
             if devs:
                 pair.devices = (msg.src_device, devs[0])
+            if len(devs) > 1:
+                pair.fanout, pair.chunk = tuple(devs), msg.chunk_bytes
 
     def _check_run_group(self, key: RunKey, n: int) -> None:
         mesh = self.mesh_of_program[key.program]
@@ -342,13 +360,13 @@ class _Engine:
     def _message(self, ins: Send | Collective) -> Message | None:
         """The plan's message an instruction carries, or None when the plan lacks it."""
         try:
-            return self.plan.transfer(ins.transfer).messages[ins.message]
+            return self.transfers[ins.transfer].messages[ins.message]
         except (KeyError, IndexError):
             return None
 
     def _message_bytes(self, ins: Send) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:
@@ -363,7 +381,7 @@ class _Engine:
 
     def _coll_bytes(self, ins: Collective) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:
@@ -502,6 +520,9 @@ class _Engine:
         send = pair.send
         src = send.worker
         dst = send.ins.peer
+        if pair.fanout:
+            self._start_fanout(pair)
+            return
         if pair.devices is not None:  # the message names its devices: route between them
             a, b = (src, pair.devices[0]), (dst, pair.devices[1])
         elif src == dst:
@@ -519,6 +540,53 @@ class _Engine:
             on_done=lambda flow, pair=pair: self._p2p_done(pair),
             label=str(send.ins),
         )
+
+    def _start_fanout(self, pair: _P2P) -> None:
+        """A message several devices of its receiving host need: one flow to the first,
+        then the in-host fan-out chained through the rest, as a two-member broadcast."""
+        src, dst = pair.send.worker, pair.send.ins.peer
+        d = decompose(
+            "broadcast",
+            (src, dst),
+            src,
+            pair.nbytes,
+            self.cluster,
+            chunk_bytes=pair.chunk or self.opt.chunk_bytes,
+            max_chunks=self.opt.max_chunks,
+            devices={src: (pair.devices[0],), dst: pair.fanout},
+        )
+        steps = d.steps
+        remaining = [len(s.deps) for s in steps]
+        succ: list[list[int]] = [[] for _ in steps]
+        for i, s in enumerate(steps):
+            for dep in s.deps:
+                succ[dep].append(i)
+        left = [len(steps)]
+        pair.send.comm_start = pair.recv.comm_start = self.now
+
+        def launch(i: int) -> None:
+            s = steps[i]
+            lat = self.topo.latency(s.src, s.dst) if s.latency else 0.0
+            self.net.start(
+                self.now,
+                self.topo.path(s.src, s.dst),
+                s.nbytes,
+                latency=lat,
+                on_done=lambda f: done(i),
+            )
+
+        def done(i: int) -> None:
+            left[0] -= 1
+            for j in succ[i]:
+                remaining[j] -= 1
+                if remaining[j] == 0:
+                    launch(j)
+            if left[0] == 0:
+                self._p2p_done(pair)
+
+        for i, n in enumerate(remaining):
+            if n == 0:
+                launch(i)
 
     def _p2p_done(self, pair: _P2P) -> None:
         pair.flow_done = True
