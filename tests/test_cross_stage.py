@@ -196,3 +196,21 @@ def test_tied_embeddings_match_jit(threads_cluster, stages, opt, rtol):
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * stages)
     step = check(gpt_setup(tx, tied=True), method, rtol=rtol)
     assert any(n.startswith("shared parameter") for n in step.plan.notes)
+
+
+def test_simulator_runs_the_allreduce_between_update_phases():
+    """The simulator times the cross-mesh all-reduce like any collective: every worker
+    waits for it before its second update phase."""
+    state, batches, train_step = mlp_setup(clip_adamw())
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    plan = meshshard.parallelize(train_step, method=method).lower(
+        state, batches(0), cluster=CLUSTER
+    )
+    result = meshshard.simulate(plan, ClusterSpec.preset("dgx-a100", num_hosts=2))
+    assert result.iteration_time > 0
+    allreduce = [s for s in result.spans if "allreduce" in s.name]
+    assert {s.track for s in allreduce} == {"w0", "w1"}
+    for w in ("w0", "w1"):
+        end = max(s.end for s in allreduce if s.track == w)
+        second = [s for s in result.spans if s.track == w and ".apply1" in s.name]
+        assert second and min(s.start for s in second) >= end
