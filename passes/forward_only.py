@@ -30,6 +30,14 @@ def is_forward_only(jaxpr) -> bool:
     return not any(is_marker(e, "grad_end") for e in jaxpr.eqns)
 
 
+#: The plan note of every forward-only step.
+FORWARD_ONLY_NOTE = (
+    "forward-only step (no meshshard.grad): the inference schedule runs forward tasks "
+    "only; a gradient taken with jax.grad inside it is not pipelined (use "
+    "meshshard.grad / meshshard.value_and_grad for training)"
+)
+
+
 def with_forward_boundaries(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with each user marker turned into a ``fwd`` boundary carrying the
     values live across it (unchanged when it has no user markers)."""
@@ -69,10 +77,11 @@ def check_forward_only(traced) -> None:
     """A forward-only step's results are per micro-batch: it must run one."""
     if traced.num_micro_batches != 1:
         raise MeshshardInputError(
-            f"this step computes no gradient (no meshshard.grad), so it runs as a "
+            f"this step computes no gradient through meshshard.grad, so it runs as a "
             f"forward-only pipeline, which returns one micro-batch's results: "
             f"num_micro_batches={traced.num_micro_batches} is not supported there; use "
-            "num_micro_batches=1 (the stages still run on their own meshes)"
+            "num_micro_batches=1 for an eval/inference step, or, for a train step, compute "
+            "its gradients with meshshard.grad or meshshard.value_and_grad (not jax.grad)"
         )
 
 
@@ -164,6 +173,7 @@ def build_forward_graph(traced, slicing: LayerSlicing, layer_groups):
         grad_pairs=(),
         batch_dependent=frozenset(_batch_dependent(jaxpr, is_batch, ids)),
         apply_phases=0,
+        notes=(FORWARD_ONLY_NOTE,),
     )
 
 
