@@ -1,7 +1,6 @@
 """Bad input gives a clear error naming the problem and the fix."""
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import meshshard
