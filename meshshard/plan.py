@@ -403,8 +403,22 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> Plan:
-        """Inverse of :meth:`to_json`."""
-        return _decode_plan(json.loads(text))
+        """Inverse of :meth:`to_json`.  A document that is not a plan raises
+        :class:`~meshshard.plan_checks.PlanFormatError` naming the bad field."""
+        from meshshard.plan_checks import PlanFormatError, check_plan_document
+
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"plan is not valid JSON: {e}") from None
+        check_plan_document(doc)
+        try:
+            return _decode_plan(doc)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise PlanFormatError(
+                f"plan JSON is malformed below the top level ({type(e).__name__}: {e}); "
+                "write plans with Plan.to_json() and edit only values"
+            ) from None
 
 
 def _indent(text: str, pad: str = "  ") -> str:

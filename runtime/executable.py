@@ -18,6 +18,7 @@ import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.plan_checks import require_valid_plan
 from meshshard.runtime.worker import StoreKey
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
@@ -108,6 +109,7 @@ class Executable:
     def __init__(
         self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()
     ):
+        require_valid_plan(plan)  # an edited or broken plan never reaches the workers
         self.plan = plan
         self.backend = backend
         self.batch_argnums = tuple(batch_argnums)

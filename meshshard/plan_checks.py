@@ -1,0 +1,179 @@
+"""Checks of a plan as a file: the JSON document's shape, and the plan against its header.
+
+A plan is a file people can edit, so two kinds of damage need catching before a plan
+runs or is simulated:
+
+* a document that is not a plan at all (a list, ``{}``, a field of the wrong type):
+  :func:`check_plan_document` rejects it with a :class:`PlanFormatError` naming the field;
+* a plan whose header no longer matches its body (an edited ``num_micro_batches``,
+  fingerprint or mesh shape): :func:`header_problems` lists every mismatch, and
+  :func:`meshshard.verify.verify` includes them.
+
+    >>> check_plan_document([])
+    Traceback (most recent call last):
+    ...
+    meshshard.plan_checks.PlanFormatError: plan JSON must be an object with the plan's fields (method, cluster, num_micro_batches, ...), got a list
+"""
+
+from __future__ import annotations
+
+import re
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.instructions import Load, Run, mb_of
+
+#: Top-level fields of a plan document and the JSON type each must have.
+PLAN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "method": str,
+    "cluster": dict,
+    "num_micro_batches": int,
+    "fingerprint": str,
+    "meshes": list,
+    "stages": list,
+    "programs": list,
+    "buffers": list,
+    "transfers": list,
+    "schedule": dict,
+    "streams": list,
+    "inputs": list,
+    "outputs": list,
+}
+OPTIONAL_FIELDS: dict[str, type | tuple[type, ...]] = {"notes": list}
+
+#: A traced step's hash (16 hex digits), a labelled synthetic plan (``synthetic-`` and 12
+#: hex digits), or empty for a plan that runs no programs (a transfer-only plan).
+FINGERPRINT = re.compile(r"^(?:[0-9a-f]{16}|[a-z]+-[0-9a-f]{12})$")
+
+_JSON_TYPE = {str: "a string", dict: "an object", int: "an integer", list: "a list"}
+
+
+class PlanFormatError(MeshshardInputError):
+    """A plan JSON document is not a plan: its message names the field and what it needs."""
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    for t, name in _JSON_TYPE.items():
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def check_plan_document(doc) -> None:
+    """Reject a decoded plan JSON document that is not an object with every top-level
+    plan field of the right type, naming the first bad field (why: the decoder would
+    otherwise fail deep inside with a bare ``KeyError``)."""
+    if not isinstance(doc, dict):
+        raise PlanFormatError(
+            "plan JSON must be an object with the plan's fields (method, cluster, "
+            f"num_micro_batches, ...), got {_json_type(doc)}"
+        )
+    missing = [k for k in PLAN_FIELDS if k not in doc]
+    if missing:
+        raise PlanFormatError(
+            f"plan JSON lacks field(s) {', '.join(missing)}; write plans with "
+            "Plan.to_json() (or `meshshard.parallelize(...).lower(...)`) and edit only values"
+        )
+    for name, want in {**PLAN_FIELDS, **OPTIONAL_FIELDS}.items():
+        if name not in doc:
+            continue
+        value = doc[name]
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise PlanFormatError(
+                f"plan field {name!r} must be {_JSON_TYPE[want]}, got {_json_type(value)} "
+                f"({value!r:.60})"
+            )
+
+
+def header_problems(plan, cluster: ClusterSpec | None = None) -> list[str]:
+    """Every way ``plan``'s body disagrees with its header (micro-batch count, mesh shapes
+    against ``cluster`` — default the plan's own — and the fingerprint's format)."""
+    problems = _micro_batch_problems(plan)
+    problems += mesh_problems(plan, plan.cluster, "its header's cluster")
+    if cluster is not None and cluster != plan.cluster:
+        problems += mesh_problems(plan, cluster, f"cluster {cluster.name!r}")
+    if plan.programs and not FINGERPRINT.match(plan.fingerprint):
+        problems.append(
+            f"fingerprint {plan.fingerprint!r} is not a traced step's hash (16 hex digits); "
+            "re-lower the step instead of editing the plan's fingerprint"
+        )
+    return problems
+
+
+def _micro_batch_problems(plan) -> list[str]:
+    m = plan.num_micro_batches
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        return [f"num_micro_batches is {m!r}; it must be a positive integer"]
+    problems = []
+    if plan.schedule.num_micro_batches != m:
+        problems.append(
+            f"num_micro_batches is {m} but the schedule {plan.schedule.name!r} runs "
+            f"{plan.schedule.num_micro_batches}"
+        )
+    for stream in plan.streams:
+        used = set()
+        for ins in stream.instructions:
+            if isinstance(ins, Run | Load) and ins.mb is not None:
+                used.add(ins.mb)
+            used.update(k for b in (*ins.reads, *ins.writes) if (k := mb_of(b)) is not None)
+        if used and max(used) >= m:
+            problems.append(
+                f"w{stream.worker}: the stream uses micro-batch {max(used)} but "
+                f"num_micro_batches is {m}"
+            )
+    return problems
+
+
+def mesh_problems(plan, cluster: ClusterSpec, what: str) -> list[str]:
+    """Meshes that do not fit ``cluster`` (host indices, devices per host, shape vs hosts)."""
+    problems = []
+    for mesh in plan.meshes:
+        shape = tuple(mesh.shape)
+        if len(shape) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in shape):
+            problems.append(f"mesh{mesh.id}: shape {shape} is not (hosts, devices)")
+            continue
+        if shape[0] < 1 or shape[1] < 1:
+            problems.append(f"mesh{mesh.id}: shape {shape} has an empty axis")
+        if shape[0] != len(mesh.hosts) or len(set(mesh.hosts)) != len(mesh.hosts):
+            problems.append(
+                f"mesh{mesh.id}: shape {shape} needs {shape[0]} distinct hosts, "
+                f"lists {list(mesh.hosts)}"
+            )
+        if shape[1] > cluster.devices_per_host:
+            problems.append(
+                f"mesh{mesh.id}: shape {shape} uses {shape[1]} devices per host but "
+                f"{what} has devices_per_host={cluster.devices_per_host}"
+            )
+        bad = [h for h in mesh.hosts if not 0 <= h < cluster.num_hosts]
+        if bad:
+            problems.append(
+                f"mesh{mesh.id}: hosts {bad} are outside {what} "
+                f"(num_hosts={cluster.num_hosts}: h0..h{cluster.num_hosts - 1})"
+            )
+    return problems
+
+
+class PlanVerifyError(MeshshardInputError):
+    """A plan fails :func:`meshshard.verify.verify`; the message lists every problem."""
+
+
+def require_valid_plan(
+    plan, cluster: ClusterSpec | None = None, *, what: str = "run", streams: bool = True
+) -> None:
+    """Raise :class:`PlanVerifyError` if ``verify(plan, cluster)`` finds problems, so an
+    edited or broken plan is refused before it is compiled or simulated.  With
+    ``streams=False`` only the header checks run (the simulator also takes hand-built
+    plans whose streams keep buffers the runtime would free)."""
+    from meshshard.verify import verify
+
+    problems = verify(plan, cluster) if streams else header_problems(plan, cluster)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise PlanVerifyError(
+            f"cannot {what} plan {plan.method!r}: it fails verify(): "
+            + "; ".join(problems[:3])
+            + more
+            + ". Re-lower the step (step.lower(...)) rather than editing the plan"
+        )
