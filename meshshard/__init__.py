@@ -9,6 +9,7 @@ _extend_package_path(__path__)
 
 from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
 from meshshard.autodiff import grad, value_and_grad  # noqa: E402
+from meshshard.checkpoint import CheckpointManager, restore, save  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
@@ -18,6 +19,7 @@ from meshshard.runtime.cluster import init, shutdown  # noqa: E402
 from meshshard.sim import SimResult, simulate  # noqa: E402
 
 __all__ = [
+    "CheckpointManager",
     "ClusterSpec",
     "DataParallel",
     "MeshshardInputError",
@@ -30,6 +32,8 @@ __all__ = [
     "init",
     "mark_pipeline_boundary",
     "parallelize",
+    "restore",
+    "save",
     "shutdown",
     "simulate",
     "value_and_grad",

@@ -63,6 +63,18 @@ class ParallelizedFunction:
         return plan
 
     def __call__(self, *args):
+        return self._executable_for(args)(*args)
+
+    def placement(self, *args, argnum: int = 0):
+        """Where each leaf of ``args[argnum]`` lives when the step runs on ``args``: a tree
+        like it whose leaves say the meshes and shardings (compiles the step if needed).
+        ``meshshard.restore(path, like=step.placement(state, batch))`` reads a checkpoint
+        straight into that layout."""
+        from meshshard.checkpoint import placement_of
+
+        return placement_of(self._executable_for(args), args, argnum)
+
+    def _executable_for(self, args):
         from meshshard.passes.pipeline import plan_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
@@ -92,7 +104,7 @@ class ParallelizedFunction:
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
             self._executables[key] = exe
-        return exe(*args)
+        return exe
 
     @property
     def plan(self) -> Plan | None:

@@ -337,6 +337,24 @@ class RayBackend:
     def free(self, worker: int, keys: Sequence[int]) -> None:
         self._actor(worker).free.remote(list(keys))
 
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Every actor snapshots its arrays and starts writing them; returns at once."""
+        refs = {w: self._actor(w).begin_save.remote(parts) for w, parts in per_worker.items()}
+        return dict(zip(refs, _get(list(refs.values())), strict=True))
+
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every actor's parts are on disk."""
+        _get([self._actor(w).finish_save.remote(dirs) for w, dirs in per_worker.items()])
+
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Every actor reads its shards of saved arrays into its store, in parallel."""
+        refs = {
+            w: self._actor(w).restore_shards.remote(self.plan_id, req)
+            for w, req in per_worker.items()
+        }
+        return dict(zip(refs, _get(list(refs.values())), strict=True))
+
 
 def _unwrap(exc: BaseException) -> BaseException:
     cause = getattr(exc, "cause", None)

@@ -43,9 +43,11 @@ class RemoteArray:
     ``np.asarray(x)`` fetches it; passing it back into the step uses it in place.
     """
 
-    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype):
+    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
         self._owner = weakref.ref(owner)
         self.keys = dict(keys)
+        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.deleted = False
@@ -192,7 +194,8 @@ class Executable:
                 for g, i in o.slots:
                     for w in self._mesh_workers[int(g[1:])]:
                         keys[w] = int(results[w][(g, i)])
-                leaves.append(RemoteArray(self, keys, o.shape, o.dtype))
+                groups = [self._mesh_workers[int(g[1:])] for g, _ in o.slots]
+                leaves.append(RemoteArray(self, keys, o.shape, o.dtype, groups))
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:

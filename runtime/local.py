@@ -61,3 +61,31 @@ class LocalBackend:
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
         self.workers[worker].free(keys)
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Snapshot stored arrays and start writing them (see ``ShardWriter.begin``)."""
+        from meshshard.runtime.checkpoint_io import ShardWriter
+
+        if not hasattr(self, "writer"):
+            self.writer = ShardWriter()
+        return {
+            w: sum(self.writer.begin(self.stores[w], d, arrays) for d, arrays in parts)
+            for w, parts in per_worker.items()
+        }
+
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every part started by :meth:`begin_save` is on disk."""
+        for dirs in per_worker.values():
+            for d in dirs:
+                self.writer.finish(d)
+
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Each worker reads its shards of saved arrays into its store, in parallel."""
+        from meshshard.runtime.checkpoint_io import read_shards
+
+        def one(w):
+            mesh = getattr(self.workers.get(w), "mesh", None)
+            return read_shards(self.stores.setdefault(w, {}), mesh, per_worker[w])
+
+        return run_in_threads(per_worker, one)
