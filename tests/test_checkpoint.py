@@ -1,6 +1,9 @@
 """Sharded checkpoints: bit-exact round trips, restore onto another layout, a training loop."""
 
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -140,3 +143,29 @@ def test_errors_name_the_fix(threads_cluster, tmp_path):
     step = meshshard.parallelize(mlp.train_step, method=TWO_STAGES)
     with pytest.raises(meshshard.MeshshardInputError, match=r"is a batch argument"):
         step.placement(state, batch, argnum=1)
+
+
+@pytest.mark.ray
+def test_ray_save_shutdown_restore_on_another_layout_equals_six_steps(tmp_path):
+    """Multi-host meshes on both sides; its own process, so its own Ray cluster."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.checkpoint_scenario", str(tmp_path / "c")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bit_exact"] and result["step"] == 6
+    assert result["max_rel_error"] <= 1e-5
+    assert sorted(os.listdir(tmp_path / "c")) == [
+        "driver",
+        "meshshard_checkpoint.json",
+        "w0-1",
+        "w2",
+    ]
