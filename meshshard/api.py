@@ -106,6 +106,21 @@ class ParallelizedFunction:
             self._executables[key] = exe
         return exe
 
+    def release(self) -> None:
+        """Drop every compiled version of this step on the workers now (also done when
+        this object is garbage-collected).  Arrays it returned stay valid; the next call
+        compiles again."""
+        executables, self._executables = self._executables, {}
+        for exe in executables.values():
+            exe.release()
+
+    def __del__(self):
+        try:
+            for exe in self._executables.values():
+                exe.release_soon()
+        except Exception:  # interpreter shutdown
+            pass
+
     @property
     def plan(self) -> Plan | None:
         """The plan of the most recent compilation (None before the first call)."""

@@ -11,6 +11,8 @@ import os
 import socket
 import time
 
+import numpy as np
+
 
 class HostActor:
     """Owns one host's devices; wrapped with ``ray.remote`` by the cluster."""
@@ -132,7 +134,28 @@ class HostActor:
         return result, time.perf_counter() - t0
 
     def fetch(self, key: int):
-        return next(iter(self.workers.values())).fetch(key)
+        """The local shards of stored array ``key`` as (index, data) pairs."""
+        arr = self.store[key]
+        return [
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
+        ]
+
+    def release(self, plan_id: str) -> None:
+        """Drop a step's compiled programs (its arrays stay in the store)."""
+        self.workers.pop(plan_id, None)
+
+    def stats(self) -> dict:
+        """What this host holds: stored arrays, live device buffers, compiled steps, RSS."""
+        import jax
+        import psutil
+
+        return {
+            "store": len(self.store),
+            "live_buffers": sum(len(a.addressable_shards) for a in jax.live_arrays()),
+            "compiled": len(self.workers),
+            "rss": psutil.Process().memory_info().rss,
+        }
 
     def free(self, keys) -> None:
         for k in keys:

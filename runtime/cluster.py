@@ -88,6 +88,21 @@ class ThreadsCluster:
 
         return LocalBackend(self.spec.devices_per_host, self.stores)
 
+    def host_stats(self) -> dict[int, dict]:
+        """Per host: stored arrays and live device buffers on its devices (for leak tests)."""
+        import jax
+
+        d = self.spec.devices_per_host
+        counts = [0] * self.spec.num_hosts
+        for a in jax.live_arrays():
+            for sh in a.addressable_shards:
+                if sh.device.id // d < self.spec.num_hosts:
+                    counts[sh.device.id // d] += 1
+        return {
+            h: {"store": len(self.stores.get(h, {})), "live_buffers": counts[h]}
+            for h in range(self.spec.num_hosts)
+        }
+
     def close(self) -> None:
         pass
 
@@ -125,6 +140,7 @@ class RayCluster:
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
         self._groups_made: set = set()
+        self._cleanups: list = []  # refs of free/release calls in flight
         self.generation = 0  # bumped whenever actors restart (compiled steps die with them)
         for h in range(num_hosts):
             self._start_actor(h)
@@ -239,6 +255,25 @@ class RayCluster:
     def backend(self):
         return RayBackend(self)
 
+    def note_cleanup(self, ref) -> None:
+        """Remember a fire-and-forget free/release call (``host_stats`` waits for them)."""
+        self._cleanups.append(ref)
+        if len(self._cleanups) > 256:  # forget the finished ones
+            import ray
+
+            done, rest = ray.wait(self._cleanups, num_returns=len(self._cleanups), timeout=0)
+            self._cleanups = rest
+
+    def host_stats(self) -> dict[int, dict]:
+        """Per host-actor: stored arrays, live device buffers, compiled steps and RSS,
+        after every free and release issued so far has been done."""
+        import ray
+
+        pending, self._cleanups = self._cleanups, []
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=30)
+        return dict(enumerate(_get([a.stats.remote() for a in self._actors])))
+
     def close(self) -> None:
         import ray
 
@@ -335,7 +370,13 @@ class RayBackend:
         return _get([self._actor(worker).fetch.remote(key)])[0]
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
-        self._actor(worker).free.remote(list(keys))
+        self.cluster.note_cleanup(self._actor(worker).free.remote(list(keys)))
+
+    def release(self) -> None:
+        """Drop this plan's compiled programs on every actor (fire and forget)."""
+        for a in self.cluster._actors:
+            if a is not None:
+                self.cluster.note_cleanup(a.release.remote(self.plan_id))
 
     # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
     def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:

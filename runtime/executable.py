@@ -19,6 +19,7 @@ import numpy as np
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
 from meshshard.plan_checks import require_valid_plan
+from meshshard.runtime.release import RELEASER
 from meshshard.runtime.worker import StoreKey
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
@@ -35,6 +36,8 @@ class Backend(Protocol):
     def fetch(self, worker: int, key: int) -> list: ...
 
     def free(self, worker: int, keys: Sequence[int]) -> None: ...
+
+    def release(self) -> None: ...
 
 
 class RemoteArray:
@@ -117,12 +120,18 @@ class Executable:
         self.batch_argnums = tuple(batch_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self._pending_free: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a finalizer freeing an array
+        self.released = False
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
         self.last_worker_seconds: dict[int, float] = {}
 
     def __call__(self, *args):
+        if self.released:
+            raise MeshshardRuntimeError(
+                "this compiled step was released (step.release()); call the parallelized "
+                "function again to recompile it"
+            )
         plan = self.plan
         flat, _ = jax.tree.flatten(args)
         if len(flat) != len(plan.inputs):
@@ -165,9 +174,35 @@ class Executable:
         return self._outputs(args, flat, results, out_keys)
 
     def schedule_free(self, worker: int, key: int) -> None:
-        """Drop a stored array on ``worker`` with the next step (arrays die between steps)."""
+        """Drop a stored array on ``worker``: with the next step, or from the releaser
+        thread at once if no step takes it first (safe to call from a finalizer)."""
         with self._lock:
             self._pending_free.setdefault(worker, []).append(key)
+        RELEASER.call(self.flush_frees)
+
+    def flush_frees(self) -> None:
+        """Free the arrays dropped since the last step now, without waiting for a step."""
+        with self._lock:
+            frees, self._pending_free = self._pending_free, {}
+        for w, keys in frees.items():
+            self.backend.free(w, keys)
+
+    def release(self) -> None:
+        """Drop this step's compiled programs on the workers (the arrays it returned stay
+        valid); a released step cannot run again.  Idempotent."""
+        if not self.released:
+            self.released = True
+            self.flush_frees()
+            self.backend.release()
+
+    def release_soon(self) -> None:
+        """Like :meth:`release`, done by the releaser thread (safe from a finalizer)."""
+        if not getattr(self, "released", True):
+            self.released = True
+            RELEASER.call(self.backend.release)
+
+    def __del__(self):
+        self.release_soon()
 
     def _donated(self, args) -> list[RemoteArray]:
         out = []

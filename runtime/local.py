@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from meshshard.errors import MeshshardInputError
 from meshshard.plan import Plan
@@ -57,10 +58,20 @@ class LocalBackend:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
     def fetch(self, worker: int, key: int) -> list:
-        return self.workers[worker].fetch(key)
+        arr = self.stores[worker][key]
+        return [
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
+        ]
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
-        self.workers[worker].free(keys)
+        store = self.stores.get(worker, {})
+        for k in keys:
+            store.pop(k, None)
+
+    def release(self) -> None:
+        """Drop this plan's compiled workers (the stores keep their arrays)."""
+        self.workers.clear()
 
     # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
     def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
