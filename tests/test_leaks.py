@@ -109,3 +109,12 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     for h in base:
         for k in ("store", "live_buffers", "compiled"):
             assert after[h][k] == base[h][k], (h, k, base, after)
+
+
+def test_releaser_docstring_example():
+    import doctest
+
+    import meshshard.runtime.release
+
+    result = doctest.testmod(meshshard.runtime.release)
+    assert result.attempted > 0 and result.failed == 0
