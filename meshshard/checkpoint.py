@@ -74,7 +74,7 @@ def placement_of(exe: Executable, args: tuple, argnum: int = 0):
             )
         meshes, seen = [], set()
         for group, idx in spec.slots if spec.kind == "state" else ():
-            mesh = int(group[1:])
+            mesh = exe.plan.buffer(group).mesh
             if mesh not in seen:
                 seen.add(mesh)
                 meshes.append(
