@@ -124,7 +124,9 @@ class RayCluster:
             )
             if address is None:
                 kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
-            ray.init(address=address, **kwargs)
+            # address=None: always our own embedded instance, never another process's
+            # local Ray (which ray.init() would otherwise join, e.g. a test session's)
+            ray.init(address=address or "local", **kwargs)
             self._started_ray = address is None
         if address is not None:
             num_hosts, devices_per_host, self.platform, self._nodes = discover_hosts(
