@@ -15,7 +15,8 @@ from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa:
 from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
-from meshshard.runtime.cluster import init, shutdown  # noqa: E402
+from meshshard.runtime.cluster import init, recover, shutdown  # noqa: E402
+from meshshard.runtime.executable import RemoteArray, fetch  # noqa: E402
 from meshshard.sim import SimResult, simulate  # noqa: E402
 
 __all__ = [
@@ -25,13 +26,16 @@ __all__ = [
     "MeshshardInputError",
     "MeshshardRuntimeError",
     "ParallelizedFunction",
+    "RemoteArray",
     "SimResult",
     "PipeshardParallel",
     "Plan",
+    "fetch",
     "grad",
     "init",
     "mark_pipeline_boundary",
     "parallelize",
+    "recover",
     "restore",
     "save",
     "shutdown",

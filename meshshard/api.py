@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -13,6 +14,8 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.methods import DataParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 class ParallelizedFunction:
@@ -89,6 +92,8 @@ class ParallelizedFunction:
             ),
         )
         exe = self._executables.get(key)
+        if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
+            exe = None  # compiled for a cluster that was shut down: compile on this one
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
@@ -103,6 +108,14 @@ class ParallelizedFunction:
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
+            log.info(
+                "compiled %s for %s in %.1fs (%d stages, %d workers)",
+                getattr(self.fn, "__name__", "step"),
+                cluster.spec.name,
+                self.last_compile_seconds,
+                len(plan.stages),
+                len(plan.workers),
+            )
             self._executables[key] = exe
         return exe
 

@@ -138,19 +138,19 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
     entries, host, per_worker, backend_of = [], {}, {}, {}
     for i, (kp, leaf) in enumerate(leaves):
         name, where = f"leaf{i}", jax.tree_util.keystr(kp)
-        if isinstance(leaf, RemoteArray):
-            if leaf.deleted:
-                raise MeshshardInputError(
-                    f"save: state{where} was donated to a later step and no longer exists; "
-                    "save the state that step returned"
-                )
-            group = _writer_group(leaf)
+        if isinstance(leaf, RemoteArray) and leaf.deleted:
+            raise MeshshardInputError(
+                f"save: state{where} was donated to a later step and no longer exists; "
+                "save the state that step returned"
+            )
+        group = _writer_group(leaf) if isinstance(leaf, RemoteArray) else None
+        if group is not None:
             part = "w" + "-".join(map(str, group))
             for w in group:
                 per_worker.setdefault(w, {}).setdefault(part, {})[name] = leaf.keys[w]
                 backend_of.setdefault(w, leaf._backend)
             shape, dtype = leaf.shape, leaf.dtype
-        else:
+        else:  # a host value (or an array moved to the driver when its hosts restarted)
             host[name] = np.asarray(leaf)
             part, shape, dtype = DRIVER_PART, host[name].shape, host[name].dtype
         entries.append(
@@ -186,12 +186,15 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
     return handle
 
 
-def _writer_group(leaf: RemoteArray) -> tuple[int, ...]:
-    """The workers of one mesh holding ``leaf``: they write its single copy."""
-    for g in leaf.groups:
+def _writer_group(leaf: RemoteArray) -> tuple[int, ...] | None:
+    """The workers of one mesh holding all of ``leaf``: they write its single copy
+    (None if no mesh holds it whole any more: it was moved to the driver)."""
+    if leaf.key_on(leaf._backend, next(iter(leaf.keys), -1)) is None:
+        return None
+    for g in leaf.groups or (tuple(leaf.keys),):
         if g and all(w in leaf.keys for w in g):
             return tuple(g)
-    return (min(leaf.keys),)
+    return None
 
 
 # --- restore ---------------------------------------------------------------------------
@@ -255,6 +258,7 @@ def restore(path: str | os.PathLike, like):
         backend.restore_shards(reqs)
     for i, owner, keys, (shape, dtype), groups in made:
         out[i] = RemoteArray(owner, keys, shape, dtype, groups)
+        owner.backend.track(out[i])  # moved, not lost, if its hosts restart later
     for part, names in host.items():
         arrays = read_host(os.path.join(path, part), [n for _, n in names])
         for i, n in names:
@@ -270,7 +274,9 @@ def _targets(leaf):
             raise MeshshardInputError(
                 "restore(like=...): a like-array was donated to a later step; pass a live state"
             )
-        groups = leaf.groups or (tuple(leaf.keys),)
+        groups = [g for g in leaf.groups or (tuple(leaf.keys),) if set(g) <= set(leaf.keys)]
+        if not groups or leaf.key_on(leaf._backend, groups[0][0]) is None:
+            return None  # no longer on the meshes (moved to the driver): a host array
         owner = leaf._owner()
         return (
             owner,

@@ -11,13 +11,42 @@ import os
 import socket
 import time
 
-import numpy as np
+#: Lines of connection chatter dropped from an actor's output unless MESHSHARD_VERBOSE=1.
+CHATTER = (b"[Gloo] Rank ", b"Gloo connected", b"Gloo rank")
+
+
+def filter_output(drop: tuple[bytes, ...], fds: tuple[int, ...] = (1, 2)) -> None:
+    """Route this process's stdout and stderr (the file descriptors C++ libraries write
+    to) through threads that drop lines starting with any of ``drop``."""
+    for fd in fds:
+        _filter_fd(fd, drop)
+
+
+def _filter_fd(fd: int, drop: tuple[bytes, ...]) -> None:
+    import threading
+
+    read_fd, write_fd = os.pipe()
+    original = os.dup(fd)
+    os.dup2(write_fd, fd)
+    os.close(write_fd)
+
+    def pump() -> None:
+        with os.fdopen(read_fd, "rb") as src:
+            for line in src:
+                if not line.lstrip().startswith(drop):
+                    os.write(original, line)
+
+    threading.Thread(target=pump, daemon=True, name="meshshard-stderr").start()
 
 
 class HostActor:
     """Owns one host's devices; wrapped with ``ray.remote`` by the cluster."""
 
-    def __init__(self, host: int, devices_per_host: int, platform: str = "cpu"):
+    def __init__(
+        self, host: int, devices_per_host: int, platform: str = "cpu", verbose: bool = False
+    ):
+        if not verbose:
+            filter_output(CHATTER)
         if platform == "cpu":
             flags = os.environ.get("XLA_FLAGS", "")
             flags = " ".join(
@@ -38,7 +67,12 @@ class HostActor:
         self.writer = None  # checkpoint writes in progress (runtime.checkpoint_io)
 
     def ping(self) -> int:
+        """This actor's process id (tests kill it to simulate a crash)."""
         return os.getpid()
+
+    def identity(self) -> tuple[int, str]:
+        """(process id, host name): the driver waits for local actors to exit."""
+        return os.getpid(), socket.gethostname()
 
     def free_port(self) -> tuple[str, int]:
         """An address other processes can reach this one on, with a port free now."""
@@ -121,9 +155,10 @@ class HostActor:
             devices = [devs[i * per + j] for i in range(h) for j in range(d)]
         else:
             devices = jax.local_devices()[:d]
-        worker = Worker(
-            self.host, devices, TorchTransport(self.host, self.torch_groups), store=self.store
-        )
+        # the transport's data path is fixed here, at compile time: NCCL with host
+        # arrays raises now instead of hanging at the first message
+        transport = TorchTransport(self.host, self.torch_groups, devices=devices)
+        worker = Worker(self.host, devices, transport, store=self.store)
         seconds = worker.compile(fn, abstract_args, batch_argnums, plan)
         self.workers[plan_id] = worker
         return seconds
@@ -133,9 +168,17 @@ class HostActor:
         result = self.workers[plan_id].run_step(batch, state, out_keys, free)
         return result, time.perf_counter() - t0
 
-    def fetch(self, key: int):
+    def fetch(self, key: int) -> list[tuple[tuple, object]]:
         """The local shards of stored array ``key`` as (index, data) pairs."""
-        arr = self.store[key]
+        import numpy as np
+
+        from meshshard.errors import MeshshardRuntimeError
+
+        arr = self.store.get(key)
+        if arr is None:
+            raise MeshshardRuntimeError(
+                f"host-actor w{self.host} holds no array {key} (freed, or the actor restarted)"
+            )
         return [
             (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
             for sh in arr.addressable_shards

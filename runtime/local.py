@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from meshshard.errors import MeshshardInputError
+from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import run_in_threads
+from meshshard.runtime.executable import CLOSED_STEP, run_in_threads
 from meshshard.runtime.transport import QueueTransport
 from meshshard.runtime.worker import Worker
 
@@ -24,10 +24,23 @@ from meshshard.runtime.worker import Worker
 class LocalBackend:
     """Workers as threads of this process (see module docstring)."""
 
-    def __init__(self, devices_per_host: int, stores: dict[int, dict]):
+    def __init__(self, devices_per_host: int, stores: dict[int, dict], cluster=None):
         self.devices_per_host = devices_per_host
         self.stores = stores
+        self.cluster = cluster
         self.workers: dict[int, Worker] = {}
+
+    @property
+    def closed(self) -> bool:
+        """True once the cluster this backend ran on was shut down."""
+        return bool(getattr(self.cluster, "closed", False))
+
+    def ensure_ready(self, recompile) -> None:
+        if self.closed:
+            raise MeshshardRuntimeError(CLOSED_STEP)
+
+    def track(self, array) -> None:
+        pass  # threads never restart: nothing to move
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         devices = jax.local_devices()
