@@ -3,17 +3,18 @@
 A plan is a file people can edit, so two kinds of damage need catching before a plan
 runs or is simulated:
 
-* a document that is not a plan at all (a list, ``{}``): :func:`check_plan_document`
-  rejects it with a :class:`PlanFormatError` naming the missing fields (the typed
-  decoder, :mod:`meshshard.plan_json`, names a field of the wrong type by its path);
+* a document that is not a plan at all (a list, ``{}``, a field of the wrong type):
+  :func:`check_plan_document` names every missing top-level field at once, and the
+  typed decoder (:mod:`meshshard.plan_json`) names anything else by its path; both
+  raise :class:`PlanFormatError`;
 * a plan whose header no longer matches its body (an edited ``num_micro_batches``,
   fingerprint or mesh shape): :func:`header_problems` lists every mismatch, and
   :func:`meshshard.verify.verify` includes them.
 
-    >>> check_plan_document([])
+    >>> check_plan_document({"method": "edited"})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    meshshard.plan_json.PlanFormatError: plan JSON must be an object with the plan's fields (method, cluster, num_micro_batches, ...), got a list
+    meshshard.plan_json.PlanFormatError: plan JSON lacks field(s) cluster, num_micro_batches, ...
 """
 
 from __future__ import annotations
@@ -46,27 +47,13 @@ PLAN_FIELDS = (
 #: hex digits), or empty for a plan that runs no programs (a transfer-only plan).
 FINGERPRINT = re.compile(r"^(?:[0-9a-f]{16}|[a-z]+-[0-9a-f]{12})$")
 
-_JSON_TYPE = {str: "a string", dict: "an object", int: "an integer", list: "a list"}
-
-
-def _json_type(value) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    for t, name in _JSON_TYPE.items():
-        if isinstance(value, t):
-            return name
-    return "null" if value is None else f"a {type(value).__name__}"
-
 
 def check_plan_document(doc) -> None:
-    """Reject a decoded plan JSON document that is not an object or lacks top-level plan
-    fields, naming all of them at once (the typed decoder, ``plan_json.decode``, then
-    names any field of the wrong type by its path)."""
+    """Reject a plan JSON object that lacks top-level plan fields, naming all of them at
+    once (the typed decoder, ``plan_json.decode``, rejects a document that is not an
+    object, and names a field of the wrong type by its path)."""
     if not isinstance(doc, dict):
-        raise PlanFormatError(
-            "plan JSON must be an object with the plan's fields (method, cluster, "
-            f"num_micro_batches, ...), got {_json_type(doc)}"
-        )
+        return  # plan_json.decode: "<document>: expected a Plan object, got ..."
     missing = [k for k in PLAN_FIELDS if k not in doc]
     if missing:
         raise PlanFormatError(

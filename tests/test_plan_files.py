@@ -30,9 +30,9 @@ def edited(plan, **fields) -> str:
 @pytest.mark.parametrize(
     "text,pattern",
     [
-        ("[]", r"plan JSON must be an object .* got a list"),
+        ("[]", r"^<document>: expected a Plan object, got \[\]$"),
         ("{}", r"plan JSON lacks field\(s\) method, cluster, num_micro_batches"),
-        ("3", r"must be an object .* got an integer"),
+        ("3", r"^<document>: expected a Plan object, got 3$"),
         ("{not json", r"plan JSON does not parse: .*line 1 column 2"),
     ],
 )
@@ -108,7 +108,7 @@ def test_simulator_refuses_an_edited_header():
 @pytest.mark.parametrize(
     "text,pattern",
     [
-        ("[]", r"got a list"),
+        ("[]", r"expected a Plan object, got \[\]"),
         ("{}", r"lacks field\(s\) method"),
         ("{oops", r"does not parse"),
     ],
