@@ -88,12 +88,8 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     base = settle(ray_cluster)
     step = meshshard.parallelize(mlp.train_step, method=METHOD)
     state, _ = step(state0, batch)
-    assert [s["compiled"] - base[h]["compiled"] for h, s in settle(ray_cluster).items()] == [
-        1,
-        1,
-        0,
-        0,
-    ]
+    compiled = [s["compiled"] - base[h]["compiled"] for h, s in settle(ray_cluster).items()]
+    assert compiled == [int(h in step.plan.workers) for h in base]
     for _ in range(10):
         state, _ = step(state, batch)
     at10 = settle(ray_cluster)
