@@ -69,6 +69,7 @@ def test_init_reuses_a_matching_cluster_and_refuses_another(fresh_threads):
         meshshard.init(backend="threads", num_hosts=2)
 
 
+@pytest.mark.slow
 def test_steps_and_arrays_after_shutdown_fail_clearly(fresh_threads, caplog):
     batch = mlp.make_batch(8)
     state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])

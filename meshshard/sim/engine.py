@@ -257,6 +257,7 @@ class _Engine:
         self.p2p: dict = {}
         self.coll_cache: dict = {}
         self.mesh_of_program = {p.name: p.mesh for p in plan.programs}
+        self.transfers = {t.name: t for t in plan.transfers}
         self.mesh_workers = {m.id: tuple(m.hosts) for m in plan.meshes}
         self.costs: dict[str, ProgramCost] = {}
         for p in plan.programs:
@@ -359,13 +360,13 @@ class _Engine:
     def _message(self, ins: Send | Collective) -> Message | None:
         """The plan's message an instruction carries, or None when the plan lacks it."""
         try:
-            return self.plan.transfer(ins.transfer).messages[ins.message]
+            return self.transfers[ins.transfer].messages[ins.message]
         except (KeyError, IndexError):
             return None
 
     def _message_bytes(self, ins: Send) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:
@@ -380,7 +381,7 @@ class _Engine:
 
     def _coll_bytes(self, ins: Collective) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:

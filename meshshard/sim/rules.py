@@ -32,7 +32,14 @@ from meshshard.instructions import (
     WaitAll,
     Zeros,
 )
-from meshshard.refs import BufferRef, CollectiveKind, ProgramRef, TransferRef
+from meshshard.refs import (
+    BufferRef,
+    CollectiveKind,
+    ProgramRef,
+    TransferRef,
+    _cache_key,
+    _Keyed,
+)
 
 if TYPE_CHECKING:  # the engine passes itself in; no import cycle at run time
     from meshshard.sim.engine import _Engine, _Op
@@ -40,17 +47,20 @@ if TYPE_CHECKING:  # the engine passes itself in; no import cycle at run time
 __all__ = ["Rule", "RULES", "RunKey", "P2PKey", "CollKey", "StreamState"]
 
 
-@dataclass(frozen=True)
-class RunKey:
+@dataclass(frozen=True, eq=False)
+class RunKey(_Keyed):
     """The ``n``-th run of ``program`` on micro-batch ``mb`` (an SPMD rendezvous)."""
 
     program: ProgramRef
     mb: int | None
     n: int
 
+    def __post_init__(self) -> None:
+        _cache_key(self, (self.program, self.mb, self.n))
 
-@dataclass(frozen=True)
-class P2PKey:
+
+@dataclass(frozen=True, eq=False)
+class P2PKey(_Keyed):
     """The ``n``-th message ``message`` of ``transfer`` in ``buffer`` from ``src`` to ``dst``."""
 
     transfer: TransferRef
@@ -60,9 +70,13 @@ class P2PKey:
     dst: int
     n: int
 
+    def __post_init__(self) -> None:
+        key = (self.transfer, self.message, self.buffer, self.src, self.dst, self.n)
+        _cache_key(self, key)
 
-@dataclass(frozen=True)
-class CollKey:
+
+@dataclass(frozen=True, eq=False)
+class CollKey(_Keyed):
     """The ``n``-th collective ``kind`` of message ``message`` over ``group``."""
 
     kind: CollectiveKind
@@ -72,6 +86,10 @@ class CollKey:
     group: tuple[int, ...]
     root: int | None
     n: int
+
+    def __post_init__(self) -> None:
+        key = (self.kind, self.transfer, self.message, self.buffer, self.group, self.root)
+        _cache_key(self, key + (self.n,))
 
 
 @dataclass
