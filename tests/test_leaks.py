@@ -11,6 +11,8 @@ from meshshard import PipeshardParallel
 from meshshard.runtime.executable import RemoteArray
 from meshshard.runtime.release import RELEASER
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined step
+
 METHOD = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
 
 
@@ -105,12 +107,3 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     for h in base:
         for k in ("store", "live_buffers", "compiled"):
             assert after[h][k] == base[h][k], (h, k, base, after)
-
-
-def test_releaser_docstring_example():
-    import doctest
-
-    import meshshard.runtime.release
-
-    result = doctest.testmod(meshshard.runtime.release)
-    assert result.attempted > 0 and result.failed == 0
