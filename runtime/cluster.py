@@ -439,7 +439,7 @@ class RayCluster:
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=30)
         refs = {h: a.stats.remote() for h, a in enumerate(self._actors) if h not in self.dead}
-        return self._call(refs, "host stats")
+        return dict(sorted(self._call(refs, "host stats").items()))
 
     def close(self) -> None:
         """Kill the actors, wait for their processes to exit, stop Ray if we started it."""

@@ -16,6 +16,8 @@ from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from meshshard.runtime.executable import RemoteArray
 from tests.conftest import assert_trees_close
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined step
+
 TWO_STAGES = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
 FOUR_STAGES = PipeshardParallel(num_micro_batches=4, stages=[(1, 1)] * 4, schedule="gpipe")
 

@@ -11,6 +11,8 @@ from meshshard import PipeshardParallel
 from meshshard.runtime.executable import RemoteArray
 from meshshard.runtime.release import RELEASER
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined step
+
 METHOD = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
 
 
@@ -88,12 +90,8 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     base = settle(ray_cluster)
     step = meshshard.parallelize(mlp.train_step, method=METHOD)
     state, _ = step(state0, batch)
-    assert [s["compiled"] - base[h]["compiled"] for h, s in settle(ray_cluster).items()] == [
-        1,
-        1,
-        0,
-        0,
-    ]
+    compiled = [s["compiled"] - base[h]["compiled"] for h, s in settle(ray_cluster).items()]
+    assert compiled == [int(h in step.plan.workers) for h in base]
     for _ in range(10):
         state, _ = step(state, batch)
     at10 = settle(ray_cluster)
@@ -109,12 +107,3 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     for h in base:
         for k in ("store", "live_buffers", "compiled"):
             assert after[h][k] == base[h][k], (h, k, base, after)
-
-
-def test_releaser_docstring_example():
-    import doctest
-
-    import meshshard.runtime.release
-
-    result = doctest.testmod(meshshard.runtime.release)
-    assert result.attempted > 0 and result.failed == 0

@@ -131,12 +131,3 @@ def test_cli_rejects_an_edited_plan(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1
     assert "num_micro_batches is 7 but the schedule" in err
-
-
-def test_docstring_examples():
-    import doctest
-
-    import meshshard.plan_checks
-
-    result = doctest.testmod(meshshard.plan_checks)
-    assert result.attempted > 0 and result.failed == 0
