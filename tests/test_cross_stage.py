@@ -183,34 +183,15 @@ def test_tied_embedding_plan_shows_owner_copies_and_gradient_sum():
     assert "t0 -> s3.F" in str(plan)
 
 
-@pytest.mark.parametrize(
-    "stages,opt,rtol",
-    [(2, "sgd", 1e-5), (4, "clip_adamw", 1e-4)],
-    ids=["2stages-sgd", "4stages-clip"],
-)
-def test_tied_embeddings_match_jit(threads_cluster, stages, opt, rtol):
-    """SGD checks the summed gradient itself; with Adam the rounding of near-zero
-    gradient entries (summed in another order over micro-batches) is amplified, hence
-    the looser bound there."""
-    tx = optax.sgd(0.1) if opt == "sgd" else clip_adamw()
+@pytest.mark.parametrize("stages,clip", [(2, False), (4, True)], ids=["2stages", "4stages-clip"])
+def test_tied_embeddings_match_jit(threads_cluster, stages, clip):
+    """SGD (optionally after global-norm clipping) checks the summed gradient itself:
+    Adam would amplify the rounding of near-zero gradient entries summed in another
+    order over micro-batches."""
+    tx = optax.sgd(0.1)
+    if clip:
+        tx = optax.chain(optax.clip_by_global_norm(0.05), tx)
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * stages)
-    step = check(gpt_setup(tx, tied=True), method, rtol=rtol)
+    step = check(gpt_setup(tx, tied=True), method)
     assert any(n.startswith("shared parameter") for n in step.plan.notes)
-
-
-def test_simulator_runs_the_allreduce_between_update_phases():
-    """The simulator times the cross-mesh all-reduce like any collective: every worker
-    waits for it before its second update phase."""
-    state, batches, train_step = mlp_setup(clip_adamw())
-    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
-    plan = meshshard.parallelize(train_step, method=method).lower(
-        state, batches(0), cluster=CLUSTER
-    )
-    result = meshshard.simulate(plan, ClusterSpec.preset("dgx-a100", num_hosts=2))
-    assert result.iteration_time > 0
-    allreduce = [s for s in result.spans if "allreduce" in s.name]
-    assert {s.track for s in allreduce} == {"w0", "w1"}
-    for w in ("w0", "w1"):
-        end = max(s.end for s in allreduce if s.track == w)
-        second = [s for s in result.spans if s.track == w and ".apply1" in s.name]
-        assert second and min(s.start for s in second) >= end
+    assert bool(step.plan.reductions) == clip
