@@ -12,6 +12,7 @@ from meshshard.autodiff import grad, value_and_grad  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
+from meshshard.metrics import aux_max, aux_mean, aux_min, aux_sum  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
 from meshshard.runtime.cluster import init, shutdown  # noqa: E402
@@ -24,6 +25,10 @@ __all__ = [
     "MeshshardRuntimeError",
     "ParallelizedFunction",
     "SimResult",
+    "aux_max",
+    "aux_mean",
+    "aux_min",
+    "aux_sum",
     "PipeshardParallel",
     "Plan",
     "grad",

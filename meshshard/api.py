@@ -11,6 +11,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
+from meshshard.keys import physical_call
 from meshshard.methods import DataParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
 
@@ -37,6 +38,7 @@ class ParallelizedFunction:
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
         self._executables: dict = {}
+        self._keyed: dict = {}
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
 
@@ -52,8 +54,9 @@ class ParallelizedFunction:
 
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
+        fn, args = physical_call(self.fn, args)
         plan, _ = plan_step(
-            self.fn,
+            fn,
             _abstract(args, self.batch_argnums),
             method=self.method,
             cluster=cluster,
@@ -68,6 +71,7 @@ class ParallelizedFunction:
         from meshshard.runtime.executable import Executable
 
         cluster = require_cluster()
+        fn, args = physical_call(self.fn, args)  # typed keys travel as raw data
         abstract = _abstract(args, self.batch_argnums)
         key = (
             jax.tree.structure(abstract),
@@ -80,19 +84,22 @@ class ParallelizedFunction:
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
-                self.fn,
+                fn,
                 abstract,
                 method=self.method,
                 cluster=cluster.spec,
                 batch_argnums=self.batch_argnums,
             )
             exe = Executable(
-                plan, cluster.backend(), self.fn, abstract, self.batch_argnums, self.donate_argnums
+                plan, cluster.backend(), fn, abstract, self.batch_argnums, self.donate_argnums
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
             self._executables[key] = exe
-        return exe(*args)
+            self._keyed[key] = fn
+        if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
+            args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
+        return self._keyed[key].restore(exe(*args))
 
     @property
     def plan(self) -> Plan | None:
@@ -145,3 +152,10 @@ def _abstract(args, batch_argnums=()):
         jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a)
         for i, a in enumerate(args)
     )
+
+
+def plan_needs_index(plan: Plan) -> bool:
+    """True if the plan's last input is the micro-batch index the caller appends."""
+    from meshshard.passes.random_draws import INDEX_PATH
+
+    return bool(plan.inputs) and plan.inputs[-1].path == INDEX_PATH

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 
+from meshshard.accumulate import combine, finish
 from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
 
 
@@ -24,8 +25,9 @@ def program_function(
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
     ``inputs``/``outputs`` are (buffer group, var ids) in order.  Accumulator groups
-    (``A*``) are special: a stage program returns input + its contribution; the update
-    program reads them divided by the number of micro-batches (the mean).
+    (``A*``) are special: a stage program combines its contribution into the input
+    (added, or max/min), and the update program reads them finished (a mean divides by
+    the number of micro-batches); the ``grad_end`` marker says which reduction each has.
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -33,6 +35,7 @@ def program_function(
     g_eqn = next(e for e in jaxpr.eqns if is_marker(e, "grad_end"))
     result_to_operand = dict(zip(g_eqn.outvars, g_eqn.invars, strict=True))
     literal_results = {r: o.val for r, o in result_to_operand.items() if is_literal(o)}
+    reduce_of = {r: red for r, (_, red, _) in zip(g_eqn.outvars, _reductions(g_eqn), strict=True)}
     eqns = [jaxpr.eqns[i] for i in eqn_indices]
     defined = {v for e in eqns for v in e.outvars}
     in_groups = [(g, [by_id[i] for i in ids]) for g, ids in inputs]
@@ -50,8 +53,8 @@ def program_function(
             for v, x in zip(vs, vals, strict=True):
                 if not g.startswith("A"):
                     env[v] = x
-                elif is_apply:  # accumulated sums -> means over micro-batches
-                    env[v] = x / m if jnp.issubdtype(x.dtype, jnp.floating) else x
+                elif is_apply:  # accumulators -> the combined value (mean: sum / m)
+                    env[v] = finish(reduce_of[v], x, m)
                 else:
                     acc_in[v] = x
         eval_eqns(eqns, env)
@@ -61,9 +64,24 @@ def program_function(
                 if g.startswith("A") and not is_apply:
                     operand = result_to_operand[v]
                     contribution = read_var(env, operand) if operand in defined else None
-                    outs.append(acc_in[v] if contribution is None else acc_in[v] + contribution)
+                    outs.append(
+                        acc_in[v]
+                        if contribution is None
+                        else combine(reduce_of[v], acc_in[v], contribution)
+                    )
                 else:
                     outs.append(read_var(env, v))
         return tuple(outs)
 
     return fn
+
+
+def _reductions(g_eqn) -> tuple:
+    """(label, reduction, source) per ``grad_end`` operand; legacy markers: float mean, int sum."""
+    info = g_eqn.params.get("reduce")
+    if info and all(red for _, red, _ in info):
+        return info
+    return tuple(
+        ("", "mean" if jnp.issubdtype(v.aval.dtype, jnp.floating) else "sum", "")
+        for v in g_eqn.invars
+    )

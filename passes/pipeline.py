@@ -14,6 +14,7 @@ from meshshard.methods import DataParallel, Method
 from meshshard.passes.costs import program_costs
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
+from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.schedules import make_schedule
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
@@ -73,6 +74,7 @@ def plan_traced(
     notes = []
     if slicing.num_layers > 1 and isinstance(method, DataParallel):
         notes.append(f"{slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
+    notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
     return Plan(
         method=repr(method),
         cluster=cluster,

@@ -162,7 +162,7 @@ def build_stage_graph(
                 edges.append(Edge(ids[v], producer[v], name))
     edges.sort(key=lambda e: (e.var, _prog_key(e.consumer)))
     for leaf, stages in state_read_by.items():
-        if len(stages) > 1:
+        if len(stages) > 1 and not traced.inputs[leaf].is_key:  # keys: a copy per stage
             raise MeshshardInputError(
                 f"parameter {traced.inputs[leaf].path} is read by stages {sorted(stages)}; "
                 "a parameter must belong to one stage (tied weights across stages are not "
