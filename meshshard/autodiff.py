@@ -132,6 +132,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     _check_loss(out_shape, has_aux)
     closed = inline_calls(closed)  # boundaries inside a jax.jit-wrapped loss or layer
+    _check_nested_boundaries(closed.jaxpr)
     jaxpr = closed.jaxpr
     out_tree = jax.tree.structure(out_shape)
     marker_pos = [
@@ -202,3 +203,41 @@ def _check_loss(out_shape, has_aux: bool) -> None:
             f"meshshard.grad: the loss must be a scalar float, got {what}; "
             "reduce it to one number (e.g. jnp.mean over the batch) before returning it"
         )
+
+
+def _sub_jaxprs(eqn):
+    for p in eqn.params.values():
+        for x in p if isinstance(p, tuple | list) else (p,):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _has_boundary(jaxpr) -> bool:
+    return any(
+        is_marker(e, "mark", "fwd") or any(_has_boundary(j) for j in _sub_jaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
+def _check_nested_boundaries(jaxpr) -> None:
+    """Refuse a pipeline boundary inside remat, a loop, a cond or a custom derivative."""
+    for e in jaxpr.eqns:
+        if any(_has_boundary(j) for j in _sub_jaxprs(e)):
+            name = _FRIENDLY.get(e.primitive.name, e.primitive.name)
+            raise MeshshardInputError(
+                f"mark_pipeline_boundary() is called inside {name} ({e.primitive.name} "
+                "equation); meshshard cuts stages only between top-level equations: put the "
+                "boundary outside it, e.g. remat each layer separately and mark between layers"
+            )
+
+
+_FRIENDLY = {
+    "remat2": "jax.checkpoint / nn.remat",
+    "checkpoint": "jax.checkpoint / nn.remat",
+    "scan": "lax.scan / nn.scan",
+    "while": "a lax.while_loop / fori_loop",
+    "cond": "lax.cond / lax.switch",
+    "custom_jvp_call": "a jax.custom_jvp function",
+    "custom_vjp_call": "a jax.custom_vjp function",
+}
