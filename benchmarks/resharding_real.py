@@ -63,8 +63,8 @@ def strategy_plan(shape, case, strategy, cluster):
         dst_spec,
         0,
         1,
-        "src",
-        "dst",
+        None,  # no producer program: a transfer on its own
+        None,
         planned.messages,
         planned.strategy,
     )
@@ -80,7 +80,7 @@ def plain_broadcast_plan(shape, case, cluster):
     group = (src.hosts[0], *dst.hosts)
     msg = Message(src.hosts[0], dst.hosts[0], full, nbytes, group if len(group) > 2 else ())
     t = TransferSpec(
-        "t0", TensorSpec(0, "x", shape, "int32", ()), dst_spec, 0, 1, "src", "dst", (msg,), "plain"
+        "t0", TensorSpec(0, "x", shape, "int32", ()), dst_spec, 0, 1, None, None, (msg,), "plain"
     )
     return transfer_only_plan(t, (src, dst), cluster)
 

@@ -2,13 +2,15 @@
 
 One IR serves the runtime (which executes it), the verifier (which checks it) and the
 simulator (which predicts its timeline).  Every instruction names the buffers it reads
-and writes, so data dependencies are explicit edges.  Communication is *issued* by one
-instruction (``SEND``, ``RECV``, ``COLL``) and *completed* by a later one (``WAIT`` for a
-buffer being received, ``WAITALL`` for outstanding sends), so the same stream can run
-blocking or overlapped.  Each instruction carries a ``priority`` slot for communication
-scheduling; it prints as ``!N`` when non-zero.
+and writes (typed :class:`~meshshard.refs.BufferRef`), so data dependencies are
+explicit edges.  Communication is *issued* by one instruction (``SEND``, ``RECV``,
+``COLL``) and *completed* by a later one (``WAIT`` for a buffer being received,
+``WAITALL`` for outstanding sends), so the same stream can run blocking or overlapped.
+Each instruction carries a ``priority`` slot for communication scheduling; it prints
+as ``!N`` when non-zero.  Each class names its kind in ``opcode``.
 
-Buffer names follow one convention (``@k`` marks micro-batch ``k``):
+Buffers print by one convention (``@k`` marks micro-batch ``k``; see
+:class:`~meshshard.refs.BufferKind`):
 
 ``P{s}``
     parameters read by stage ``s``            ``A{s}``  gradient accumulators of stage ``s``
@@ -19,18 +21,33 @@ Buffer names follow one convention (``@k`` marks micro-batch ``k``):
 ``S{m}`` / ``O{m}``
     apply-gradient state inputs / step outputs of mesh ``m``
 
-Every instruction prints as one compact token and :func:`parse_instruction` reads it back::
+Constructors accept the token form of a reference (``"t0@2"``) as well as the typed
+one; the fields always hold typed references.  Every instruction prints as one
+compact token and :func:`parse_instruction` reads it back::
 
     >>> str(Run(program="s1.F", mb=2, inputs=("P1", "t0@2"), outputs=("R1@2", "t1@2")))
     'RUN s1.F mb2 (P1 t0@2) -> (R1@2 t1@2)'
-    >>> parse_instruction("SEND t0@2 #1 -> w3")
-    Send(priority=0, buffer='t0@2', transfer='t0', message=1, peer=3)
+    >>> ins = parse_instruction("SEND t0@2 #1 -> w3")
+    >>> ins.buffer.kind, ins.buffer.mb, ins.transfer, ins.peer
+    (<BufferKind.TRANSFER: 't'>, 2, TransferRef(index=0), 3)
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
+
+from meshshard.refs import (
+    BUFFER_TOKEN,
+    PROGRAM_TOKEN,
+    BufferKind,
+    BufferRef,
+    CollectiveKind,
+    Opcode,
+    ProgramRef,
+    TransferRef,
+)
 
 __all__ = [
     "Instruction",
@@ -46,32 +63,42 @@ __all__ = [
     "WorkerStream",
     "parse_instruction",
     "COLLECTIVE_KINDS",
+    "BufferKind",
+    "BufferRef",
+    "ProgramRef",
+    "TransferRef",
+    "Opcode",
 ]
 
-COLLECTIVE_KINDS = ("broadcast", "allreduce", "allgather", "reducescatter", "alltoall")
+COLLECTIVE_KINDS = tuple(k.value for k in CollectiveKind)
 
 
 def _prio(p: int) -> str:
     return f" !{p}" if p else ""
 
 
-def _names(names: tuple[str, ...]) -> str:
-    return "(" + " ".join(names) + ")"
+def _names(names: tuple[BufferRef, ...]) -> str:
+    return "(" + " ".join(map(str, names)) + ")"
+
+
+def _set(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Instruction:
     """Base of all instructions; ``priority`` is the communication-scheduling slot."""
 
+    opcode: ClassVar[Opcode]
     priority: int = 0
 
     @property
-    def reads(self) -> tuple[str, ...]:
+    def reads(self) -> tuple[BufferRef, ...]:
         """Buffers this instruction reads."""
         return ()
 
     @property
-    def writes(self) -> tuple[str, ...]:
+    def writes(self) -> tuple[BufferRef, ...]:
         """Buffers this instruction (or its completion) writes."""
         return ()
 
@@ -82,49 +109,84 @@ class Instruction:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Load(Instruction):
-    """Copy micro-batch ``mb`` of this stage's batch inputs into ``buffer`` (``X{s}@k``)."""
+class _OneBuffer(Instruction):
+    """An instruction about one buffer (accepts its token form)."""
 
-    buffer: str
-    mb: int
+    buffer: BufferRef
 
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.buffer,)
+    def __post_init__(self) -> None:
+        _set(self, "buffer", BufferRef.of(self.buffer))
 
     def __str__(self) -> str:
-        return f"LOAD {self.buffer}{_prio(self.priority)}"
+        return f"{self.opcode.value} {self.buffer}{_prio(self.priority)}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Zeros(Instruction):
-    """Fill the gradient accumulator group ``buffer`` with zeros (start of a step)."""
+class Load(_OneBuffer):
+    """Copy micro-batch ``mb`` of this stage's batch inputs into ``buffer`` (``X{s}@k``)."""
 
-    buffer: str
+    opcode: ClassVar[Opcode] = Opcode.LOAD
+    mb: int
 
     @property
-    def writes(self) -> tuple[str, ...]:
+    def writes(self) -> tuple[BufferRef, ...]:
         return (self.buffer,)
 
-    def __str__(self) -> str:
-        return f"ZEROS {self.buffer}{_prio(self.priority)}"
+
+@dataclass(frozen=True, kw_only=True)
+class Zeros(_OneBuffer):
+    """Fill the gradient accumulator group ``buffer`` with zeros (start of a step)."""
+
+    opcode: ClassVar[Opcode] = Opcode.ZEROS
+
+    @property
+    def writes(self) -> tuple[BufferRef, ...]:
+        return (self.buffer,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wait(_OneBuffer):
+    """Complete every communication issued into ``buffer``; after it the buffer is readable."""
+
+    opcode: ClassVar[Opcode] = Opcode.WAIT
+
+    @property
+    def writes(self) -> tuple[BufferRef, ...]:
+        return (self.buffer,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Free(_OneBuffer):
+    """Release ``buffer``; a buffer with a send still in flight is released when it completes."""
+
+    opcode: ClassVar[Opcode] = Opcode.FREE
+
+    @property
+    def reads(self) -> tuple[BufferRef, ...]:
+        return (self.buffer,)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Run(Instruction):
     """Run compiled program ``program`` (``s1.F``, ``s1.B``, ``m0.apply``) on micro-batch ``mb``."""
 
-    program: str
+    opcode: ClassVar[Opcode] = Opcode.RUN
+    program: ProgramRef
     mb: int | None
-    inputs: tuple[str, ...] = ()
-    outputs: tuple[str, ...] = ()
+    inputs: tuple[BufferRef, ...] = ()
+    outputs: tuple[BufferRef, ...] = ()
+
+    def __post_init__(self) -> None:
+        _set(self, "program", ProgramRef.of(self.program))
+        _set(self, "inputs", tuple(BufferRef.of(b) for b in self.inputs))
+        _set(self, "outputs", tuple(BufferRef.of(b) for b in self.outputs))
 
     @property
-    def reads(self) -> tuple[str, ...]:
+    def reads(self) -> tuple[BufferRef, ...]:
         return self.inputs
 
     @property
-    def writes(self) -> tuple[str, ...]:
+    def writes(self) -> tuple[BufferRef, ...]:
         return self.outputs
 
     def __str__(self) -> str:
@@ -136,135 +198,111 @@ class Run(Instruction):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Send(Instruction):
-    """Issue the send of message ``message`` of transfer ``transfer`` from ``buffer`` to worker ``peer``."""
+class _Comm(Instruction):
+    """Communication of message ``message`` of ``transfer`` through ``buffer``."""
 
-    buffer: str
-    transfer: str
+    buffer: BufferRef
+    transfer: TransferRef
     message: int
-    peer: int
 
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return (self.buffer,)
+    def __post_init__(self) -> None:
+        _set(self, "buffer", BufferRef.of(self.buffer))
+        _set(self, "transfer", TransferRef.of(self.transfer))
 
     @property
     def is_comm(self) -> bool:
         return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Send(_Comm):
+    """Issue the send of message ``message`` of transfer ``transfer`` from ``buffer`` to worker ``peer``."""
+
+    opcode: ClassVar[Opcode] = Opcode.SEND
+    peer: int
+
+    @property
+    def reads(self) -> tuple[BufferRef, ...]:
+        return (self.buffer,)
 
     def __str__(self) -> str:
         return f"SEND {self.buffer} #{self.message} -> w{self.peer}{_prio(self.priority)}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Recv(Instruction):
+class Recv(_Comm):
     """Issue the receive of message ``message`` of ``transfer`` into ``buffer`` from worker ``peer``.
 
     The buffer is usable only after a later ``WAIT`` on it.
     """
 
-    buffer: str
-    transfer: str
-    message: int
+    opcode: ClassVar[Opcode] = Opcode.RECV
     peer: int
 
     @property
-    def writes(self) -> tuple[str, ...]:
+    def writes(self) -> tuple[BufferRef, ...]:
         return (self.buffer,)
-
-    @property
-    def is_comm(self) -> bool:
-        return True
 
     def __str__(self) -> str:
         return f"RECV {self.buffer} #{self.message} <- w{self.peer}{_prio(self.priority)}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Collective(Instruction):
+class Collective(_Comm):
     """Issue a collective over ``group`` (worker ids); ``root`` for rooted kinds (broadcast).
 
     ``message`` indexes the transfer's message this collective carries.  Every member of
     ``group`` holds the same instruction, so participants match by construction.
     """
 
-    kind: str
-    buffer: str
-    transfer: str
-    message: int
+    opcode: ClassVar[Opcode] = Opcode.COLL
+    kind: CollectiveKind
     group: tuple[int, ...]
     root: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind not in COLLECTIVE_KINDS:
             raise ValueError(f"collective kind {self.kind!r} is not one of {COLLECTIVE_KINDS}")
+        _set(self, "kind", CollectiveKind(self.kind))
         if self.root is not None and self.root not in self.group:
             raise ValueError(f"collective root w{self.root} is not in its group {self.group}")
 
     @property
-    def reads(self) -> tuple[str, ...]:
+    def reads(self) -> tuple[BufferRef, ...]:
         return (self.buffer,)
 
     @property
-    def writes(self) -> tuple[str, ...]:
+    def writes(self) -> tuple[BufferRef, ...]:
         return (self.buffer,)
-
-    @property
-    def is_comm(self) -> bool:
-        return True
 
     def __str__(self) -> str:
         group = ",".join(f"w{w}" for w in self.group)
         root = f" root=w{self.root}" if self.root is not None else ""
         return (
-            f"COLL {self.kind} {self.buffer} #{self.message} [{group}]{root}{_prio(self.priority)}"
+            f"COLL {self.kind.value} {self.buffer} #{self.message} [{group}]{root}"
+            f"{_prio(self.priority)}"
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Wait(Instruction):
-    """Complete every communication issued into ``buffer``; after it the buffer is readable."""
-
-    buffer: str
-
-    @property
-    def writes(self) -> tuple[str, ...]:
-        return (self.buffer,)
-
-    def __str__(self) -> str:
-        return f"WAIT {self.buffer}{_prio(self.priority)}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class WaitAll(Instruction):
     """Complete every outstanding send of this worker (end of step)."""
 
+    opcode: ClassVar[Opcode] = Opcode.WAITALL
+
     def __str__(self) -> str:
         return f"WAITALL{_prio(self.priority)}"
 
 
-@dataclass(frozen=True, kw_only=True)
-class Free(Instruction):
-    """Release ``buffer``; a buffer with a send still in flight is released when it completes."""
-
-    buffer: str
-
-    @property
-    def reads(self) -> tuple[str, ...]:
-        return (self.buffer,)
-
-    def __str__(self) -> str:
-        return f"FREE {self.buffer}{_prio(self.priority)}"
-
-
-_BUF = r"[A-Za-z][\w.]*(?:@\d+)?"
+_BUF = BUFFER_TOKEN
 _PRIO = r"(?: !(?P<prio>-?\d+))?$"
+_ONE_BUFFER = {Opcode.LOAD: Load, Opcode.ZEROS: Zeros, Opcode.WAIT: Wait, Opcode.FREE: Free}
 _PATTERNS: list[tuple[re.Pattern[str], type]] = [
-    (re.compile(rf"^LOAD (?P<buffer>{_BUF}){_PRIO}"), Load),
-    (re.compile(rf"^ZEROS (?P<buffer>{_BUF}){_PRIO}"), Zeros),
+    (re.compile(rf"^(?P<op>LOAD|ZEROS|WAIT|FREE) (?P<buffer>{_BUF}){_PRIO}"), _OneBuffer),
     (
         re.compile(
-            rf"^RUN (?P<program>\S+)(?: mb(?P<mb>\d+))? \((?P<reads>[^)]*)\) -> "
+            rf"^RUN (?P<program>{PROGRAM_TOKEN})(?: mb(?P<mb>\d+))? \((?P<reads>[^)]*)\) -> "
             rf"\((?P<writes>[^)]*)\){_PRIO}"
         ),
         Run,
@@ -278,21 +316,46 @@ _PATTERNS: list[tuple[re.Pattern[str], type]] = [
         ),
         Collective,
     ),
-    (re.compile(rf"^WAIT (?P<buffer>{_BUF}){_PRIO}"), Wait),
     (re.compile(rf"^WAITALL{_PRIO}"), WaitAll),
-    (re.compile(rf"^FREE (?P<buffer>{_BUF}){_PRIO}"), Free),
 ]
 
 
-def transfer_of(buffer: str) -> str:
-    """The transfer name of a transfer buffer: ``t3@2`` -> ``t3``."""
-    return buffer.split("@", 1)[0]
-
-
-def mb_of(buffer: str) -> int | None:
-    """The micro-batch index of a per-micro-batch buffer name, or None for per-step buffers."""
-    _, sep, mb = buffer.partition("@")
-    return int(mb) if sep else None
+def _build(cls: type, g: dict, prio: int, token: str) -> Instruction:
+    """One instruction from the named groups of its token's pattern."""
+    if cls is _OneBuffer:
+        buffer = BufferRef.parse(g["buffer"])
+        op = _ONE_BUFFER[Opcode(g["op"])]
+        if op is Load:
+            if buffer.mb is None:
+                raise ValueError(f"LOAD needs a per-micro-batch buffer (name@k), got {token!r}")
+            return Load(buffer=buffer, mb=buffer.mb, priority=prio)
+        return op(buffer=buffer, priority=prio)
+    if cls is Run:
+        return Run(
+            program=ProgramRef.parse(g["program"]),
+            mb=int(g["mb"]) if g["mb"] is not None else None,
+            inputs=tuple(BufferRef.parse(b) for b in g["reads"].split()),
+            outputs=tuple(BufferRef.parse(b) for b in g["writes"].split()),
+            priority=prio,
+        )
+    buffer = BufferRef.parse(g["buffer"])
+    if cls in (Send, Recv):
+        return cls(
+            buffer=buffer,
+            transfer=buffer.transfer,
+            message=int(g["message"]),
+            peer=int(g["peer"]),
+            priority=prio,
+        )
+    return Collective(
+        kind=g["kind"],
+        buffer=buffer,
+        transfer=buffer.transfer,
+        message=int(g["message"]),
+        group=tuple(int(w.removeprefix("w")) for w in g["group"].split(",")),
+        root=int(g["root"]) if g["root"] is not None else None,
+        priority=prio,
+    )
 
 
 def parse_instruction(token: str) -> Instruction:
@@ -307,38 +370,14 @@ def parse_instruction(token: str) -> Instruction:
             continue
         g = m.groupdict()
         prio = int(g.pop("prio") or 0)
-        if cls is Run:
-            return Run(
-                program=g["program"],
-                mb=int(g["mb"]) if g["mb"] is not None else None,
-                inputs=tuple(g["reads"].split()),
-                outputs=tuple(g["writes"].split()),
-                priority=prio,
-            )
-        if cls in (Send, Recv):
-            return cls(
-                buffer=g["buffer"],
-                transfer=transfer_of(g["buffer"]),
-                message=int(g["message"]),
-                peer=int(g["peer"]),
-                priority=prio,
-            )
-        if cls is Collective:
-            return Collective(
-                kind=g["kind"],
-                buffer=g["buffer"],
-                transfer=transfer_of(g["buffer"]),
-                message=int(g["message"]),
-                group=tuple(int(w[1:]) for w in g["group"].split(",")),
-                root=int(g["root"]) if g["root"] is not None else None,
-                priority=prio,
-            )
-        if cls is Load:
-            mb = mb_of(g["buffer"])
-            if mb is None:
-                raise ValueError(f"LOAD needs a per-micro-batch buffer (name@k), got {token!r}")
-            return Load(buffer=g["buffer"], mb=mb, priority=prio)
-        return cls(priority=prio, **g)
+        if cls is WaitAll:
+            return WaitAll(priority=prio)
+        try:
+            return _build(cls, g, prio, token)
+        except ValueError as exc:
+            if "per-micro-batch" in str(exc):
+                raise
+            raise ValueError(f"cannot parse instruction token {token!r}: {exc}") from None
     raise ValueError(f"cannot parse instruction token {token!r}")
 
 

@@ -9,12 +9,29 @@ instruction stream; ``Plan.from_json(plan.to_json()) == plan``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import WorkerStream
+from meshshard.plan_json import PlanFormatError, decode, encode
+from meshshard.refs import (
+    BufferKind,
+    BufferRef,
+    LeafKind,
+    OutputSource,
+    ProgramRef,
+    TaskKind,
+    TransferRef,
+)
+
+__all__ = ["Plan", "PlanFormatError"]
+
+
+def _set(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
+
 
 MESH_AXES = ("host", "device")
 
@@ -97,12 +114,18 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """A named group of arrays that instructions read and write as one (``P0``, ``t3``, ``R1``)."""
+    """A group of arrays that instructions read and write as one (``P0``, ``R1``).
 
-    name: str
+    ``name`` is the group's reference (no micro-batch); a token string is accepted.
+    """
+
+    name: BufferRef
     mesh: int
     per_micro_batch: bool
     tensors: tuple[TensorSpec, ...]
+
+    def __post_init__(self) -> None:
+        _set(self, "name", BufferRef.of(self.name))
 
     @property
     def nbytes(self) -> int:
@@ -118,24 +141,30 @@ class BufferSpec:
 class ProgramSpec:
     """A compiled unit: equations ``eqns`` of the traced step, run on ``mesh``.
 
-    ``inputs``/``outputs`` are buffer-group names; a group in both (``A{s}``) is an
+    ``inputs``/``outputs`` are buffer groups; a group in both (``A{s}``) is an
     accumulator: the program returns input + this micro-batch's contribution.
     ``flops``/``bytes_accessed`` come from a cost analysis when one was run.
+    References may be given as their tokens (``"s0.F"``, ``"P0"``).
     """
 
-    name: str
+    name: ProgramRef
     mesh: int
     eqns: tuple[int, ...]
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
+    inputs: tuple[BufferRef, ...]
+    outputs: tuple[BufferRef, ...]
     flops: float | None = None
     bytes_accessed: float | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "name", ProgramRef.of(self.name))
+        _set(self, "inputs", tuple(BufferRef.of(b) for b in self.inputs))
+        _set(self, "outputs", tuple(BufferRef.of(b) for b in self.outputs))
 
     def __str__(self) -> str:
         cost = f"  {self.flops:.3g} flop" if self.flops is not None else ""
         return (
             f"{self.name}  mesh{self.mesh}  {len(self.eqns)} eqns  "
-            f"({' '.join(self.inputs)}) -> ({' '.join(self.outputs)}){cost}"
+            f"({' '.join(map(str, self.inputs))}) -> ({' '.join(map(str, self.outputs))}){cost}"
         )
 
 
@@ -183,19 +212,29 @@ class Message:
 
 @dataclass(frozen=True)
 class TransferSpec:
-    """A cross-mesh transfer of one array from ``src_mesh`` to ``dst_mesh``, per micro-batch."""
+    """A cross-mesh transfer of one array from ``src_mesh`` to ``dst_mesh``, per micro-batch.
 
-    name: str
+    ``producer``/``consumer`` are the programs at its ends (None, printed ``-``, for a
+    transfer planned on its own); references may be given as their tokens.
+    """
+
+    name: TransferRef
     tensor: TensorSpec
     dst_spec: Spec
     src_mesh: int
     dst_mesh: int
-    producer: str
-    consumer: str
+    producer: ProgramRef | None
+    consumer: ProgramRef | None
     messages: tuple[Message, ...]
     strategy: str = "send_recv"
     sim_time_s: float | None = None
     lower_bound_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "name", TransferRef.of(self.name))
+        for end in ("producer", "consumer"):
+            value = getattr(self, end)
+            _set(self, end, None if value in (None, "-") else ProgramRef.of(value))
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +246,7 @@ class TransferSpec:
         head = (
             f"{self.name}  {t.name}  {_shape_str(t.dtype, t.shape)}  {fmt_bytes(t.nbytes)}  "
             f"mesh{self.src_mesh} {spec_str(t.spec)} -> mesh{self.dst_mesh} {spec_str(self.dst_spec)}  "
-            f"{self.producer} -> {self.consumer}  {self.strategy}, "
+            f"{self.producer or '-'} -> {self.consumer or '-'}  {self.strategy}, "
             f"{len(self.messages)} msgs, {fmt_bytes(self.nbytes)} on wire"
         )
         if self.sim_time_s is not None:
@@ -220,14 +259,27 @@ class TransferSpec:
 
 @dataclass(frozen=True)
 class Task:
-    """One cell of a schedule: stage ``stage`` runs its forward (F) or backward (B) on ``mb``."""
+    """One cell of a schedule: stage ``stage`` runs its forward (F) or backward (B) on ``mb``.
+
+    ``virtual`` is the virtual-stage slot of interleaved schedules (empty today).
+    """
 
     stage: int
     mb: int
-    kind: str
+    kind: TaskKind
+    virtual: int | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "kind", TaskKind(self.kind))
+
+    @property
+    def program(self) -> ProgramRef:
+        """The program this task runs."""
+        return ProgramRef(self.kind.phase, self.stage, self.virtual)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}"
+        v = f"v{self.virtual}" if self.virtual is not None else ""
+        return f"{self.kind.value}{self.mb}{v}"
 
 
 @dataclass(frozen=True)
@@ -258,9 +310,13 @@ class StageSpec:
     id: int
     mesh: int
     layers: tuple[int, ...]
-    forward: str
-    backward: str
+    forward: ProgramRef
+    backward: ProgramRef
     summary: str
+
+    def __post_init__(self) -> None:
+        _set(self, "forward", ProgramRef.of(self.forward))
+        _set(self, "backward", ProgramRef.of(self.backward))
 
     def __str__(self) -> str:
         layers = ",".join(map(str, self.layers))
@@ -277,14 +333,18 @@ class InputSpec:
 
     leaf: int
     path: str
-    kind: str
+    kind: LeafKind
     shape: tuple[int, ...]
     dtype: str
-    slots: tuple[tuple[str, int], ...] = ()
+    slots: tuple[tuple[BufferRef, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        _set(self, "kind", LeafKind(self.kind))
+        _set(self, "slots", tuple((BufferRef.of(b), i) for b, i in self.slots))
 
     def __str__(self) -> str:
         where = " ".join(f"{b}[{i}]" for b, i in self.slots) or "-"
-        return f"in{self.leaf}  {self.kind:<6} {_shape_str(self.dtype, self.shape)} {self.path}  -> {where}"
+        return f"in{self.leaf}  {self.kind.value:<6} {_shape_str(self.dtype, self.shape)} {self.path}  -> {where}"
 
 
 @dataclass(frozen=True)
@@ -299,15 +359,19 @@ class OutputSpec:
     path: str
     shape: tuple[int, ...]
     dtype: str
-    source: str
-    slots: tuple[tuple[str, int], ...] = ()
+    source: OutputSource
+    slots: tuple[tuple[BufferRef, int], ...] = ()
     input_leaf: int | None = None
     literal: float | int | bool | None = None
 
+    def __post_init__(self) -> None:
+        _set(self, "source", OutputSource(self.source))
+        _set(self, "slots", tuple((BufferRef.of(b), i) for b, i in self.slots))
+
     def __str__(self) -> str:
-        if self.source == "buffer":
+        if self.source is OutputSource.BUFFER:
             where = " ".join(f"{b}[{i}]" for b, i in self.slots)
-        elif self.source == "input":
+        elif self.source is OutputSource.INPUT:
             where = f"in{self.input_leaf}"
         else:
             where = f"literal {self.literal!r}"
@@ -334,28 +398,34 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
 
     # --- lookups -------------------------------------------------------------------
-    def program(self, name: str) -> ProgramSpec:
-        """The program called ``name``."""
+    def program(self, ref: ProgramRef | str) -> ProgramSpec:
+        """The program ``ref`` (a token such as ``"s0.F"`` is accepted)."""
+        ref = ProgramRef.of(ref)
         for p in self.programs:
-            if p.name == name:
+            if p.name == ref:
                 return p
-        raise KeyError(f"plan has no program {name!r}")
+        raise KeyError(f"plan has no program {str(ref)!r}")
 
-    def buffer(self, name: str) -> BufferSpec:
-        """The buffer group ``name`` (a ``@k`` suffix is ignored)."""
-        base = name.split("@", 1)[0]
+    def buffer(self, ref: BufferRef | str) -> BufferSpec:
+        """The buffer group of ``ref`` (its micro-batch, if any, is ignored)."""
+        group = BufferRef.of(ref).group
         for b in self.buffers:
-            if b.name == base:
+            if b.name == group:
                 return b
-        raise KeyError(f"plan has no buffer {name!r}")
+        raise KeyError(f"plan has no buffer {str(ref)!r}")
 
-    def transfer(self, name: str) -> TransferSpec:
-        """The transfer called ``name`` (``t3``; a ``@k`` suffix is ignored)."""
-        base = name.split("@", 1)[0]
+    def transfer(self, ref: TransferRef | BufferRef | str) -> TransferSpec:
+        """The transfer ``ref`` (``t3``, or a buffer ``t3@k`` of it)."""
+        if isinstance(ref, str):
+            ref = BufferRef.parse(ref)
+        if isinstance(ref, BufferRef):
+            if ref.kind is not BufferKind.TRANSFER:
+                raise KeyError(f"plan has no transfer {str(ref)!r}")
+            ref = ref.transfer
         for t in self.transfers:
-            if t.name == base:
+            if t.name == ref:
                 return t
-        raise KeyError(f"plan has no transfer {name!r}")
+        raise KeyError(f"plan has no transfer {str(ref)!r}")
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -399,12 +469,17 @@ class Plan:
     # --- JSON --------------------------------------------------------------------
     def to_json(self, indent: int | None = None) -> str:
         """Serialize to JSON; :meth:`from_json` reads it back to an equal plan."""
-        return json.dumps(_encode(self), indent=indent)
+        return json.dumps(encode(self), indent=indent)
 
     @staticmethod
     def from_json(text: str) -> Plan:
-        """Inverse of :meth:`to_json`."""
-        return _decode_plan(json.loads(text))
+        """Inverse of :meth:`to_json`; a malformed document raises :class:`PlanFormatError`
+        naming the bad field (e.g. ``transfers[2].messages[0].nbytes``)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFormatError(f"plan JSON does not parse: {exc}") from None
+        return decode(Plan, data)
 
 
 def _indent(text: str, pad: str = "  ") -> str:
@@ -418,125 +493,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-# --- JSON encoding -------------------------------------------------------------------
-
-
-def _encode(obj):
-    if isinstance(obj, WorkerStream):
-        return {"worker": obj.worker, "tokens": obj.tokens()}
-    if isinstance(obj, ClusterSpec):
-        return obj.to_dict()
-    if hasattr(obj, "__dataclass_fields__"):
-        return {f.name: _encode(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, tuple | list):
-        return [_encode(x) for x in obj]
-    return obj
-
-
-def _tuple(x):
-    """Lists back to (nested) tuples."""
-    if isinstance(x, list):
-        return tuple(_tuple(e) for e in x)
-    return x
-
-
-def _spec(x) -> Spec:
-    return tuple(tuple(e) if isinstance(e, list) else e for e in x)
-
-
-def _tensor(d) -> TensorSpec:
-    return TensorSpec(d["var"], d["name"], tuple(d["shape"]), d["dtype"], _spec(d["spec"]))
-
-
-def _decode_plan(d: dict) -> Plan:
-    return Plan(
-        method=d["method"],
-        cluster=ClusterSpec.from_dict(d["cluster"]),
-        num_micro_batches=d["num_micro_batches"],
-        fingerprint=d["fingerprint"],
-        meshes=tuple(MeshSpec(m["id"], tuple(m["shape"]), tuple(m["hosts"])) for m in d["meshes"]),
-        stages=tuple(
-            StageSpec(
-                s["id"], s["mesh"], tuple(s["layers"]), s["forward"], s["backward"], s["summary"]
-            )
-            for s in d["stages"]
-        ),
-        programs=tuple(
-            ProgramSpec(
-                p["name"],
-                p["mesh"],
-                tuple(p["eqns"]),
-                tuple(p["inputs"]),
-                tuple(p["outputs"]),
-                p["flops"],
-                p["bytes_accessed"],
-            )
-            for p in d["programs"]
-        ),
-        buffers=tuple(
-            BufferSpec(
-                b["name"], b["mesh"], b["per_micro_batch"], tuple(_tensor(t) for t in b["tensors"])
-            )
-            for b in d["buffers"]
-        ),
-        transfers=tuple(
-            TransferSpec(
-                name=t["name"],
-                tensor=_tensor(t["tensor"]),
-                dst_spec=_spec(t["dst_spec"]),
-                src_mesh=t["src_mesh"],
-                dst_mesh=t["dst_mesh"],
-                producer=t["producer"],
-                consumer=t["consumer"],
-                messages=tuple(
-                    Message(
-                        m["src"],
-                        m["dst"],
-                        _tuple(m["index"]),
-                        m["nbytes"],
-                        tuple(m.get("group", ())),
-                        m.get("src_device", 0),
-                        _tuple(m.get("dst_devices", [])),
-                        m.get("round", 0),
-                    )
-                    for m in t["messages"]
-                ),
-                strategy=t["strategy"],
-                sim_time_s=t.get("sim_time_s"),
-                lower_bound_s=t.get("lower_bound_s"),
-            )
-            for t in d["transfers"]
-        ),
-        schedule=Schedule(
-            d["schedule"]["name"],
-            d["schedule"]["num_stages"],
-            d["schedule"]["num_micro_batches"],
-            tuple(
-                tuple(Task(c["stage"], c["mb"], c["kind"]) if c else None for c in row)
-                for row in d["schedule"]["ticks"]
-            ),
-        ),
-        streams=tuple(WorkerStream.parse(s["worker"], s["tokens"]) for s in d["streams"]),
-        inputs=tuple(
-            InputSpec(
-                i["leaf"], i["path"], i["kind"], tuple(i["shape"]), i["dtype"], _tuple(i["slots"])
-            )
-            for i in d["inputs"]
-        ),
-        outputs=tuple(
-            OutputSpec(
-                o["leaf"],
-                o["path"],
-                tuple(o["shape"]),
-                o["dtype"],
-                o["source"],
-                _tuple(o["slots"]),
-                o["input_leaf"],
-                o["literal"],
-            )
-            for o in d["outputs"]
-        ),
-        notes=tuple(d.get("notes", ())),
-    )

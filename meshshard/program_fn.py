@@ -12,20 +12,23 @@ import jax.numpy as jnp
 
 from meshshard.accumulate import combine, finish
 from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
+from meshshard.refs import BufferGroup, BufferKind
+
+ACC = BufferKind.ACCUMULATORS
 
 
 def program_function(
     traced,
     eqn_indices: Sequence[int],
-    inputs: Sequence[tuple[str, Sequence[int]]],
-    outputs: Sequence[tuple[str, Sequence[int]]],
+    inputs: Sequence[BufferGroup],
+    outputs: Sequence[BufferGroup],
     num_micro_batches: int,
     is_apply: bool,
 ) -> Callable:
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
-    ``inputs``/``outputs`` are (buffer group, var ids) in order.  Accumulator groups
-    (``A*``) are special: a stage program combines its contribution into the input
+    ``inputs``/``outputs`` are buffer groups with their var ids, in order.  Accumulator
+    groups (``A*``) are special: a stage program combines its contribution into the input
     (added, or max/min), and the update program reads them finished (a mean divides by
     the number of micro-batches); the ``grad_end`` marker says which reduction each has.
     """
@@ -38,8 +41,8 @@ def program_function(
     reduce_of = {r: red for r, (_, red, _) in zip(g_eqn.outvars, _reductions(g_eqn), strict=True)}
     eqns = [jaxpr.eqns[i] for i in eqn_indices]
     defined = {v for e in eqns for v in e.outvars}
-    in_groups = [(g, [by_id[i] for i in ids]) for g, ids in inputs]
-    out_groups = [(g, [by_id[i] for i in ids]) for g, ids in outputs]
+    in_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in inputs]
+    out_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in outputs]
     m = num_micro_batches
 
     def fn(*flat):
@@ -47,11 +50,11 @@ def program_function(
         env.update(literal_results)
         acc_in = {}
         pos = 0
-        for g, vs in in_groups:
+        for is_acc, vs in in_groups:
             vals = flat[pos : pos + len(vs)]
             pos += len(vs)
             for v, x in zip(vs, vals, strict=True):
-                if not g.startswith("A"):
+                if not is_acc:
                     env[v] = x
                 elif is_apply:  # accumulators -> the combined value (mean: sum / m)
                     env[v] = finish(reduce_of[v], x, m)
@@ -59,9 +62,9 @@ def program_function(
                     acc_in[v] = x
         eval_eqns(eqns, env)
         outs = []
-        for g, vs in out_groups:
+        for is_acc, vs in out_groups:
             for v in vs:
-                if g.startswith("A") and not is_apply:
+                if is_acc and not is_apply:
                     operand = result_to_operand[v]
                     contribution = read_var(env, operand) if operand in defined else None
                     outs.append(

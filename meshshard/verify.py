@@ -12,18 +12,19 @@ from collections import Counter
 
 from meshshard.instructions import Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
 from meshshard.plan import Plan, Schedule
+from meshshard.refs import BufferKind, BufferRef, TaskKind
 
 
 def verify(plan: Plan) -> list[str]:
     """All invariant violations of ``plan`` (an empty list if none)."""
     problems = verify_schedule(plan.schedule)
-    persistent = {b.name for b in plan.buffers if b.name[0] in ("P", "S")}
+    persistent = {b.name for b in plan.buffers if b.name.kind.persistent}
     sends, recvs = Counter(), Counter()
     for stream in plan.streams:
         w = stream.worker
-        live: set[str] = set(persistent)
+        live: set[BufferRef] = set(persistent)
         freed: Counter = Counter()
-        received: set[str] = set()
+        received: set[BufferRef] = set()
         for i, ins in enumerate(stream.instructions):
             where = f"w{w}[{i}] {ins}"
             for b in ins.reads:
@@ -47,21 +48,21 @@ def verify(plan: Plan) -> list[str]:
             elif isinstance(ins, WaitAll):
                 pass
         if received:
-            problems.append(f"w{w}: receives never waited on: {sorted(received)}")
+            problems.append(f"w{w}: receives never waited on: {sorted(map(str, received))}")
         written = {
             b
             for ins in stream.instructions
             if isinstance(ins, Run | Load | Zeros | Wait)
             for b in ins.writes
         }
-        for b in sorted(written - persistent):
-            if b.startswith("O"):
+        for b in sorted(written - persistent, key=str):
+            if b.kind is BufferKind.APPLY_OUTPUTS:
                 continue  # step results stay with the worker
             if freed[b] != 1:
                 problems.append(f"w{w}: buffer {b} freed {freed[b]} times (want exactly once)")
         if not stream.instructions or not isinstance(stream.instructions[-1], WaitAll):
             problems.append(f"w{w}: stream does not end with WAITALL")
-    for key in sorted(set(sends) | set(recvs)):
+    for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0], k[1], str(k[2]), k[3])):
         if sends[key] != recvs[key]:
             src, dst, buf, msg = key
             problems.append(
@@ -84,26 +85,34 @@ def verify_schedule(schedule: Schedule) -> list[str]:
                 problems.append(f"tick {t}: task {task} sits in stage {s}'s column")
             key = (task.stage, task.kind, task.mb)
             if key in when:
-                problems.append(f"task {key} scheduled twice")
+                problems.append(f"task {_task(key)} scheduled twice")
             when[key] = t
     S, M = schedule.num_stages, schedule.num_micro_batches
     for s in range(S):
         for m in range(M):
-            for kind in ("F", "B"):
+            for kind in (TaskKind.F, TaskKind.B):
                 if (s, kind, m) not in when:
-                    problems.append(f"task {(s, kind, m)} never scheduled")
+                    problems.append(f"task {_task((s, kind, m))} never scheduled")
     for (s, kind, m), t in when.items():
         deps = []
-        if kind == "F" and s > 0:
-            deps.append((s - 1, "F", m))
-        if kind == "B":
-            deps.append((s, "F", m))
+        if kind is TaskKind.F and s > 0:
+            deps.append((s - 1, TaskKind.F, m))
+        if kind is TaskKind.B:
+            deps.append((s, TaskKind.F, m))
             if s < S - 1:
-                deps.append((s + 1, "B", m))
+                deps.append((s + 1, TaskKind.B, m))
         for d in deps:
             if d in when and when[d] >= t:
-                problems.append(f"task {(s, kind, m)} at tick {t} runs before its dependency {d}")
+                problems.append(
+                    f"task {_task((s, kind, m))} at tick {t} runs before its dependency {_task(d)}"
+                )
     return problems
+
+
+def _task(key: tuple[int, TaskKind, int]) -> str:
+    """A task key as text: stage 1's backward of micro-batch 2 is ``s1.B2``."""
+    s, kind, m = key
+    return f"s{s}.{kind.value}{m}"
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
@@ -114,6 +123,6 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
         for s, task in enumerate(row):
             if task is None:
                 continue
-            live[s] += 1 if task.kind == "F" else -1
+            live[s] += 1 if task.kind is TaskKind.F else -1
             peak[s] = max(peak[s], live[s])
     return peak

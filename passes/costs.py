@@ -14,22 +14,28 @@ from meshshard.jaxpr_util import var_ids
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.program_fn import program_function
+from meshshard.refs import Phase, ProgramRef
 
 
 def program_costs(
     traced: TracedStep, graph: StageGraph
-) -> dict[str, tuple[float | None, float | None]]:
+) -> dict[ProgramRef, tuple[float | None, float | None]]:
     """``{program name: (flops, bytes accessed)}`` for every program of ``graph``."""
     by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
     out = {}
     for p in graph.programs:
         fn = program_function(
-            traced, p.eqns, p.inputs, p.outputs, traced.num_micro_batches, p.name.endswith(".apply")
+            traced,
+            p.eqns,
+            p.inputs,
+            p.outputs,
+            traced.num_micro_batches,
+            p.name.phase is Phase.APPLY,
         )
         args = [
             jax.ShapeDtypeStruct(by_id[i].aval.shape, by_id[i].aval.dtype)
-            for _, ids in p.inputs
-            for i in ids
+            for g in p.inputs
+            for i in g.vars
         ]
         analysis = jax.jit(fn).lower(*args).cost_analysis()
         if isinstance(analysis, list):

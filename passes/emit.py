@@ -23,9 +23,8 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.passes.stage_graph import StageGraph
-from meshshard.plan import MeshSpec, Plan, Schedule, TransferSpec
-
-PER_MB_PREFIXES = ("X", "R", "t")
+from meshshard.plan import MeshSpec, Plan, Schedule, Task, TransferSpec
+from meshshard.refs import BufferKind, BufferRef, Phase, ProgramRef, TaskKind
 
 
 def _ordered(t: TransferSpec) -> list[int]:
@@ -33,7 +32,7 @@ def _ordered(t: TransferSpec) -> list[int]:
     return sorted(range(len(t.messages)), key=lambda i: (t.messages[i].round, i))
 
 
-def _issue(t: TransferSpec, buffer: str, w: int, sending: bool) -> list[Instruction]:
+def _issue(t: TransferSpec, buffer: BufferRef, w: int, sending: bool) -> list[Instruction]:
     """The communication worker ``w`` issues for ``buffer`` of transfer ``t``, in order:
     a broadcast it takes part in is one ``COLL`` on both sides; a point-to-point
     message is a ``SEND`` on its sender and a ``RECV`` on its receiver."""
@@ -60,12 +59,12 @@ def _issue(t: TransferSpec, buffer: str, w: int, sending: bool) -> list[Instruct
     return out
 
 
-def send_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+def send_side(t: TransferSpec, buffer: BufferRef, w: int) -> list[Instruction]:
     """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
     return _issue(t, buffer, w, sending=True)
 
 
-def receive_side(t: TransferSpec, buffer: str, w: int) -> list[Instruction]:
+def receive_side(t: TransferSpec, buffer: BufferRef, w: int) -> list[Instruction]:
     """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
     return _issue(t, buffer, w, sending=False) + [Wait(buffer=buffer)]
 
@@ -75,7 +74,7 @@ def transfer_streams(
 ) -> tuple[WorkerStream, ...]:
     """Streams that run transfer ``t`` alone (micro-batch ``mb``): the source workers send
     and free, the destination workers receive and wait; every stream ends in WAITALL."""
-    buffer = f"{t.name}@{mb}"
+    buffer = t.name.buffer(mb)
     streams = []
     for w in meshes[t.src_mesh].workers:
         streams.append(
@@ -86,10 +85,6 @@ def transfer_streams(
     return tuple(sorted(streams, key=lambda s: s.worker))
 
 
-def _name(group: str, mb: int) -> str:
-    return f"{group}@{mb}" if group[0] in PER_MB_PREFIXES else group
-
-
 def emit_streams(
     graph: StageGraph,
     schedule: Schedule,
@@ -98,68 +93,77 @@ def emit_streams(
 ) -> tuple[WorkerStream, ...]:
     """The per-worker instruction streams that run ``schedule`` over ``graph``."""
     streams: dict[int, list[Instruction]] = {w: [] for m in meshes for w in m.workers}
-    by_name = {t.name: t for t in transfers}
     progs = {p.name: p for p in graph.programs}
-    groups = dict(graph.groups)
-    # the phases (F, B) of each stage whose program reads the batch inputs X{s}
-    x_readers = {
-        s: [ph for ph in ("F", "B") if any(g == f"X{s}" for g, _ in progs[f"s{s}.{ph}"].inputs)]
-        for s in range(graph.num_stages)
-    }
-
+    by_ref = {t.name: t for t in transfers}
     for s in range(graph.num_stages):
-        if groups.get(f"A{s}"):
+        if graph.group(BufferRef(BufferKind.ACCUMULATORS, s)):
             for w in meshes[s].workers:
-                streams[w].append(Zeros(buffer=f"A{s}"))
-
+                streams[w].append(Zeros(buffer=BufferRef(BufferKind.ACCUMULATORS, s)))
     for row in schedule.ticks:
         for task in row:
             if task is None:
                 continue
-            s, k, ph = task.stage, task.mb, task.kind
-            prog = progs[f"s{s}.{ph}"]
-            for w in meshes[s].workers:
-                out = streams[w]
-                if x_readers[s] and x_readers[s][0] == ph:
-                    out.append(Load(buffer=f"X{s}@{k}", mb=k))
-                incoming = [g for g, _ in prog.inputs if g.startswith("t")]
-                for g in incoming:
-                    out += receive_side(by_name[g], f"{g}@{k}", w)
-                out.append(
-                    Run(
-                        program=prog.name,
-                        mb=k,
-                        inputs=tuple(_name(g, k) for g, _ in prog.inputs),
-                        outputs=tuple(_name(g, k) for g, _ in prog.outputs),
-                    )
-                )
-                outgoing = [g for g, _ in prog.outputs if g.startswith("t")]
-                for g in outgoing:
-                    out += send_side(by_name[g], f"{g}@{k}", w)
-                    out.append(Free(buffer=f"{g}@{k}"))
-                for g in incoming:
-                    out.append(Free(buffer=f"{g}@{k}"))
-                if ph == "B" and groups.get(f"R{s}"):
-                    out.append(Free(buffer=f"R{s}@{k}"))
-                if x_readers[s] and x_readers[s][-1] == ph:
-                    out.append(Free(buffer=f"X{s}@{k}"))
-
+            for w in meshes[task.stage].workers:
+                streams[w] += _task_instructions(graph, progs, by_ref, task, w)
     for m in meshes:
-        prog = progs[f"m{m.id}.apply"]
+        prog = progs[ProgramRef(Phase.APPLY, m.id)]
         for w in m.workers:
             out = streams[w]
             out.append(
                 Run(
                     program=prog.name,
                     mb=None,
-                    inputs=tuple(g for g, _ in prog.inputs),
-                    outputs=tuple(g for g, _ in prog.outputs),
+                    inputs=tuple(g.ref for g in prog.inputs),
+                    outputs=tuple(g.ref for g in prog.outputs),
                 )
             )
-            if groups.get(f"A{m.id}"):
-                out.append(Free(buffer=f"A{m.id}"))
+            if graph.group(BufferRef(BufferKind.ACCUMULATORS, m.id)):
+                out.append(Free(buffer=BufferRef(BufferKind.ACCUMULATORS, m.id)))
             out.append(WaitAll())
     return tuple(WorkerStream(w, tuple(ins)) for w, ins in sorted(streams.items()))
+
+
+def _batch_readers(graph: StageGraph, progs: dict, stage: int) -> list[TaskKind]:
+    """The task kinds (F, B) of ``stage`` whose program reads its batch inputs ``X{s}``."""
+    x = BufferRef(BufferKind.BATCH, stage)
+    return [
+        kind
+        for kind in (TaskKind.F, TaskKind.B)
+        if any(g.ref == x for g in progs[ProgramRef(kind.phase, stage)].inputs)
+    ]
+
+
+def _task_instructions(
+    graph: StageGraph, progs: dict, by_ref: dict, task: Task, w: int
+) -> list[Instruction]:
+    """What worker ``w`` runs for one task: load, receive, run, send, free."""
+    s, k = task.stage, task.mb
+    prog = progs[task.program]
+    readers = _batch_readers(graph, progs, s)
+    out: list[Instruction] = []
+    if readers and readers[0] == task.kind:
+        out.append(Load(buffer=BufferRef(BufferKind.BATCH, s, k), mb=k))
+    incoming = [g.ref for g in prog.inputs if g.ref.kind is BufferKind.TRANSFER]
+    for g in incoming:
+        out += receive_side(by_ref[g.transfer], g.at(k), w)
+    out.append(
+        Run(
+            program=prog.name,
+            mb=k,
+            inputs=tuple(g.ref.at(k) for g in prog.inputs),
+            outputs=tuple(g.ref.at(k) for g in prog.outputs),
+        )
+    )
+    for g in (g.ref for g in prog.outputs if g.ref.kind is BufferKind.TRANSFER):
+        out += send_side(by_ref[g.transfer], g.at(k), w)
+        out.append(Free(buffer=g.at(k)))
+    for g in incoming:
+        out.append(Free(buffer=g.at(k)))
+    if task.kind is TaskKind.B and graph.group(BufferRef(BufferKind.RESIDUALS, s)):
+        out.append(Free(buffer=BufferRef(BufferKind.RESIDUALS, s, k)))
+    if readers and readers[-1] == task.kind:
+        out.append(Free(buffer=BufferRef(BufferKind.BATCH, s, k)))
+    return out
 
 
 def transfer_only_plan(t: TransferSpec, meshes: tuple[MeshSpec, ...], cluster) -> Plan:

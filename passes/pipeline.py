@@ -22,6 +22,7 @@ from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.trace import TracedStep, trace_step
 from meshshard.passes.transfers import plan_transfers
 from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
+from meshshard.refs import LeafKind, Phase, ProgramRef
 
 
 def plan_step(
@@ -64,8 +65,8 @@ def plan_traced(
             name=p.name,
             mesh=p.stage,
             eqns=p.eqns,
-            inputs=tuple(g for g, _ in p.inputs),
-            outputs=tuple(g for g, _ in p.outputs),
+            inputs=tuple(g.ref for g in p.inputs),
+            outputs=tuple(g.ref for g in p.outputs),
             flops=cost.get(p.name, (None, None))[0],
             bytes_accessed=cost.get(p.name, (None, None))[1],
         )
@@ -105,7 +106,8 @@ def _summary(traced: TracedStep, eqns: tuple[int, ...]) -> str:
 def _stage_specs(traced: TracedStep, graph: StageGraph) -> tuple[StageSpec, ...]:
     out = []
     for s, layers in enumerate(graph.layer_groups):
-        f, b = graph.program(f"s{s}.F"), graph.program(f"s{s}.B")
+        f = graph.program(ProgramRef(Phase.FORWARD, s))
+        b = graph.program(ProgramRef(Phase.BACKWARD, s))
         summary = f"F: {_summary(traced, f.eqns)}; B: {_summary(traced, b.eqns)}"
         out.append(StageSpec(s, s, layers, f.name, b.name, summary))
     return tuple(out)
@@ -113,21 +115,24 @@ def _stage_specs(traced: TracedStep, graph: StageGraph) -> tuple[StageSpec, ...]
 
 def _input_specs(traced: TracedStep, graph: StageGraph) -> tuple[InputSpec, ...]:
     out = []
-    for leaf, slots in graph.input_slots:
-        info = traced.inputs[leaf]
-        kind = "batch" if info.is_batch else ("state" if slots else "unused")
-        if info.is_batch and not slots:
-            kind = "unused"
-        out.append(InputSpec(leaf, info.path, kind, info.shape, info.dtype, slots))
+    for item in graph.input_slots:
+        info = traced.inputs[item.leaf]
+        if not item.slots:
+            kind = LeafKind.UNUSED
+        else:
+            kind = LeafKind.BATCH if info.is_batch else LeafKind.STATE
+        out.append(InputSpec(item.leaf, info.path, kind, info.shape, info.dtype, item.slots))
     return tuple(out)
 
 
 def _output_specs(traced: TracedStep, graph: StageGraph) -> tuple[OutputSpec, ...]:
     out = []
-    for leaf, source, slots, input_leaf, literal in graph.output_slots:
-        info = traced.outputs[leaf]
-        lit = literal.item() if hasattr(literal, "item") else literal
+    for o in graph.output_slots:
+        info = traced.outputs[o.leaf]
+        lit = o.literal.item() if hasattr(o.literal, "item") else o.literal
         out.append(
-            OutputSpec(leaf, info.path, info.shape, info.dtype, source, slots, input_leaf, lit)
+            OutputSpec(
+                o.leaf, info.path, info.shape, info.dtype, o.source, o.slots, o.input_leaf, lit
+            )
         )
     return tuple(out)

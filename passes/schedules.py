@@ -20,8 +20,9 @@ micro-batches of activations alive on stage ``i`` instead of GPipe's ``M``.
 from __future__ import annotations
 
 from meshshard.plan import Schedule, Task
+from meshshard.refs import TaskKind
 
-FWD, BWD = "F", "B"
+FWD, BWD = TaskKind.F, TaskKind.B
 
 
 def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:

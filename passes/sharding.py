@@ -16,8 +16,6 @@ from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
 
-PER_MICRO_BATCH = ("X", "R", "t")
-
 
 def data_parallel_spec(
     shape: tuple[int, ...], batch_dependent: bool, micro_batch_sizes: set[int], mesh: MeshSpec
@@ -55,16 +53,16 @@ def build_buffers(
     info = tensor_specs(traced)
     mbs = micro_batch_sizes(traced)
     out = []
-    for name, content in graph.groups:
-        if not content:
+    for group in graph.groups:
+        if not group.vars:
             continue
-        kind = name[0]
-        mesh = meshes[int(name[1:])]
+        per_mb = group.ref.kind.per_micro_batch
+        mesh = meshes[group.ref.owner]  # stage s runs on mesh s; S/O groups name their mesh
         tensors = []
-        for var in content:
+        for var in group.vars:
             label, shape, dtype = info[var]
-            dep = var in graph.batch_dependent and kind in PER_MICRO_BATCH
+            dep = var in graph.batch_dependent and per_mb
             spec = data_parallel_spec(shape, dep, mbs, mesh)
             tensors.append(TensorSpec(var, label, shape, dtype, spec))
-        out.append(BufferSpec(name, mesh.id, kind in PER_MICRO_BATCH, tuple(tensors)))
+        out.append(BufferSpec(group.ref, mesh.id, per_mb, tuple(tensors)))
     return tuple(out)

@@ -20,21 +20,32 @@ from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
+from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
+
+_PHASE = {FWD: Phase.FORWARD, BWD: Phase.BACKWARD}
+X, P, R, A, S, O = (  # noqa: E741 (buffer kinds by their print letter)
+    BufferKind.BATCH,
+    BufferKind.PARAMS,
+    BufferKind.RESIDUALS,
+    BufferKind.ACCUMULATORS,
+    BufferKind.APPLY_STATE,
+    BufferKind.APPLY_OUTPUTS,
+)
 
 
 @dataclass(frozen=True)
 class ProgramIO:
     """A program's equations and the var ids it reads and writes, by buffer group."""
 
-    name: str
+    name: ProgramRef
     stage: int
     eqns: tuple[int, ...]
-    inputs: tuple[tuple[str, tuple[int, ...]], ...]
-    outputs: tuple[tuple[str, tuple[int, ...]], ...]
+    inputs: tuple[BufferGroup, ...]
+    outputs: tuple[BufferGroup, ...]
 
     def __str__(self) -> str:
-        ins = " ".join(g for g, _ in self.inputs)
-        outs = " ".join(g for g, _ in self.outputs)
+        ins = " ".join(str(g.ref) for g in self.inputs)
+        outs = " ".join(str(g.ref) for g in self.outputs)
         return f"{self.name}: {len(self.eqns)} eqns ({ins}) -> ({outs})"
 
 
@@ -43,8 +54,35 @@ class Edge:
     """Value ``var`` made by program ``producer`` and read by program ``consumer`` (another stage)."""
 
     var: int
-    producer: str
-    consumer: str
+    producer: ProgramRef
+    consumer: ProgramRef
+
+
+@dataclass(frozen=True)
+class InputSlots:
+    """Step input leaf ``leaf`` and the (buffer group, position) places that hold it."""
+
+    leaf: int
+    slots: tuple[tuple[BufferRef, int], ...]
+
+
+@dataclass(frozen=True)
+class OutputSlots:
+    """Where step output leaf ``leaf`` comes from (see :class:`~meshshard.plan.OutputSpec`)."""
+
+    leaf: int
+    source: OutputSource
+    slots: tuple[tuple[BufferRef, int], ...] = ()
+    input_leaf: int | None = None
+    literal: object = None
+
+
+@dataclass(frozen=True)
+class GradPair:
+    """A ``meshshard.grad`` result (var id ``result``) and the value it returns (``operand``)."""
+
+    operand: int
+    result: int
 
 
 @dataclass(frozen=True)
@@ -54,18 +92,20 @@ class StageGraph:
     num_stages: int
     layer_groups: tuple[tuple[int, ...], ...]
     programs: tuple[ProgramIO, ...]
-    groups: tuple[tuple[str, tuple[int, ...]], ...]
+    groups: tuple[BufferGroup, ...]
     edges: tuple[Edge, ...]
-    input_slots: tuple[tuple[int, tuple[tuple[str, int], ...]], ...]
-    output_slots: tuple[tuple[int, str, tuple[tuple[str, int], ...], int | None, object], ...]
-    grad_pairs: tuple[tuple[int, int], ...]
+    input_slots: tuple[InputSlots, ...]
+    output_slots: tuple[OutputSlots, ...]
+    grad_pairs: tuple[GradPair, ...]
     batch_dependent: frozenset
 
-    def program(self, name: str) -> ProgramIO:
-        return next(p for p in self.programs if p.name == name)
+    def program(self, ref: ProgramRef) -> ProgramIO:
+        """The program ``ref``."""
+        return next(p for p in self.programs if p.name == ref)
 
-    def group(self, name: str) -> tuple[int, ...]:
-        return dict(self.groups)[name]
+    def group(self, ref: BufferRef) -> tuple[int, ...]:
+        """The var ids buffer group ``ref`` holds (empty when the group is absent)."""
+        return next((g.vars for g in self.groups if g.ref == ref), ())
 
 
 def group_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...]:
@@ -99,10 +139,10 @@ def build_stage_graph(
         return f"%{ids.get(v, '?')}"
 
     # --- which program defines each value --------------------------------------------
-    prog_of_eqn: dict[int, str] = {}
+    prog_of_eqn: dict[int, ProgramRef] = {}
     for i, (ly, ph) in enumerate(zip(slicing.layer, slicing.phase, strict=True)):
-        if ph in (FWD, BWD):
-            prog_of_eqn[i] = f"s{stage_of_layer[ly]}.{ph}"
+        if ph in _PHASE:
+            prog_of_eqn[i] = ProgramRef(_PHASE[ph], stage_of_layer[ly])
     producer: dict = {}
     for i, name in prog_of_eqn.items():
         for v in eqns[i].outvars:
@@ -122,11 +162,11 @@ def build_stage_graph(
                 f"meshshard.grad returns {describe(operand)} unchanged from its inputs; "
                 "return only values computed from the loss function"
             )
-        grad_stage[result] = int(producer[operand][1:].split(".")[0])
-        grad_pairs.append((ids[operand], ids[result]))
+        grad_stage[result] = producer[operand].owner
+        grad_pairs.append(GradPair(ids[operand], ids[result]))
 
     # --- reads of each compute program ---------------------------------------------
-    reads: dict[str, list] = {}
+    reads: dict[ProgramRef, list] = {}
     for i, name in prog_of_eqn.items():
         lst = reads.setdefault(name, [])
         for v in eqns[i].invars:
@@ -138,7 +178,7 @@ def build_stage_graph(
             ):
                 lst.append(v)
     # grad_end operands are "read" by the accumulator of their producing program
-    acc_of_prog: dict[str, list] = {}
+    acc_of_prog: dict[ProgramRef, list] = {}
     for operand in g_eqn.invars:
         if not is_literal(operand):
             acc_of_prog.setdefault(producer[operand], []).append(operand)
@@ -148,19 +188,21 @@ def build_stage_graph(
     p_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     r_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     edges: list[Edge] = []
-    for name in sorted(reads, key=_prog_key):
-        s = int(name[1:].split(".")[0])
+    for name in sorted(reads, key=lambda p: p.sort_key):
+        s = name.owner
         for v in reads[name]:
             if v in invar_leaf:
                 leaf = invar_leaf[v]
                 (x_groups if is_batch[leaf] else p_groups)[s].append(leaf)
                 if not is_batch[leaf]:
                     state_read_by.setdefault(leaf, set()).add(s)
-            elif producer[v] == f"s{s}.F" and name == f"s{s}.B":
+            elif producer[v] == ProgramRef(Phase.FORWARD, s) and name == ProgramRef(
+                Phase.BACKWARD, s
+            ):
                 r_groups[s].append(ids[v])
             else:
                 edges.append(Edge(ids[v], producer[v], name))
-    edges.sort(key=lambda e: (e.var, _prog_key(e.consumer)))
+    edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
     for leaf, stages in state_read_by.items():
         if len(stages) > 1 and not traced.inputs[leaf].is_key:  # keys: a copy per stage
             raise MeshshardInputError(
@@ -199,12 +241,12 @@ def build_stage_graph(
             apply_by_mesh[m].append(i)
 
     # --- groups ----------------------------------------------------------------------
-    groups: dict[str, tuple[int, ...]] = {}
+    groups: dict[BufferRef, tuple[int, ...]] = {}
     for s in range(num_stages):
-        groups[f"X{s}"] = tuple(sorted(set(x_groups[s])))
-        groups[f"P{s}"] = tuple(sorted(set(p_groups[s])))
-        groups[f"R{s}"] = tuple(dict.fromkeys(r_groups[s]))
-        groups[f"A{s}"] = tuple(
+        groups[BufferRef(X, s)] = tuple(sorted(set(x_groups[s])))
+        groups[BufferRef(P, s)] = tuple(sorted(set(p_groups[s])))
+        groups[BufferRef(R, s)] = tuple(dict.fromkeys(r_groups[s]))
+        groups[BufferRef(A, s)] = tuple(
             ids[r] for r, st in grad_stage.items() if st == s
         )  # grad_end result ids, in grad_end order
     # state inputs the apply on mesh m reads that are not already in P{m}
@@ -212,9 +254,13 @@ def build_stage_graph(
         need = []
         for i in apply_by_mesh[m]:
             for v in eqns[i].invars:
-                if not is_literal(v) and v in invar_leaf and invar_leaf[v] not in groups[f"P{m}"]:
+                if (
+                    not is_literal(v)
+                    and v in invar_leaf
+                    and invar_leaf[v] not in groups[BufferRef(P, m)]
+                ):
                     need.append(invar_leaf[v])
-        groups[f"S{m}"] = tuple(sorted(set(need)))
+        groups[BufferRef(S, m)] = tuple(sorted(set(need)))
 
     # --- step outputs ------------------------------------------------------------------
     apply_producer: dict = {}
@@ -226,65 +272,71 @@ def build_stage_graph(
     output_slots = []
     for j, v in enumerate(jaxpr.outvars):
         if is_literal(v):
-            output_slots.append((j, "literal", (), None, v.val))
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
         elif v in literal_grads:
-            output_slots.append((j, "literal", (), None, literal_grads[v]))
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=literal_grads[v]))
         elif v in invar_leaf:
-            output_slots.append((j, "input", (), invar_leaf[v], None))
+            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=invar_leaf[v]))
         elif v in apply_producer or v in grad_stage:
             meshes = apply_producer.get(v) or [grad_stage[v]]
             slots = []
             for m in meshes:
                 if ids[v] not in o_groups[m]:
                     o_groups[m].append(ids[v])
-                slots.append((f"O{m}", o_groups[m].index(ids[v])))
-            output_slots.append((j, "buffer", tuple(slots), None, None))
+                slots.append((BufferRef(O, m), o_groups[m].index(ids[v])))
+            output_slots.append(OutputSlots(j, OutputSource.BUFFER, tuple(slots)))
         else:
             raise MeshshardInputError(
                 f"step output {traced.outputs[j].path} is computed per micro-batch outside "
                 "meshshard.grad; return it from the loss function as aux (has_aux=True)"
             )
     for m in range(num_stages):
-        groups[f"O{m}"] = tuple(o_groups[m])
+        groups[BufferRef(O, m)] = tuple(o_groups[m])
 
     # --- programs --------------------------------------------------------------------
     programs = []
-    edge_out: dict[str, list] = {}
-    edge_in: dict[str, list] = {}
+    edge_out: dict[ProgramRef, list] = {}
+    edge_in: dict[ProgramRef, list] = {}
     for k, e in enumerate(edges):
         edge_out.setdefault(e.producer, []).append(k)
         edge_in.setdefault(e.consumer, []).append(k)
     for s in range(num_stages):
-        for ph in (FWD, BWD):
-            name = f"s{s}.{ph}"
+        for ph in (Phase.FORWARD, Phase.BACKWARD):
+            name = ProgramRef(ph, s)
             own = tuple(i for i, p in prog_of_eqn.items() if p == name)
-            ins: list[tuple[str, tuple[int, ...]]] = []
-            outs: list[tuple[str, tuple[int, ...]]] = []
+            ins: list[BufferGroup] = []
+            outs: list[BufferGroup] = []
             read_set = {ids[v] for v in reads.get(name, [])}
-            for g, content in (("P", groups[f"P{s}"]), ("X", groups[f"X{s}"])):
-                used = tuple(leaf for leaf in content if leaf in read_set)
-                if used:
-                    ins.append((f"{g}{s}", content))
-            if ph == BWD and groups[f"R{s}"]:
-                ins.append((f"R{s}", groups[f"R{s}"]))
+            for kind in (P, X):
+                content = groups[BufferRef(kind, s)]
+                if any(leaf in read_set for leaf in content):
+                    ins.append(BufferGroup(BufferRef(kind, s), content))
+            residuals = BufferGroup(BufferRef(R, s), groups[BufferRef(R, s)])
+            if ph is Phase.BACKWARD and residuals.vars:
+                ins.append(residuals)
             for k in edge_in.get(name, []):
-                ins.append((f"t{k}", (edges[k].var,)))
+                ins.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
             if acc_of_prog.get(name):
-                ins.append((f"A{s}", groups[f"A{s}"]))
-                outs.append((f"A{s}", groups[f"A{s}"]))
-            if ph == FWD and groups[f"R{s}"]:
-                outs.append((f"R{s}", groups[f"R{s}"]))
+                acc = BufferGroup(BufferRef(A, s), groups[BufferRef(A, s)])
+                ins.append(acc)
+                outs.append(acc)
+            if ph is Phase.FORWARD and residuals.vars:
+                outs.append(residuals)
             for k in edge_out.get(name, []):
-                outs.append((f"t{k}", (edges[k].var,)))
+                outs.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
     for m in range(num_stages):
-        ins = []
-        for g in (f"A{m}", f"P{m}", f"S{m}"):
-            if groups[g]:
-                ins.append((g, groups[g]))
-        outs = [(f"O{m}", groups[f"O{m}"])] if groups[f"O{m}"] else []
+        ins = [
+            BufferGroup(BufferRef(kind, m), groups[BufferRef(kind, m)])
+            for kind in (A, P, S)
+            if groups[BufferRef(kind, m)]
+        ]
+        out_group = BufferGroup(BufferRef(O, m), groups[BufferRef(O, m)])
+        outs = [out_group] if out_group.vars else []
         programs.append(
-            ProgramIO(f"m{m}.apply", m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs))
+            ProgramIO(
+                ProgramRef(Phase.APPLY, m), m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs)
+            )
         )
 
     # --- step input slots ------------------------------------------------------------
@@ -292,28 +344,23 @@ def build_stage_graph(
     for leaf in range(n_in):
         slots = []
         for s in range(num_stages):
-            for g in ("X", "P", "S"):
-                content = groups[f"{g}{s}"]
+            for kind in (X, P, S):
+                content = groups[BufferRef(kind, s)]
                 if leaf in content:
-                    slots.append((f"{g}{s}", content.index(leaf)))
-        input_slots.append((leaf, tuple(slots)))
+                    slots.append((BufferRef(kind, s), content.index(leaf)))
+        input_slots.append(InputSlots(leaf, tuple(slots)))
 
     return StageGraph(
         num_stages=num_stages,
         layer_groups=layer_groups,
         programs=tuple(programs),
-        groups=tuple(groups.items()),
+        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
         edges=tuple(edges),
         input_slots=tuple(input_slots),
         output_slots=tuple(output_slots),
         grad_pairs=tuple(grad_pairs),
         batch_dependent=_batch_dependent(jaxpr, is_batch, ids, slicing),
     )
-
-
-def _prog_key(name: str) -> tuple[int, str]:
-    s, ph = name[1:].split(".")
-    return int(s), ph
 
 
 def _batch_dependent(jaxpr, is_batch, ids, slicing) -> frozenset:

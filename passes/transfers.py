@@ -13,6 +13,7 @@ from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes, ten
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MeshSpec, TensorSpec, TransferSpec
+from meshshard.refs import TransferRef
 from meshshard.resharding import plan_resharding
 from meshshard.tiles import resharding_problem
 
@@ -35,8 +36,8 @@ def plan_transfers(
     out = []
     for k, e in enumerate(graph.edges):
         label, shape, dtype = info[e.var]
-        src = meshes[int(e.producer[1:].split(".")[0])]
-        dst = meshes[int(e.consumer[1:].split(".")[0])]
+        src = meshes[e.producer.owner]  # stage s runs on mesh s
+        dst = meshes[e.consumer.owner]
         dep = e.var in graph.batch_dependent
         src_spec = data_parallel_spec(shape, dep, mbs, src)
         dst_spec = data_parallel_spec(shape, dep, mbs, dst)
@@ -44,7 +45,7 @@ def plan_transfers(
         planned = plan_resharding(problem, strategy, cluster, simulate=simulate)
         out.append(
             TransferSpec(
-                name=f"t{k}",
+                name=TransferRef(k),
                 tensor=TensorSpec(e.var, label, shape, dtype, src_spec),
                 dst_spec=dst_spec,
                 src_mesh=src.id,

@@ -133,7 +133,7 @@ class Executable:
             if spec.kind == "unused":
                 continue
             for group, _ in spec.slots:
-                for w in self._mesh_workers[int(group[1:])]:
+                for w in self._mesh_workers[plan.buffer(group).mesh]:
                     if spec.kind == "batch":
                         per_worker_batch[w][spec.leaf] = np.asarray(leaf)
                     elif isinstance(leaf, RemoteArray) and w in leaf.keys and not leaf.deleted:
@@ -146,7 +146,7 @@ class Executable:
         for o in plan.outputs:
             for group, idx in o.slots:
                 key = next(_KEYS)
-                for w in self._mesh_workers[int(group[1:])]:
+                for w in self._mesh_workers[plan.buffer(group).mesh]:
                     out_keys[w][(group, idx)] = key
         donated = self._donated(args)
         with self._lock:
@@ -181,14 +181,14 @@ class Executable:
                 leaves.append(flat[o.input_leaf])
             else:
                 group, idx = o.slots[0]
-                w0 = self._mesh_workers[int(group[1:])][0]
+                w0 = self._mesh_workers[plan.buffer(group).mesh][0]
                 first = results[w0][(group, idx)]
                 if not isinstance(first, StoreKey):
                     leaves.append(first.reshape(o.shape))
                     continue
                 keys = {}
                 for g, i in o.slots:
-                    for w in self._mesh_workers[int(g[1:])]:
+                    for w in self._mesh_workers[plan.buffer(g).mesh]:
                         keys[w] = int(results[w][(g, i)])
                 leaves.append(RemoteArray(self, keys, o.shape, o.dtype))
         return jax.tree.unflatten(self._out_tree, leaves)

@@ -30,18 +30,19 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import Plan, TransferSpec
+from meshshard.refs import BufferRef, TransferRef
 from meshshard.runtime.programs import CompiledProgram, sharding
 from meshshard.runtime.transport import Transport
 
 
-def message_tag(plan: Plan, transfer: str, mb: int, message: int) -> int:
+def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
     """A tag unique within a step for one message of one transfer of one micro-batch."""
     t_index = [t.name for t in plan.transfers].index(transfer)
     max_msgs = max(len(t.messages) for t in plan.transfers)
     return (t_index * plan.num_micro_batches + mb) * max_msgs + message
 
 
-def group_key(transfer: str, group: tuple[int, ...]) -> str:
+def group_key(transfer: TransferRef, group: tuple[int, ...]) -> str:
     """The channel of one transfer's broadcasts over one group of workers."""
     return f"{transfer}:" + ",".join(map(str, group))
 
@@ -147,7 +148,9 @@ class StreamInterpreter:
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}
 
-    def run(self, buffers: dict[str, tuple], load: Callable[[str, int], tuple]) -> dict[str, tuple]:
+    def run(
+        self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
+    ) -> dict[BufferRef, tuple]:
         """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
         pending_recv: dict[str, list] = {}
         pending_send: list = []
@@ -159,24 +162,24 @@ class StreamInterpreter:
                     for name, val in zip(ins.outputs, outs, strict=True):
                         buffers[name] = val
                 elif isinstance(ins, Load):
-                    buffers[ins.buffer] = load(ins.buffer.split("@")[0], ins.mb)
+                    buffers[ins.buffer] = load(ins.buffer.group, ins.mb)
                 elif isinstance(ins, Zeros):
                     buffers[ins.buffer] = self._zeros(ins.buffer)
                 elif isinstance(ins, Send):
                     msg = self._transfers[ins.transfer].messages[ins.message]
                     data = self.blocks.read(buffers[ins.buffer][0], msg.index)
-                    tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
+                    tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
                     pending_send.append(self.transport.isend(data, ins.peer, tag))
                 elif isinstance(ins, Recv):
                     msg = self._transfers[ins.transfer].messages[ins.message]
-                    tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
+                    tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
                     handle = self.transport.irecv(msg.nbytes, ins.peer, tag)
                     pending_recv.setdefault(ins.buffer, []).append((msg, handle))
                 elif isinstance(ins, Collective):
                     self._collective(ins, buffers, pending_send, pending_recv)
                 elif isinstance(ins, Wait):
                     parts = [(msg, h.wait()) for msg, h in pending_recv.pop(ins.buffer)]
-                    t = self._transfers[ins.buffer.split("@")[0]]
+                    t = self._transfers[ins.buffer.transfer]
                     buffers[ins.buffer] = (self.blocks.assemble(t, parts),)
                 elif isinstance(ins, Free):
                     del buffers[ins.buffer]
@@ -196,7 +199,7 @@ class StreamInterpreter:
         if ins.kind != "broadcast":
             raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")
         msg = self._transfers[ins.transfer].messages[ins.message]
-        tag = message_tag(self.plan, ins.transfer, _mb(ins.buffer), ins.message)
+        tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
         key = group_key(ins.transfer, msg.group)
         if self.worker == ins.root:
             data = self.blocks.read(buffers[ins.buffer][0], msg.index)
@@ -205,7 +208,7 @@ class StreamInterpreter:
             handle = self.transport.ibroadcast(None, msg.nbytes, msg.group, key, tag)
             pending_recv.setdefault(ins.buffer, []).append((msg, handle))
 
-    def _zeros(self, name: str) -> tuple:
+    def _zeros(self, name: BufferRef) -> tuple:
         spec = self._buffers_spec[name]
         return tuple(
             jax.device_put(np.zeros(t.shape, t.dtype), sharding(self.mesh, t.spec))
@@ -225,7 +228,3 @@ class StreamInterpreter:
             mark = "  <-- ERROR HERE" if j == i else ""
             lines.append(f"  {j:>4} w{self.worker}: {self.stream.instructions[j]}{mark}")
         return "\n".join(lines)
-
-
-def _mb(buffer: str) -> int:
-    return int(buffer.split("@")[1])

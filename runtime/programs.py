@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, Plan, Spec
 from meshshard.program_fn import program_function
+from meshshard.refs import BufferGroup, BufferKind, BufferRef, Phase, ProgramRef
 
 
 def make_mesh(devices: Sequence, shape: tuple[int, int]) -> Mesh:
@@ -33,10 +34,10 @@ def sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
 class CompiledProgram:
     """A jitted program and how its flat inputs/outputs split into buffer groups."""
 
-    name: str
+    name: ProgramRef
     fn: Callable
-    input_groups: tuple[str, ...]
-    output_groups: tuple[str, ...]
+    input_groups: tuple[BufferRef, ...]
+    output_groups: tuple[BufferRef, ...]
     output_sizes: tuple[int, ...]
 
     def __call__(self, groups: Sequence[tuple]) -> list[tuple]:
@@ -49,15 +50,15 @@ class CompiledProgram:
         return result
 
 
-def group_contents(plan: Plan, name: str) -> tuple[int, ...]:
-    """Var ids held by buffer group or transfer ``name``."""
-    if name.startswith("t"):
-        return (plan.transfer(name).tensor.var,)
-    return tuple(t.var for t in plan.buffer(name).tensors)
+def group_contents(plan: Plan, ref: BufferRef) -> BufferGroup:
+    """Buffer group or transfer ``ref`` with the var ids it holds."""
+    if ref.kind is BufferKind.TRANSFER:
+        return BufferGroup(ref, (plan.transfer(ref).tensor.var,))
+    return BufferGroup(ref, tuple(t.var for t in plan.buffer(ref).tensors))
 
 
-def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
-    if group.startswith("t"):
+def _specs_for(plan: Plan, group: BufferRef, mesh_id: int) -> tuple[Spec, ...]:
+    if group.kind is BufferKind.TRANSFER:
         t = plan.transfer(group)
         return (t.tensor.spec if t.src_mesh == mesh_id else t.dst_spec,)
     return tuple(t.spec for t in plan.buffer(group).tensors)
@@ -65,7 +66,7 @@ def _specs_for(plan: Plan, group: str, mesh_id: int) -> tuple[Spec, ...]:
 
 def build_programs(
     traced: TracedStep, plan: Plan, mesh_id: int, mesh: Mesh
-) -> dict[str, CompiledProgram]:
+) -> dict[ProgramRef, CompiledProgram]:
     """Compile every program of mesh ``mesh_id`` (its stage's F/B and its update)."""
     out = {}
     for spec in plan.programs:
@@ -74,17 +75,19 @@ def build_programs(
         fn = program_function(
             traced,
             spec.eqns,
-            [(g, group_contents(plan, g)) for g in spec.inputs],
-            [(g, group_contents(plan, g)) for g in spec.outputs],
+            [group_contents(plan, g) for g in spec.inputs],
+            [group_contents(plan, g) for g in spec.outputs],
             plan.num_micro_batches,
-            spec.name.endswith(".apply"),
+            spec.name.phase is Phase.APPLY,
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
         )
         donate = tuple(
-            i for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id)) if g.startswith("A")
+            i
+            for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
+            if g.kind is BufferKind.ACCUMULATORS
         )
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(
@@ -97,5 +100,5 @@ def build_programs(
     return out
 
 
-def _flat_groups(plan: Plan, groups: Sequence[str], mesh_id: int) -> list[str]:
+def _flat_groups(plan: Plan, groups: Sequence[BufferRef], mesh_id: int) -> list[BufferRef]:
     return [g for g in groups for _ in _specs_for(plan, g, mesh_id)]

@@ -90,7 +90,7 @@ def run_transfer(
     stream = next(s for s in plan.streams if s.worker == worker)
     counting = CountingTransport(transport)
     interp = StreamInterpreter(stream, plan, {}, None, counting, blocks=TileBlocks(plan, worker))
-    buffer = f"{plan.transfers[0].name}@0"
+    buffer = plan.transfers[0].name.buffer(0)
     buffers = {buffer: (tiles,)} if tiles is not None else {}
     buffers = interp.run(buffers, load=None)
     value = buffers.get(buffer)

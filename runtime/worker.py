@@ -15,6 +15,7 @@ import numpy as np
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.passes.trace import trace_step
 from meshshard.plan import Plan
+from meshshard.refs import BufferRef
 from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.transport import Transport
@@ -89,22 +90,22 @@ class Worker:
         self,
         batch: dict[int, np.ndarray],
         state: dict[int, object],
-        out_keys: dict[tuple[str, int], int],
+        out_keys: dict[tuple[BufferRef, int], int],
         free: Sequence[int] = (),
-    ) -> dict[tuple[str, int], object]:
+    ) -> dict[tuple[BufferRef, int], object]:
         """Run one step; returns small outputs by value, keeps the rest under ``out_keys``."""
         if self.interp is None:
             raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
         m = self.plan.num_micro_batches
-        buffers: dict[str, tuple] = {}
+        buffers: dict[BufferRef, tuple] = {}
         for name, spec in self._groups.items():
-            if name[0] in ("P", "S"):
+            if name.kind.persistent:
                 slots = self._leaf_slot[name]
                 buffers[name] = tuple(
                     self._state_array(state[slots[i]], t) for i, t in enumerate(spec.tensors)
                 )
 
-        def load(group: str, mb: int) -> tuple:
+        def load(group: BufferRef, mb: int) -> tuple:
             spec = self._groups[group]
             slots = self._leaf_slot[group]
             arrays = []

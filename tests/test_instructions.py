@@ -17,45 +17,64 @@ from meshshard.instructions import (
     Zeros,
     parse_instruction,
 )
+from meshshard.refs import (
+    BufferKind,
+    BufferRef,
+    CollectiveKind,
+    Phase,
+    ProgramRef,
+    TransferRef,
+)
 
-buffers = st.from_regex(r"[A-Za-z][A-Za-z0-9.]{0,6}(@[0-9]{1,3})?", fullmatch=True)
-mb_buffers = st.from_regex(r"[A-Za-z][A-Za-z0-9]{0,6}@[0-9]{1,3}", fullmatch=True)
-t_buffers = st.from_regex(r"t[0-9]{1,3}@[0-9]{1,3}", fullmatch=True)
-prio = st.integers(-5, 50)
 small = st.integers(0, 999)
+slot = st.none() | st.integers(0, 9)
+prio = st.integers(-5, 50)
+kinds = st.sampled_from(list(BufferKind))
+buffers = st.builds(BufferRef, kinds, small, slot | small, slot, slot)
+mb_buffers = st.builds(BufferRef, kinds, small, small, slot, slot)
+t_buffers = st.builds(lambda n, mb: BufferRef(BufferKind.TRANSFER, n, mb), small, small)
+programs = st.one_of(
+    st.builds(
+        ProgramRef,
+        st.sampled_from([Phase.FORWARD, Phase.BACKWARD, Phase.WEIGHT_GRAD]),
+        small,
+        slot,
+    ),
+    st.builds(ProgramRef, st.sampled_from([Phase.APPLY, Phase.GATHER]), small),
+)
 
 instructions = st.one_of(
-    st.builds(lambda b, p: Load(buffer=b, mb=int(b.split("@")[1]), priority=p), mb_buffers, prio),
+    st.builds(lambda b, p: Load(buffer=b, mb=b.mb, priority=p), mb_buffers, prio),
     st.builds(lambda b, p: Zeros(buffer=b, priority=p), buffers, prio),
     st.builds(
         lambda prog, mb, i, o, p: Run(
             program=prog, mb=mb, inputs=tuple(i), outputs=tuple(o), priority=p
         ),
-        st.from_regex(r"[sm][0-9]\.(F|B|apply)", fullmatch=True),
+        programs,
         st.none() | small,
         st.lists(buffers, max_size=5),
         st.lists(buffers, max_size=5),
         prio,
     ),
     st.builds(
-        lambda b, m, w, p: Send(buffer=b, transfer=b.split("@")[0], message=m, peer=w, priority=p),
+        lambda b, m, w, p: Send(buffer=b, transfer=b.transfer, message=m, peer=w, priority=p),
         t_buffers,
         small,
         small,
         prio,
     ),
     st.builds(
-        lambda b, m, w, p: Recv(buffer=b, transfer=b.split("@")[0], message=m, peer=w, priority=p),
+        lambda b, m, w, p: Recv(buffer=b, transfer=b.transfer, message=m, peer=w, priority=p),
         t_buffers,
         small,
         small,
         prio,
     ),
     st.builds(
-        lambda b, m, g, p: Collective(
-            kind="broadcast",
+        lambda b, m, g, k, p: Collective(
+            kind=k,
             buffer=b,
-            transfer=b.split("@")[0],
+            transfer=b.transfer,
             message=m,
             group=tuple(g),
             root=g[0],
@@ -64,12 +83,45 @@ instructions = st.one_of(
         t_buffers,
         small,
         st.lists(small, min_size=1, max_size=6, unique=True),
+        st.sampled_from(list(CollectiveKind)),
         prio,
     ),
     st.builds(lambda b, p: Wait(buffer=b, priority=p), buffers, prio),
     st.builds(lambda p: WaitAll(priority=p), prio),
     st.builds(lambda b, p: Free(buffer=b, priority=p), buffers, prio),
 )
+
+
+@given(buffers)
+def test_buffer_refs_round_trip(ref):
+    assert BufferRef.parse(str(ref)) == ref
+    assert ref.group.mb is None and ref.group.kind is ref.kind and ref.group.owner == ref.owner
+
+
+@given(programs)
+def test_program_refs_round_trip(ref):
+    assert ProgramRef.parse(str(ref)) == ref
+
+
+@given(small)
+def test_transfer_refs_round_trip(n):
+    ref = TransferRef(n)
+    assert TransferRef.parse(str(ref)) == ref
+    assert ref.buffer(3).transfer == ref and str(ref.buffer(3)) == f"t{n}@3"
+
+
+@pytest.mark.parametrize("token", ["Q1", "P", "t1@", "s0.apply", "m0.F", "P1@x"])
+def test_bad_reference_tokens_are_rejected(token):
+    with pytest.raises(ValueError, match=r"cannot parse|kind must be one of"):
+        (ProgramRef.parse if "." in token else BufferRef.parse)(token)
+
+
+def test_typed_fields_not_names():
+    ins = parse_instruction("RUN s1v2.B mb3 (P1 R1@3) -> (A1 t4@3)")
+    assert ins.program == ProgramRef(Phase.BACKWARD, 1, virtual=2)
+    assert [b.kind for b in ins.writes] == [BufferKind.ACCUMULATORS, BufferKind.TRANSFER]
+    assert ins.writes[1].transfer == TransferRef(4) and ins.writes[1].mb == 3
+    assert BufferRef.parse("P1v2~3@4") == BufferRef(BufferKind.PARAMS, 1, 4, virtual=2, version=3)
 
 
 @given(instructions)
@@ -102,9 +154,10 @@ def test_examples_print_as_documented():
 
 def test_reads_and_writes_are_explicit():
     run = Run(program="s0.B", mb=1, inputs=("P0", "R0@1"), outputs=("A0",))
-    assert run.reads == ("P0", "R0@1") and run.writes == ("A0",)
-    assert Recv(buffer="t1@0", transfer="t1", message=0, peer=2).writes == ("t1@0",)
-    assert Send(buffer="t1@0", transfer="t1", message=0, peer=2).reads == ("t1@0",)
+    assert tuple(map(str, run.reads)) == ("P0", "R0@1") and tuple(map(str, run.writes)) == ("A0",)
+    t1 = BufferRef(BufferKind.TRANSFER, 1, 0)
+    assert Recv(buffer="t1@0", transfer="t1", message=0, peer=2).writes == (t1,)
+    assert Send(buffer="t1@0", transfer="t1", message=0, peer=2).reads == (t1,)
 
 
 @pytest.mark.parametrize("token", ["JUMP w3", "RUN s0.F mb1 (a) ->", "SEND t1@0 -> w2", "LOAD X0"])

@@ -69,7 +69,7 @@ def test_plans_verify_and_round_trip(make, method):
     assert verify(plan) == []
     text = plan.to_json()
     assert Plan.from_json(text) == plan
-    assert json.loads(text)["streams"][0]["tokens"][0] == str(plan.streams[0].instructions[0])
+    assert json.loads(text)["streams"][0]["instructions"][0] == str(plan.streams[0].instructions[0])
     assert str(Plan.from_json(text)) == str(plan)
 
 

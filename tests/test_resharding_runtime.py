@@ -33,8 +33,8 @@ def make_plan(shape, src_shape, src_spec, dst_shape, dst_spec, strategy, dtype="
         dst_spec,
         0,
         1,
-        "src",
-        "dst",
+        None,  # no producer program: a transfer on its own
+        None,
         planned.messages,
         planned.strategy,
     )

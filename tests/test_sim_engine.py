@@ -188,7 +188,7 @@ def test_roofline_costs_by_dtype_and_mesh_size():
     )
     cost = program_cost(plan, plan.program("s0.F"), dgx)
     assert close(cost.seconds, 1.0 + dgx.launch_overhead) and cost.bound == "compute"
-    mem_bound = ProgramSpec("m", 0, (), ("P0",), (), flops=1e9, bytes_accessed=8 * 2039e9)
+    mem_bound = ProgramSpec("m0.apply", 0, (), ("P0",), (), flops=1e9, bytes_accessed=8 * 2039e9)
     cost = program_cost(plan, mem_bound, dgx)
     assert close(cost.seconds, 1.0 + dgx.launch_overhead) and cost.bound == "memory"
     assert program_cost(plan, plan.program("s0.F"), dgx, {"s0.F": 0.25}).seconds == 0.25

@@ -7,6 +7,7 @@ from examples import mlp
 from meshshard import ClusterSpec, PipeshardParallel
 from meshshard.instructions import Run
 from meshshard.plan import Plan
+from meshshard.refs import Phase
 from meshshard.sim import simulate
 
 
@@ -33,8 +34,8 @@ def test_compiled_plan_simulates(plan, overlap):
 
 
 def test_measured_program_times_drive_the_timeline(plan):
-    names = [p.name for p in plan.programs]
-    times = {n: (0.010 if n.endswith(".F") else 0.020 if n.endswith(".B") else 0.0) for n in names}
+    seconds = {Phase.FORWARD: 0.010, Phase.BACKWARD: 0.020}
+    times = {str(p.name): seconds.get(p.name.phase, 0.0) for p in plan.programs}
     r = simulate(plan, ClusterSpec.preset("dgx-a100", num_hosts=4), program_times=times)
     S, M = len(plan.stages), plan.num_micro_batches
     # transfers of a few KiB over 200 Gb/s cost microseconds: the bubble formula holds to 1%

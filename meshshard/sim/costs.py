@@ -65,19 +65,21 @@ def program_cost(
     cluster: ClusterSpec,
     program_times: Mapping[str, float] | None = None,
 ) -> ProgramCost:
-    """Predicted seconds for one run of ``program`` on its mesh of ``cluster``."""
-    if program_times and program.name in program_times:
-        seconds = float(program_times[program.name])
+    """Predicted seconds for one run of ``program`` on its mesh of ``cluster``.
+
+    ``program_times`` is keyed by program token (``"s0.F"``), as users write it.
+    """
+    name = str(program.name)
+    if program_times and name in program_times:
+        seconds = float(program_times[name])
         if seconds < 0:
-            raise ValueError(f"program_times[{program.name!r}] must be >= 0 seconds, got {seconds}")
-        return ProgramCost(program.name, seconds, "measured")
+            raise ValueError(f"program_times[{name!r}] must be >= 0 seconds, got {seconds}")
+        return ProgramCost(name, seconds, "measured")
     mesh = next((m for m in plan.meshes if m.id == program.mesh), None)
     devices = mesh.num_devices if mesh is not None else 1
     if program.flops is None and program.bytes_accessed is None:
-        return ProgramCost(program.name, float(cluster.launch_overhead), "none")
+        return ProgramCost(name, float(cluster.launch_overhead), "none")
     compute = (program.flops or 0.0) / devices / cluster.flops_for(program_dtype(plan, program))
     memory = (program.bytes_accessed or 0.0) / devices / cluster.memory_bandwidth
     bound = "compute" if compute >= memory else "memory"
-    return ProgramCost(
-        program.name, max(compute, memory) + cluster.launch_overhead, "roofline", bound
-    )
+    return ProgramCost(name, max(compute, memory) + cluster.launch_overhead, "roofline", bound)

@@ -266,7 +266,7 @@ class _Engine:
         self.costs: dict[str, ProgramCost] = {}
         for p in plan.programs:
             self.costs[p.name] = program_cost(plan, p, cluster, program_times)
-        missing = sorted(n for n, c in self.costs.items() if c.source == "none")
+        missing = sorted(str(n) for n, c in self.costs.items() if c.source == "none")
         if missing:
             self.notes.append(
                 "no flops/bytes or measured time for "
@@ -274,7 +274,7 @@ class _Engine:
                 + f": each costs only the launch overhead ({cluster.launch_overhead * 1e6:.3g} us)"
             )
         if program_times:
-            unknown = sorted(set(program_times) - set(self.costs))
+            unknown = sorted(set(program_times) - {str(p) for p in self.costs})
             if unknown:
                 self.notes.append(f"program_times for unknown programs ignored: {unknown}")
         self.queues: dict[int, list[_Queue]] = {}

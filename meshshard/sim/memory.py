@@ -19,25 +19,26 @@ from collections.abc import Sequence
 
 from meshshard.instructions import Free
 from meshshard.plan import MeshSpec, Plan, Spec
+from meshshard.refs import BufferKind, BufferRef
 from meshshard.sim.engine import OpRecord
 
 __all__ = ["category", "bytes_per_device", "memory_profile"]
 
 _CATEGORIES = {
-    "P": "params",
-    "S": "optimizer",
-    "O": "optimizer",
-    "A": "grads",
-    "X": "activations",
-    "R": "activations",
-    "t": "activations",
+    BufferKind.PARAMS: "params",
+    BufferKind.APPLY_STATE: "optimizer",
+    BufferKind.APPLY_OUTPUTS: "optimizer",
+    BufferKind.ACCUMULATORS: "grads",
+    BufferKind.BATCH: "activations",
+    BufferKind.RESIDUALS: "activations",
+    BufferKind.TRANSFER: "activations",
 }
 CATEGORY_ORDER = ("params", "optimizer", "grads", "activations", "other")
 
 
-def category(buffer: str) -> str:
-    """The memory category of a buffer by the naming convention (``R1@3`` -> activations)."""
-    return _CATEGORIES.get(buffer[:1], "other")
+def category(buffer: BufferRef) -> str:
+    """The memory category of a buffer by its kind (``R1@3`` -> activations)."""
+    return _CATEGORIES.get(buffer.kind, "other")
 
 
 def _shards(spec: Spec, mesh: MeshSpec | None) -> int:
@@ -53,11 +54,13 @@ def _shards(spec: Spec, mesh: MeshSpec | None) -> int:
     return n
 
 
-def bytes_per_device(plan: Plan, buffer: str, worker: int) -> float | None:
+def bytes_per_device(plan: Plan, buffer: BufferRef, worker: int) -> float | None:
     """Bytes one device of ``worker`` holds for ``buffer`` (None when the plan does not describe it)."""
     meshes = {m.id: m for m in plan.meshes}
-    base = buffer.split("@", 1)[0]
-    transfer = next((t for t in plan.transfers if t.name == base), None)
+    base = buffer.group
+    transfer = None
+    if base.kind is BufferKind.TRANSFER:
+        transfer = next((t for t in plan.transfers if t.name == base.transfer), None)
     if transfer is not None:
         dst = meshes.get(transfer.dst_mesh)
         if dst is not None and worker in dst.hosts:
@@ -82,11 +85,11 @@ def memory_profile(
     step function of bytes held over time, and notes on undescribed buffers."""
     peaks: dict[int, tuple[float, float, dict[str, float]]] = {}
     curves: dict[int, list[tuple[float, float]]] = {}
-    unknown: set[str] = set()
-    sizes: dict[tuple[str, int], float] = {}
+    unknown: set[BufferRef] = set()
+    sizes: dict[tuple[BufferRef, int], float] = {}
 
-    def size(buf: str, w: int) -> float:
-        key = (buf.split("@", 1)[0], w)
+    def size(buf: BufferRef, w: int) -> float:
+        key = (buf.group, w)
         if key not in sizes:
             n = bytes_per_device(plan, buf, w)
             if n is None:
@@ -99,10 +102,10 @@ def memory_profile(
         if not recs:
             continue
         w = recs[0].worker
-        alive: dict[str, float] = {}  # buffer -> alloc time
-        readers_end: dict[str, float] = {}  # latest end of an in-flight reader (sends)
-        events: list[tuple[float, int, int, str]] = []  # (time, stream index, +1/-1, buffer)
-        written: set[str] = set()
+        alive: dict[BufferRef, float] = {}  # buffer -> alloc time
+        readers_end: dict[BufferRef, float] = {}  # latest end of an in-flight reader (sends)
+        events: list[tuple[float, int, int, BufferRef]] = []  # (time, index, +1/-1, buffer)
+        written: set[BufferRef] = set()
         for r in recs:
             ins = r.instruction
             for b in ins.reads:
@@ -126,7 +129,7 @@ def memory_profile(
         for b in alive:
             events.append((end, len(recs), -1, b))
         # at one instant, stream order decides (a FREE before the next RUN releases first)
-        events.sort()
+        events.sort(key=lambda e: (e[0], e[1], e[2], str(e[3])))
         held = 0.0
         by_cat: dict[str, float] = {}
         best = (-1.0, 0.0, {})
@@ -148,6 +151,6 @@ def memory_profile(
     if unknown:
         notes.append(
             "memory: buffers not described in the plan counted as 0 bytes: "
-            + ", ".join(sorted(unknown))
+            + ", ".join(sorted(map(str, unknown)))
         )
     return peaks, curves, notes

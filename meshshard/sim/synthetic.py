@@ -299,7 +299,7 @@ def synthetic_pipeline(
                 f"m{s}.apply", s, (), (f"P{s}", f"A{s}", f"S{s}"), (f"O{s}",), apply_flops, None
             )
         )
-    tmap = {t.name: t for t in transfers}
+    tmap = {str(t.name): t for t in transfers}
 
     # --- streams -----------------------------------------------------------------------
     def send(name: str, buf: str, w: int) -> list[Instruction]:
