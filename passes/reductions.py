@@ -63,7 +63,7 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     idx = {v: k for k, v in enumerate(mj.invars)}
     full_shape = _shape(_full_var(mj, fj, var, producer, idx))
     if full_shape != _shape(var):
-        return "", "it has the batch as a dimension"
+        return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     seen, stack, kinds, norms = set(), [var], set(), 0
     while stack:
         v = stack.pop()
@@ -92,6 +92,11 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
         return kinds.pop()[len("reduce_") :], "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def _same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
+    me, fe = micro.jaxpr.eqns, full.jaxpr.eqns
+    return [e.primitive for e in me] == [e.primitive for e in fe]
 
 
 def _divides_by_batch_total(em, ef, dep) -> bool:
@@ -124,8 +129,18 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             red, source = loss, "follows the loss"
         elif not red and (m == 1 or full is None or is_literal(v)):
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
+        elif not red and not _same_program(micro, full):
+            red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
+            source = "default: the step traces differently at micro-batch and full-batch shape"
         elif not red:
             red, why = classify(micro, full, v, m, dep)
+            if red == "batch":
+                raise MeshshardInputError(
+                    f"{label} returned by meshshard.grad {why}: meshshard combines the "
+                    "loss and aux values over micro-batches by mean, sum, max or min only; "
+                    "reduce it over the batch inside the loss function (e.g. a mean or a "
+                    "count), or use num_micro_batches=1"
+                )
             source = f"traced: {why}" if red else f"default: {why}"
             if not red and label == "loss":
                 raise MeshshardInputError(

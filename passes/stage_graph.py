@@ -138,6 +138,11 @@ def build_stage_graph(
             return traced.inputs[invar_leaf[v]].path
         return f"%{ids.get(v, '?')}"
 
+    def made_by(v) -> str:  # "%12 (reduce_sum in s1.F)" for errors
+        i = next((k for k, e in enumerate(eqns) if v in e.outvars), None)
+        where = f" in {prog_of_eqn[i]}" if i in prog_of_eqn else ""
+        return describe(v) + (f" ({eqns[i].primitive.name}{where})" if i is not None else "")
+
     # --- which program defines each value --------------------------------------------
     prog_of_eqn: dict[int, ProgramRef] = {}
     for i, (ly, ph) in enumerate(zip(slicing.layer, slicing.phase, strict=True)):
@@ -230,9 +235,9 @@ def build_stage_graph(
                 )
             if v in compute_vars:
                 raise MeshshardInputError(
-                    f"the update part of the step reads {describe(v)}, a value computed per "
-                    "micro-batch outside what meshshard.grad returns; compute it inside the "
-                    "loss function and return it as aux (has_aux=True)"
+                    f"the update part of the step reads {made_by(v)}, a value computed from "
+                    "the batch per micro-batch outside what meshshard.grad returns; compute "
+                    "it inside the loss function and return it as aux (has_aux=True)"
                 )
     placement: ApplyPlacement = place_apply(jaxpr, apply_eqns, seeds, state_leaves, describe)
     apply_by_mesh: dict[int, list[int]] = {m: [] for m in range(num_stages)}
@@ -287,8 +292,9 @@ def build_stage_graph(
             output_slots.append(OutputSlots(j, OutputSource.BUFFER, tuple(slots)))
         else:
             raise MeshshardInputError(
-                f"step output {traced.outputs[j].path} is computed per micro-batch outside "
-                "meshshard.grad; return it from the loss function as aux (has_aux=True)"
+                f"step output {traced.outputs[j].path} = {made_by(v)} is computed from the "
+                "batch per micro-batch outside meshshard.grad; return it from the loss "
+                "function as aux (has_aux=True)"
             )
     for m in range(num_stages):
         groups[BufferRef(O, m)] = tuple(o_groups[m])
