@@ -121,14 +121,14 @@ def trace_step(
         wheres.append(where)
         in_batch.append(is_batch)
         full_abs.append(_abstract(leaf, where, "batch" if is_batch else "state"))
-    full = _trace(fn, treedef, full_abs)
+    full, full_out = _trace(fn, treedef, full_abs)
     keys = key_inputs(full.jaxpr)
     is_batch = [b and i not in keys for i, b in enumerate(in_batch)]
     micro_abs = [
         _micro_batch_shape(a, w, m) if b else a
         for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
     ]
-    micro = full if m == 1 else _trace(fn, treedef, micro_abs)
+    micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)
     draws = find_batch_draws(micro, full, m)
     reduce = resolve(micro, full if m > 1 else None, is_batch, m)
     closed = slice_batch_draws(micro, draws)
@@ -140,7 +140,7 @@ def trace_step(
     ]
     if draws:
         infos.append(LeafInfo(INDEX_PATH, (m,), "int32", True))
-    out_paths, _ = jax.tree_util.tree_flatten_with_path(_out_shape(fn, treedef, micro_abs))
+    out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = tuple(
         LeafInfo("out" + _path_str(p), tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
         for (p, _), v in zip(out_paths, closed.jaxpr.outvars, strict=True)
@@ -151,18 +151,14 @@ def trace_step(
         outputs=outputs,
         num_micro_batches=m,
         fingerprint=fingerprint(closed),
-        out_tree=jax.tree.structure(_out_shape(fn, treedef, micro_abs)),
+        out_tree=jax.tree.structure(out_shape),
     )
 
 
-def _trace(fn: Callable, treedef, leaves: list) -> ClosedJaxpr:
-    """The step's jaxpr with calls inlined and keys held as raw data."""
-    closed = jax.make_jaxpr(fn)(*jax.tree.unflatten(treedef, leaves))
-    return physical_keys(inline_calls(closed))
-
-
-def _out_shape(fn: Callable, treedef, leaves: list):
-    return jax.eval_shape(fn, *jax.tree.unflatten(treedef, leaves))
+def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object]:
+    """The step's jaxpr with calls inlined and keys held as raw data, and its output shape."""
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.unflatten(treedef, leaves))
+    return physical_keys(inline_calls(closed)), out
 
 
 def key_inputs(jaxpr) -> frozenset:

@@ -80,11 +80,11 @@ def batch_key_step(state, batch):
     return normal_noise_step(state, {"x": batch["x"], "y": batch["y"]}, batch["rng"])
 
 
-def test_raw_key_in_batch_is_not_cut(threads_cluster):
+@pytest.mark.parametrize("raw", [False, True], ids=["typed", "raw"])
+def test_key_in_batch_is_not_cut(threads_cluster, raw):
     model = mlp.MLP(num_layers=4)
-    batches = [
-        dict(mlp.make_batch(batch_size=8, seed=i), rng=jax.random.PRNGKey(i)) for i in (0, 1)
-    ]
+    make_key = jax.random.PRNGKey if raw else jax.random.key
+    batches = [dict(mlp.make_batch(batch_size=8, seed=i), rng=make_key(i)) for i in (0, 1)]
     state = mlp.make_state(model, batches[0]["x"])
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
     par = check_step_parity(batch_key_step, method, state, batches)

@@ -48,7 +48,7 @@ def metrics_step(state, batch):
             "abs_max": jnp.max(jnp.abs(err)),
             "abs_min": jnp.min(jnp.abs(err)),
             "positives": jnp.sum(pred > 0),
-            "weight_norm": jnp.sum(params["dense0"]["kernel"] ** 2),
+            "weight_norm": jnp.sum(params["dense3"]["kernel"] ** 2),
         }
         return jnp.mean(err**2), aux
 
