@@ -13,6 +13,7 @@ import pytest
 import meshshard
 from examples import mlp
 from meshshard import ClusterSpec, DataParallel, PipeshardParallel
+from meshshard.passes.hoist import hoist_to_update, values_to_hoist
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.physical_keys import has_typed_keys, physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws
@@ -166,3 +167,28 @@ def test_step_without_keys_gets_no_index_input():
         state, batch, cluster=ClusterSpec("keys-4x2", 4, 2)
     )
     assert all(i.path != INDEX_PATH for i in plan.inputs)
+
+
+def test_hoist_recomputes_the_state_key_split_in_the_update():
+    def step(w, key, x):
+        new_key, sub = jax.random.split(key)
+        g = meshshard.grad(lambda w: jnp.mean((x * w + jax.random.normal(sub, x.shape)) ** 2))(w)
+        return w - 0.1 * g, new_key
+
+    closed = physical_keys(
+        inline_calls(jax.make_jaxpr(step)(jnp.float32(1), jax.random.PRNGKey(0), jnp.ones(4)))
+    )
+    is_batch = [False, False, True]
+    chain = values_to_hoist(closed.jaxpr, is_batch)
+    names = [closed.jaxpr.eqns[i].primitive.name for i in chain]
+    assert "random_split" in names and "random_bits" not in names
+    hoisted = hoist_to_update(closed, is_batch)
+    eqns = hoisted.jaxpr.eqns
+    g = next(
+        i
+        for i, e in enumerate(eqns)
+        if e.primitive.name == "pipeline_boundary" and e.params["kind"] == "grad_end"
+    )
+    assert [e.primitive.name for e in eqns[g + 1 :]].count("random_split") == 1
+    made_after = {v for e in eqns[g + 1 :] for v in e.outvars}
+    assert hoisted.jaxpr.outvars[1] in made_after  # the new key comes from the update
