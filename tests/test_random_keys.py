@@ -39,7 +39,7 @@ def test_dropout_matches_jit(threads_cluster, model, schedule, m):
 
 def test_dropout_data_parallel_with_micro_batches(threads_cluster):
     step, state, batches = dropout_case("mlp")
-    check_step_parity(step, DataParallel(num_micro_batches=2), state, batches)
+    check_step_parity(step, DataParallel(mesh_shape=(1, 2), num_micro_batches=2), state, batches)
 
 
 def test_dropout_differs_from_micro_batch_shaped_draw(threads_cluster):
