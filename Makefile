@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # build); pyproject's range accepts it, and GPU users bring their own CUDA build.
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-fast lint format bench clean
 
 setup: $(STAMP)
 
@@ -20,10 +20,17 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) examples/train_gpt.py
 
+# Everything: unit, doctests (every package module), slow and Ray tiers.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+# The fast tier only (no Ray, nothing slow): the loop to run while editing.
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -m fast
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -9,21 +9,25 @@ _extend_package_path(__path__)
 
 from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
 from meshshard.autodiff import grad, value_and_grad  # noqa: E402
+from meshshard.checkpoint import CheckpointManager, restore, save  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
 from meshshard.metrics import aux_max, aux_mean, aux_min, aux_sum  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
-from meshshard.runtime.cluster import init, shutdown  # noqa: E402
+from meshshard.runtime.cluster import init, recover, shutdown  # noqa: E402
+from meshshard.runtime.executable import RemoteArray, fetch  # noqa: E402
 from meshshard.sim import SimResult, simulate  # noqa: E402
 
 __all__ = [
+    "CheckpointManager",
     "ClusterSpec",
     "DataParallel",
     "MeshshardInputError",
     "MeshshardRuntimeError",
     "ParallelizedFunction",
+    "RemoteArray",
     "SimResult",
     "aux_max",
     "aux_mean",
@@ -31,10 +35,14 @@ __all__ = [
     "aux_sum",
     "PipeshardParallel",
     "Plan",
+    "fetch",
     "grad",
     "init",
     "mark_pipeline_boundary",
     "parallelize",
+    "recover",
+    "restore",
+    "save",
     "shutdown",
     "simulate",
     "value_and_grad",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -14,6 +15,8 @@ from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call
 from meshshard.methods import DataParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 class ParallelizedFunction:
@@ -38,7 +41,6 @@ class ParallelizedFunction:
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
         self._executables: dict = {}
-        self._keyed: dict = {}
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
 
@@ -66,6 +68,22 @@ class ParallelizedFunction:
         return plan
 
     def __call__(self, *args):
+        exe = self._executable_for(args)
+        _, args = physical_call(self.fn, args)  # typed keys travel as raw data
+        if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
+            args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
+        return exe.keyed_step.restore(exe(*args))
+
+    def placement(self, *args, argnum: int = 0):
+        """Where each leaf of ``args[argnum]`` lives when the step runs on ``args``: a tree
+        like it whose leaves say the meshes and shardings (compiles the step if needed).
+        ``meshshard.restore(path, like=step.placement(state, batch))`` reads a checkpoint
+        straight into that layout."""
+        from meshshard.checkpoint import placement_of
+
+        return placement_of(self._executable_for(args), args, argnum)
+
+    def _executable_for(self, args):
         from meshshard.passes.pipeline import plan_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
@@ -81,6 +99,8 @@ class ParallelizedFunction:
             ),
         )
         exe = self._executables.get(key)
+        if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
+            exe = None  # compiled for a cluster that was shut down: compile on this one
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
@@ -95,11 +115,32 @@ class ParallelizedFunction:
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
+            log.info(
+                "compiled %s for %s in %.1fs (%d stages, %d workers)",
+                getattr(self.fn, "__name__", "step"),
+                cluster.spec.name,
+                self.last_compile_seconds,
+                len(plan.stages),
+                len(plan.workers),
+            )
             self._executables[key] = exe
-            self._keyed[key] = fn
-        if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
-            args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
-        return self._keyed[key].restore(exe(*args))
+            exe.keyed_step = fn  # restores typed keys in the results
+        return exe
+
+    def release(self) -> None:
+        """Drop every compiled version of this step on the workers now (also done when
+        this object is garbage-collected).  Arrays it returned stay valid; the next call
+        compiles again."""
+        executables, self._executables = self._executables, {}
+        for exe in executables.values():
+            exe.release()
+
+    def __del__(self):
+        try:
+            for exe in self._executables.values():
+                exe.release_soon()
+        except Exception:  # interpreter shutdown
+            pass
 
     @property
     def plan(self) -> Plan | None:

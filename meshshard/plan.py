@@ -177,7 +177,8 @@ class Message:
     (``dst`` is then the first receiver).  ``src_device``/``dst_devices`` name the
     local devices that send and, per receiving worker in order, the devices that need the
     block (for the simulator's intra-host hops); ``round`` orders messages for load
-    balancing (messages of one round may run at once).
+    balancing (messages of one round may run at once).  ``chunk_bytes`` is a
+    broadcast's pipelining chunk when the planner chose one (0: the cluster's).
     """
 
     src: int
@@ -188,6 +189,7 @@ class Message:
     src_device: int = 0
     dst_devices: tuple[tuple[int, ...], ...] = ()
     round: int = 0
+    chunk_bytes: int = 0
 
     @property
     def receivers(self) -> tuple[int, ...]:
@@ -207,7 +209,11 @@ class Message:
         )
         kind = "bcast " if self.is_broadcast else ""
         rnd = f" r{self.round}" if self.round else ""
-        return f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
+        chunk = f" chunk {fmt_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
+        return (
+            f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
+            f"{chunk}"
+        )
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ class TransferSpec:
     strategy: str = "send_recv"
     sim_time_s: float | None = None
     lower_bound_s: float | None = None
+    tight_bound_s: float | None = None
 
     def __post_init__(self) -> None:
         _set(self, "name", TransferRef.of(self.name))
@@ -253,6 +260,8 @@ class TransferSpec:
             bound = (
                 f" / lower bound {self.lower_bound_s * 1e3:.3f} ms" if self.lower_bound_s else ""
             )
+            if self.tight_bound_s and self.tight_bound_s > (self.lower_bound_s or 0) * (1 + 1e-9):
+                bound += f" / tight bound {self.tight_bound_s * 1e3:.3f} ms"
             head += f"\n    simulated {self.sim_time_s * 1e3:.3f} ms{bound}"
         return "\n".join([head] + [f"    #{i} {m}" for i, m in enumerate(self.messages)])
 
@@ -475,10 +484,13 @@ class Plan:
     def from_json(text: str) -> Plan:
         """Inverse of :meth:`to_json`; a malformed document raises :class:`PlanFormatError`
         naming the bad field (e.g. ``transfers[2].messages[0].nbytes``)."""
+        from meshshard.plan_checks import check_plan_document
+
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"plan JSON does not parse: {exc}") from None
+        check_plan_document(data)  # not an object, or top-level fields missing
         return decode(Plan, data)
 
 

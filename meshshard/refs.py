@@ -94,11 +94,34 @@ def _opt(text: str | None) -> int | None:
     return int(text) if text is not None else None
 
 
-@dataclass(frozen=True)
-class TransferRef:
+def _cache_key(ref, key: tuple) -> None:
+    """Store a reference's identity tuple and its hash once (refs key hot dicts)."""
+    object.__setattr__(ref, "_key", key)
+    object.__setattr__(ref, "_hash", hash(key))
+
+
+class _Keyed:
+    """Equality and hashing through the cached identity tuple of a frozen reference."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+@dataclass(frozen=True, eq=False)
+class TransferRef(_Keyed):
     """Cross-mesh transfer number ``index`` of a plan (prints as ``t{index}``)."""
 
     index: int
+
+    def __post_init__(self) -> None:
+        _cache_key(self, (self.index,))
 
     def __str__(self) -> str:
         return f"t{self.index}"
@@ -121,8 +144,8 @@ class TransferRef:
         return value if isinstance(value, TransferRef) else TransferRef.parse(value)
 
 
-@dataclass(frozen=True)
-class BufferRef:
+@dataclass(frozen=True, eq=False)
+class BufferRef(_Keyed):
     """One buffer group (``mb=None``) or its instance for micro-batch ``mb``.
 
     ``owner`` is the stage (``P X R A``), the mesh (``S O``) or the transfer index
@@ -135,6 +158,9 @@ class BufferRef:
     virtual: int | None = None
     version: int | None = None
 
+    def __post_init__(self) -> None:
+        _cache_key(self, (self.kind, self.owner, self.mb, self.virtual, self.version))
+
     def __str__(self) -> str:
         v = f"v{self.virtual}" if self.virtual is not None else ""
         ver = f"~{self.version}" if self.version is not None else ""
@@ -144,7 +170,13 @@ class BufferRef:
     @property
     def group(self) -> BufferRef:
         """The buffer group this instance belongs to (the reference without ``mb``)."""
-        return BufferRef(self.kind, self.owner, None, self.virtual, self.version)
+        if self.mb is None:
+            return self
+        group = self.__dict__.get("_group")
+        if group is None:
+            group = BufferRef(self.kind, self.owner, None, self.virtual, self.version)
+            object.__setattr__(self, "_group", group)
+        return group
 
     def at(self, mb: int) -> BufferRef:
         """This group's instance for micro-batch ``mb`` (per-step kinds are returned as is)."""
@@ -187,13 +219,16 @@ _PROGRAM = re.compile(
 PROGRAM_TOKEN = r"(?:s\d+(?:v\d+)?\.[FBW]|m\d+\.apply|gather\.w\d+)"
 
 
-@dataclass(frozen=True)
-class ProgramRef:
+@dataclass(frozen=True, eq=False)
+class ProgramRef(_Keyed):
     """A compiled program: ``s{stage}.F``/``.B``/``.W``, ``m{mesh}.apply``, ``gather.w{worker}``."""
 
     phase: Phase
     owner: int
     virtual: int | None = None
+
+    def __post_init__(self) -> None:
+        _cache_key(self, (self.phase, self.owner, self.virtual))
 
     def __str__(self) -> str:
         if self.phase is Phase.APPLY:

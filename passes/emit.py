@@ -4,85 +4,25 @@ Per task of a stage, every worker of the stage's mesh gets, in order: ``LOAD`` o
 micro-batch's inputs, ``RECV``/``WAIT`` of incoming transfers, the ``RUN``, ``SEND`` of
 outgoing transfers, and ``FREE`` of every per-micro-batch buffer after its last use.
 A step starts with ``ZEROS`` of the gradient accumulators and ends with the update
-``RUN`` of each mesh and a ``WAITALL`` for outstanding sends.
+``RUN`` of each mesh and a ``WAITALL`` for outstanding sends.  What a transfer puts on
+the wire comes from :func:`~meshshard.passes.lower_transfer.lower_transfer`.
 """
 
 from __future__ import annotations
 
 from meshshard.instructions import (
-    Collective,
     Free,
     Instruction,
     Load,
-    Recv,
     Run,
-    Send,
-    Wait,
     WaitAll,
     WorkerStream,
     Zeros,
 )
+from meshshard.passes.lower_transfer import lower_transfer, transfer_streams
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.plan import MeshSpec, Plan, Schedule, Task, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, Phase, ProgramRef, TaskKind
-
-
-def _ordered(t: TransferSpec) -> list[int]:
-    """Message indices in issue order: by round, then plan order."""
-    return sorted(range(len(t.messages)), key=lambda i: (t.messages[i].round, i))
-
-
-def _issue(t: TransferSpec, buffer: BufferRef, w: int, sending: bool) -> list[Instruction]:
-    """The communication worker ``w`` issues for ``buffer`` of transfer ``t``, in order:
-    a broadcast it takes part in is one ``COLL`` on both sides; a point-to-point
-    message is a ``SEND`` on its sender and a ``RECV`` on its receiver."""
-    out: list[Instruction] = []
-    for i in _ordered(t):
-        msg = t.messages[i]
-        if (msg.src != w) if sending else (w not in msg.receivers):
-            continue
-        if msg.is_broadcast:
-            out.append(
-                Collective(
-                    kind="broadcast",
-                    buffer=buffer,
-                    transfer=t.name,
-                    message=i,
-                    group=msg.group,
-                    root=msg.src,
-                )
-            )
-        elif sending:
-            out.append(Send(buffer=buffer, transfer=t.name, message=i, peer=msg.receivers[0]))
-        else:
-            out.append(Recv(buffer=buffer, transfer=t.name, message=i, peer=msg.src))
-    return out
-
-
-def send_side(t: TransferSpec, buffer: BufferRef, w: int) -> list[Instruction]:
-    """What worker ``w`` of the source mesh issues to send ``buffer`` of transfer ``t``."""
-    return _issue(t, buffer, w, sending=True)
-
-
-def receive_side(t: TransferSpec, buffer: BufferRef, w: int) -> list[Instruction]:
-    """What worker ``w`` of the destination mesh issues to receive ``buffer``, then waits."""
-    return _issue(t, buffer, w, sending=False) + [Wait(buffer=buffer)]
-
-
-def transfer_streams(
-    t: TransferSpec, meshes: tuple[MeshSpec, ...], mb: int = 0
-) -> tuple[WorkerStream, ...]:
-    """Streams that run transfer ``t`` alone (micro-batch ``mb``): the source workers send
-    and free, the destination workers receive and wait; every stream ends in WAITALL."""
-    buffer = t.name.buffer(mb)
-    streams = []
-    for w in meshes[t.src_mesh].workers:
-        streams.append(
-            WorkerStream(w, tuple(send_side(t, buffer, w)) + (Free(buffer=buffer), WaitAll()))
-        )
-    for w in meshes[t.dst_mesh].workers:
-        streams.append(WorkerStream(w, tuple(receive_side(t, buffer, w)) + (WaitAll(),)))
-    return tuple(sorted(streams, key=lambda s: s.worker))
 
 
 def emit_streams(
@@ -145,7 +85,7 @@ def _task_instructions(
         out.append(Load(buffer=BufferRef(BufferKind.BATCH, s, k), mb=k))
     incoming = [g.ref for g in prog.inputs if g.ref.kind is BufferKind.TRANSFER]
     for g in incoming:
-        out += receive_side(by_ref[g.transfer], g.at(k), w)
+        out += lower_transfer(by_ref[g.transfer], g.at(k), w)
     out.append(
         Run(
             program=prog.name,
@@ -155,7 +95,7 @@ def _task_instructions(
         )
     )
     for g in (g.ref for g in prog.outputs if g.ref.kind is BufferKind.TRANSFER):
-        out += send_side(by_ref[g.transfer], g.at(k), w)
+        out += lower_transfer(by_ref[g.transfer], g.at(k), w)
         out.append(Free(buffer=g.at(k)))
     for g in incoming:
         out.append(Free(buffer=g.at(k)))

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
 from meshshard.methods import DataParallel, Method
-from meshshard.passes.costs import program_costs
+from meshshard.passes.annotate import annotate_costs
+from meshshard.passes.checks import run_passes
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.reductions import reduction_notes
@@ -19,6 +21,7 @@ from meshshard.passes.schedules import make_schedule
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
+from meshshard.passes.state import CompileState, Pass
 from meshshard.passes.trace import TracedStep, trace_step
 from meshshard.passes.transfers import plan_transfers
 from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
@@ -44,22 +47,44 @@ def plan_step(
     return plan_traced(traced, method=method, cluster=cluster, costs=costs), traced
 
 
-def plan_traced(
-    traced: TracedStep, *, method: Method, cluster: ClusterSpec, costs: bool = False
-) -> Plan:
-    """Every pass after tracing."""
-    slicing = slice_layers(traced.jaxpr)
-    layer_groups, meshes = stage_layout(method, cluster, slicing.num_layers)
-    graph = build_stage_graph(traced, slicing, layer_groups)
-    buffers = build_buffers(traced, graph, meshes)
-    strategy = getattr(method, "resharding", "broadcast")
+def _slice(st: CompileState) -> CompileState:
+    return replace(st, slicing=slice_layers(st.traced.jaxpr))
+
+
+def _layout(st: CompileState) -> CompileState:
+    groups, meshes = stage_layout(st.method, st.cluster, st.slicing.num_layers)
+    return replace(st, layer_groups=groups, meshes=meshes)
+
+
+def _stage_graph(st: CompileState) -> CompileState:
+    return replace(st, graph=build_stage_graph(st.traced, st.slicing, st.layer_groups))
+
+
+def _shard(st: CompileState) -> CompileState:
+    return replace(st, buffers=build_buffers(st.traced, st.graph, st.meshes))
+
+
+def _transfers(st: CompileState) -> CompileState:
+    strategy = getattr(st.method, "resharding", "broadcast")
     transfers = plan_transfers(
-        traced, graph, meshes, strategy=strategy, cluster=cluster, simulate=costs
+        st.traced, st.graph, st.meshes, strategy=strategy, cluster=st.cluster, simulate=False
     )
-    sched_name = "1f1b" if isinstance(method, DataParallel) else method.schedule
-    schedule = make_schedule(sched_name, graph.num_stages, traced.num_micro_batches)
-    streams = emit_streams(graph, schedule, meshes, transfers)
-    cost = program_costs(traced, graph) if costs else {}
+    return replace(st, transfers=transfers)
+
+
+def _schedule(st: CompileState) -> CompileState:
+    name = "1f1b" if isinstance(st.method, DataParallel) else st.method.schedule
+    return replace(
+        st, schedule=make_schedule(name, st.graph.num_stages, st.traced.num_micro_batches)
+    )
+
+
+def _emit(st: CompileState) -> CompileState:
+    return replace(st, streams=emit_streams(st.graph, st.schedule, st.meshes, st.transfers))
+
+
+def _assemble(st: CompileState) -> CompileState:
+    traced, graph = st.traced, st.graph
     programs = tuple(
         ProgramSpec(
             name=p.name,
@@ -67,31 +92,71 @@ def plan_traced(
             eqns=p.eqns,
             inputs=tuple(g.ref for g in p.inputs),
             outputs=tuple(g.ref for g in p.outputs),
-            flops=cost.get(p.name, (None, None))[0],
-            bytes_accessed=cost.get(p.name, (None, None))[1],
         )
         for p in graph.programs
     )
     notes = []
-    if slicing.num_layers > 1 and isinstance(method, DataParallel):
-        notes.append(f"{slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
+    if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
+        notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
-    return Plan(
-        method=repr(method),
-        cluster=cluster,
+    plan = Plan(
+        method=repr(st.method),
+        cluster=st.cluster,
         num_micro_batches=traced.num_micro_batches,
         fingerprint=traced.fingerprint,
-        meshes=meshes,
+        meshes=st.meshes,
         stages=_stage_specs(traced, graph),
         programs=programs,
-        buffers=buffers,
-        transfers=transfers,
-        schedule=schedule,
-        streams=streams,
+        buffers=st.buffers,
+        transfers=st.transfers,
+        schedule=st.schedule,
+        streams=st.streams,
         inputs=_input_specs(traced, graph),
         outputs=_output_specs(traced, graph),
         notes=tuple(notes),
     )
+    return replace(st, plan=plan)
+
+
+def _annotate_costs(st: CompileState) -> CompileState:
+    return replace(st, plan=annotate_costs(st.plan, st.traced, st.graph, st.cluster))
+
+
+#: The compiler's passes after tracing, in order.  Each is pure over the compile state.
+PASSES: tuple[Pass, ...] = (
+    Pass("slice_layers", _slice),
+    Pass("stage_layout", _layout),
+    Pass("stage_graph", _stage_graph),
+    Pass("sharding", _shard),
+    Pass("transfers", _transfers),
+    Pass("schedule", _schedule),
+    Pass("emit", _emit),
+    Pass("assemble", _assemble),
+)
+
+#: Annotation passes: add costs to a plan without changing what it runs.
+COST_PASSES: tuple[Pass, ...] = (Pass("annotate_costs", _annotate_costs),)
+
+
+def plan_traced(
+    traced: TracedStep,
+    *,
+    method: Method,
+    cluster: ClusterSpec,
+    costs: bool = False,
+    passes: tuple[Pass, ...] = PASSES,
+    check: bool | None = None,
+) -> Plan:
+    """Run ``passes`` (every pass after tracing) and return the plan.
+
+    ``costs`` adds the cost annotations (program FLOPs and bytes, simulated transfer
+    times); the plan is otherwise identical.  With ``MESHSHARD_CHECKS=1`` the IR
+    invariants and the verifier run after every pass and name the pass that broke them
+    (``check`` overrides the environment).
+    """
+    state = CompileState(traced, method, cluster)
+    state = run_passes(state, passes + (COST_PASSES if costs else ()), check)
+    return state.plan
 
 
 def _summary(traced: TracedStep, eqns: tuple[int, ...]) -> str:

@@ -119,62 +119,111 @@ def group_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every sub-step of :func:`build_stage_graph` reads about the traced step."""
+
+    traced: TracedStep
+    ids: dict
+    invar_leaf: dict
+    is_batch: tuple[bool, ...]
+    num_stages: int
+
+    @property
+    def eqns(self):
+        return self.traced.jaxpr.eqns
+
+    def describe(self, v) -> str:
+        """A value as users know it: an input leaf's path, else ``%id``."""
+        if v in self.invar_leaf:
+            return self.traced.inputs[self.invar_leaf[v]].path
+        return f"%{self.ids.get(v, '?')}"
+
+
+@dataclass(frozen=True)
+class _Grads:
+    """What ``meshshard.grad`` returns: results by stage, literal results, pairs."""
+
+    stage: dict  # grad_end result Var -> stage
+    literals: dict  # grad_end result Var -> literal value
+    pairs: tuple[GradPair, ...]
+
+
 def build_stage_graph(
     traced: TracedStep, slicing: LayerSlicing, layer_groups: tuple[tuple[int, ...], ...]
 ) -> StageGraph:
     """Derive programs, buffer groups, cross-stage edges and step input/output slots."""
     jaxpr = traced.jaxpr
-    eqns = jaxpr.eqns
-    ids = var_ids(jaxpr)
-    num_stages = len(layer_groups)
+    st = _Step(
+        traced,
+        var_ids(jaxpr),
+        {v: i for i, v in enumerate(jaxpr.invars)},
+        tuple(leaf.is_batch for leaf in traced.inputs),
+        len(layer_groups),
+    )
+    prog_of_eqn, producer = _programs_of_values(st, slicing, layer_groups)
+    grads = _grad_results(st, jaxpr.eqns[slicing.grad_end], producer)
+    reads = _reads(st, jaxpr, prog_of_eqn, producer)
+    per_stage, edges, state_read_by = _classify_reads(st, reads, producer)
+    apply_by_mesh = _place_update(st, slicing, producer, grads, state_read_by)
+    groups = _compute_groups(st, per_stage, grads, apply_by_mesh)
+    output_slots = _output_slots(st, apply_by_mesh, grads, groups, producer)
+    acc_of_prog = {producer[v] for v in jaxpr.eqns[slicing.grad_end].invars if not is_literal(v)}
+    programs = _stage_programs(st, prog_of_eqn, reads, edges, groups, acc_of_prog)
+    programs += _update_programs(st, groups, apply_by_mesh)
+    return StageGraph(
+        num_stages=st.num_stages,
+        layer_groups=layer_groups,
+        programs=tuple(programs),
+        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
+        edges=tuple(edges),
+        input_slots=_input_slots(st, groups),
+        output_slots=output_slots,
+        grad_pairs=grads.pairs,
+        batch_dependent=_batch_dependent(jaxpr, st.is_batch, st.ids, slicing),
+    )
+
+
+def _programs_of_values(st: _Step, slicing: LayerSlicing, layer_groups) -> tuple[dict, dict]:
+    """Equation index -> the F/B program it belongs to, and value -> program defining it."""
     stage_of_layer = {ly: s for s, g in enumerate(layer_groups) for ly in g}
-    n_in = len(jaxpr.invars)
-    invar_leaf = {v: i for i, v in enumerate(jaxpr.invars)}
-    constvars = set(jaxpr.constvars)
-    is_batch = [leaf.is_batch for leaf in traced.inputs]
-
-    def describe(v) -> str:
-        if v in invar_leaf:
-            return traced.inputs[invar_leaf[v]].path
-        return f"%{ids.get(v, '?')}"
-
-    def made_by(v) -> str:  # "%12 (reduce_sum in s1.F)" for errors
-        i = next((k for k, e in enumerate(eqns) if v in e.outvars), None)
-        where = f" in {prog_of_eqn[i]}" if i in prog_of_eqn else ""
-        return describe(v) + (f" ({eqns[i].primitive.name}{where})" if i is not None else "")
-
-    # --- which program defines each value --------------------------------------------
     prog_of_eqn: dict[int, ProgramRef] = {}
     for i, (ly, ph) in enumerate(zip(slicing.layer, slicing.phase, strict=True)):
         if ph in _PHASE:
             prog_of_eqn[i] = ProgramRef(_PHASE[ph], stage_of_layer[ly])
     producer: dict = {}
     for i, name in prog_of_eqn.items():
-        for v in eqns[i].outvars:
+        for v in st.eqns[i].outvars:
             producer[v] = name
-    g_eqn = eqns[slicing.grad_end]
-    grad_pairs = []  # (operand var id, result var id)
-    grad_stage: dict = {}  # grad_end result Var -> stage
-    literal_grads: dict = {}
+    return prog_of_eqn, producer
+
+
+def _grad_results(st: _Step, g_eqn, producer: dict) -> _Grads:
+    """Which stage computes each gradient ``meshshard.grad`` returns."""
+    pairs, stage, literals = [], {}, {}
     for operand, result in zip(g_eqn.invars, g_eqn.outvars, strict=True):
         if is_dropvar(result):
             continue
         if is_literal(operand):
-            literal_grads[result] = operand.val
+            literals[result] = operand.val
             continue
         if operand not in producer:
             raise MeshshardInputError(
-                f"meshshard.grad returns {describe(operand)} unchanged from its inputs; "
+                f"meshshard.grad returns {st.describe(operand)} unchanged from its inputs; "
                 "return only values computed from the loss function"
             )
-        grad_stage[result] = producer[operand].owner
-        grad_pairs.append(GradPair(ids[operand], ids[result]))
+        stage[result] = producer[operand].owner
+        pairs.append(GradPair(st.ids[operand], st.ids[result]))
+    return _Grads(stage, literals, tuple(pairs))
 
-    # --- reads of each compute program ---------------------------------------------
+
+def _reads(st: _Step, jaxpr, prog_of_eqn: dict, producer: dict) -> dict[ProgramRef, list]:
+    """Values each compute program reads from outside itself, in first-use order."""
+    constvars = set(jaxpr.constvars)
     reads: dict[ProgramRef, list] = {}
     for i, name in prog_of_eqn.items():
         lst = reads.setdefault(name, [])
-        for v in eqns[i].invars:
+        for v in st.eqns[i].invars:
             if (
                 not is_literal(v)
                 and v not in constvars
@@ -182,156 +231,185 @@ def build_stage_graph(
                 and v not in lst
             ):
                 lst.append(v)
-    # grad_end operands are "read" by the accumulator of their producing program
-    acc_of_prog: dict[ProgramRef, list] = {}
-    for operand in g_eqn.invars:
-        if not is_literal(operand):
-            acc_of_prog.setdefault(producer[operand], []).append(operand)
+    return reads
 
+
+def _classify_reads(st: _Step, reads: dict, producer: dict):
+    """Sort each read into batch inputs, parameters, residuals or a cross-stage edge.
+
+    Returns ``({kind: {stage: [leaf or var id]}}, edges, {state leaf: reading stages})``.
+    """
+    per_stage = {kind: {s: [] for s in range(st.num_stages)} for kind in (X, P, R)}
     state_read_by: dict[int, set] = {}
-    x_groups: dict[int, list] = {s: [] for s in range(num_stages)}
-    p_groups: dict[int, list] = {s: [] for s in range(num_stages)}
-    r_groups: dict[int, list] = {s: [] for s in range(num_stages)}
     edges: list[Edge] = []
     for name in sorted(reads, key=lambda p: p.sort_key):
         s = name.owner
         for v in reads[name]:
-            if v in invar_leaf:
-                leaf = invar_leaf[v]
-                (x_groups if is_batch[leaf] else p_groups)[s].append(leaf)
-                if not is_batch[leaf]:
+            if v in st.invar_leaf:
+                leaf = st.invar_leaf[v]
+                per_stage[X if st.is_batch[leaf] else P][s].append(leaf)
+                if not st.is_batch[leaf]:
                     state_read_by.setdefault(leaf, set()).add(s)
             elif producer[v] == ProgramRef(Phase.FORWARD, s) and name == ProgramRef(
                 Phase.BACKWARD, s
             ):
-                r_groups[s].append(ids[v])
+                per_stage[R][s].append(st.ids[v])
             else:
-                edges.append(Edge(ids[v], producer[v], name))
+                edges.append(Edge(st.ids[v], producer[v], name))
     edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
     for leaf, stages in state_read_by.items():
-        if len(stages) > 1 and not traced.inputs[leaf].is_key:  # keys: a copy per stage
+        if len(stages) > 1 and not st.traced.inputs[leaf].is_key:  # keys: a copy per stage
             raise MeshshardInputError(
-                f"parameter {traced.inputs[leaf].path} is read by stages {sorted(stages)}; "
+                f"parameter {st.traced.inputs[leaf].path} is read by stages {sorted(stages)}; "
                 "a parameter must belong to one stage (tied weights across stages are not "
                 "supported yet): untie it or put the layers that use it in one stage"
             )
+    return per_stage, edges, state_read_by
 
-    # --- apply-gradient placement ----------------------------------------------------
-    seeds: dict = {r: stage for r, stage in grad_stage.items()}
-    for leaf, stages in state_read_by.items():
-        seeds[jaxpr.invars[leaf]] = next(iter(stages))
-    state_leaves = tuple(i for i in range(n_in) if not is_batch[i])
-    apply_eqns = slicing.apply_eqns
-    compute_vars = set(producer)
+
+def _made_by(st: _Step, v, producer: dict) -> str:
+    """``%12 (reduce_sum in s1.F)``: a value, the operation and the program that make it."""
+    eqn = next((e for e in st.traced.jaxpr.eqns if v in e.outvars), None)
+    if eqn is None:
+        return st.describe(v)
+    where = f" in {producer[v]}" if v in producer else ""
+    return f"{st.describe(v)} ({eqn.primitive.name}{where})"
+
+
+def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
+    """The update may read neither batch leaves nor per-micro-batch values."""
     for i in apply_eqns:
-        for v in eqns[i].invars:
+        for v in st.eqns[i].invars:
             if is_literal(v):
                 continue
-            if v in invar_leaf and is_batch[invar_leaf[v]]:
+            if v in st.invar_leaf and st.is_batch[st.invar_leaf[v]]:
                 raise MeshshardInputError(
                     f"the update part of the step (after meshshard.grad) reads the batch "
-                    f"leaf {describe(v)}; compute everything that needs the batch inside "
+                    f"leaf {st.describe(v)}; compute everything that needs the batch inside "
                     "the loss function (return it as aux with has_aux=True)"
                 )
-            if v in compute_vars:
+            if v in producer:
                 raise MeshshardInputError(
-                    f"the update part of the step reads {made_by(v)}, a value computed from "
-                    "the batch per micro-batch outside what meshshard.grad returns; compute "
-                    "it inside the loss function and return it as aux (has_aux=True)"
+                    f"the update part of the step reads {_made_by(st, v, producer)}, a value "
+                    "computed from the batch per micro-batch outside what meshshard.grad "
+                    "returns; compute it inside the loss function and return it as aux "
+                    "(has_aux=True)"
                 )
-    placement: ApplyPlacement = place_apply(jaxpr, apply_eqns, seeds, state_leaves, describe)
-    apply_by_mesh: dict[int, list[int]] = {m: [] for m in range(num_stages)}
+
+
+def _place_update(st: _Step, slicing, producer, grads: _Grads, state_read_by) -> dict:
+    """Mesh -> the update equations it runs (seeded by where gradients and state live)."""
+    jaxpr = st.traced.jaxpr
+    seeds: dict = dict(grads.stage)
+    for leaf, stages in state_read_by.items():
+        seeds[jaxpr.invars[leaf]] = next(iter(stages))
+    state_leaves = tuple(i for i in range(len(jaxpr.invars)) if not st.is_batch[i])
+    _check_update_reads(st, slicing.apply_eqns, producer)
+    placement: ApplyPlacement = place_apply(
+        jaxpr, slicing.apply_eqns, seeds, state_leaves, st.describe
+    )
+    apply_by_mesh: dict[int, list[int]] = {m: [] for m in range(st.num_stages)}
     for i, meshes in placement.eqn_meshes:
         for m in meshes:
             apply_by_mesh[m].append(i)
+    return apply_by_mesh
 
-    # --- groups ----------------------------------------------------------------------
+
+def _compute_groups(st: _Step, per_stage, grads: _Grads, apply_by_mesh) -> dict:
+    """Buffer groups ``X P R A`` of each stage and ``S`` of each mesh (``O`` comes later)."""
     groups: dict[BufferRef, tuple[int, ...]] = {}
-    for s in range(num_stages):
-        groups[BufferRef(X, s)] = tuple(sorted(set(x_groups[s])))
-        groups[BufferRef(P, s)] = tuple(sorted(set(p_groups[s])))
-        groups[BufferRef(R, s)] = tuple(dict.fromkeys(r_groups[s]))
-        groups[BufferRef(A, s)] = tuple(
-            ids[r] for r, st in grad_stage.items() if st == s
-        )  # grad_end result ids, in grad_end order
-    # state inputs the apply on mesh m reads that are not already in P{m}
-    for m in range(num_stages):
-        need = []
-        for i in apply_by_mesh[m]:
-            for v in eqns[i].invars:
-                if (
-                    not is_literal(v)
-                    and v in invar_leaf
-                    and invar_leaf[v] not in groups[BufferRef(P, m)]
-                ):
-                    need.append(invar_leaf[v])
+    for s in range(st.num_stages):
+        groups[BufferRef(X, s)] = tuple(sorted(set(per_stage[X][s])))
+        groups[BufferRef(P, s)] = tuple(sorted(set(per_stage[P][s])))
+        groups[BufferRef(R, s)] = tuple(dict.fromkeys(per_stage[R][s]))
+        # grad_end result ids, in grad_end order
+        groups[BufferRef(A, s)] = tuple(st.ids[r] for r, g in grads.stage.items() if g == s)
+    for m in range(st.num_stages):  # state the update on mesh m reads beyond P{m}
+        need = [
+            st.invar_leaf[v]
+            for i in apply_by_mesh[m]
+            for v in st.eqns[i].invars
+            if not is_literal(v)
+            and v in st.invar_leaf
+            and st.invar_leaf[v] not in groups[BufferRef(P, m)]
+        ]
         groups[BufferRef(S, m)] = tuple(sorted(set(need)))
+    return groups
 
-    # --- step outputs ------------------------------------------------------------------
+
+def _output_slots(st: _Step, apply_by_mesh, grads: _Grads, groups: dict, producer: dict):
+    """Where each step output comes from; adds the ``O{m}`` groups to ``groups``."""
     apply_producer: dict = {}
-    for m in range(num_stages):
+    for m in range(st.num_stages):
         for i in apply_by_mesh[m]:
-            for v in eqns[i].outvars:
+            for v in st.eqns[i].outvars:
                 apply_producer.setdefault(v, []).append(m)
-    o_groups: dict[int, list[int]] = {m: [] for m in range(num_stages)}
+    o_groups: dict[int, list[int]] = {m: [] for m in range(st.num_stages)}
     output_slots = []
-    for j, v in enumerate(jaxpr.outvars):
+    for j, v in enumerate(st.traced.jaxpr.outvars):
         if is_literal(v):
             output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
-        elif v in literal_grads:
-            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=literal_grads[v]))
-        elif v in invar_leaf:
-            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=invar_leaf[v]))
-        elif v in apply_producer or v in grad_stage:
-            meshes = apply_producer.get(v) or [grad_stage[v]]
+        elif v in grads.literals:
+            output_slots.append(OutputSlots(j, OutputSource.LITERAL, literal=grads.literals[v]))
+        elif v in st.invar_leaf:
+            output_slots.append(OutputSlots(j, OutputSource.INPUT, input_leaf=st.invar_leaf[v]))
+        elif v in apply_producer or v in grads.stage:
             slots = []
-            for m in meshes:
-                if ids[v] not in o_groups[m]:
-                    o_groups[m].append(ids[v])
-                slots.append((BufferRef(O, m), o_groups[m].index(ids[v])))
+            for m in apply_producer.get(v) or [grads.stage[v]]:
+                if st.ids[v] not in o_groups[m]:
+                    o_groups[m].append(st.ids[v])
+                slots.append((BufferRef(O, m), o_groups[m].index(st.ids[v])))
             output_slots.append(OutputSlots(j, OutputSource.BUFFER, tuple(slots)))
         else:
             raise MeshshardInputError(
-                f"step output {traced.outputs[j].path} = {made_by(v)} is computed from the "
-                "batch per micro-batch outside meshshard.grad; return it from the loss "
-                "function as aux (has_aux=True)"
+                f"step output {st.traced.outputs[j].path} = {_made_by(st, v, producer)} is "
+                "computed from the batch per micro-batch outside meshshard.grad; return it "
+                "from the loss function as aux (has_aux=True)"
             )
-    for m in range(num_stages):
+    for m in range(st.num_stages):
         groups[BufferRef(O, m)] = tuple(o_groups[m])
+    return tuple(output_slots)
 
-    # --- programs --------------------------------------------------------------------
-    programs = []
+
+def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -> list:
+    """The forward and backward program of every stage with its buffer groups."""
     edge_out: dict[ProgramRef, list] = {}
     edge_in: dict[ProgramRef, list] = {}
     for k, e in enumerate(edges):
         edge_out.setdefault(e.producer, []).append(k)
         edge_in.setdefault(e.consumer, []).append(k)
-    for s in range(num_stages):
+
+    def group(kind, s) -> BufferGroup:
+        return BufferGroup(BufferRef(kind, s), groups[BufferRef(kind, s)])
+
+    def transfer(k) -> BufferGroup:
+        return BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,))
+
+    programs = []
+    for s in range(st.num_stages):
         for ph in (Phase.FORWARD, Phase.BACKWARD):
             name = ProgramRef(ph, s)
             own = tuple(i for i, p in prog_of_eqn.items() if p == name)
-            ins: list[BufferGroup] = []
+            read_set = {st.ids[v] for v in reads.get(name, [])}
+            ins = [group(k, s) for k in (P, X) if any(x in read_set for x in group(k, s).vars)]
             outs: list[BufferGroup] = []
-            read_set = {ids[v] for v in reads.get(name, [])}
-            for kind in (P, X):
-                content = groups[BufferRef(kind, s)]
-                if any(leaf in read_set for leaf in content):
-                    ins.append(BufferGroup(BufferRef(kind, s), content))
-            residuals = BufferGroup(BufferRef(R, s), groups[BufferRef(R, s)])
-            if ph is Phase.BACKWARD and residuals.vars:
-                ins.append(residuals)
-            for k in edge_in.get(name, []):
-                ins.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
-            if acc_of_prog.get(name):
-                acc = BufferGroup(BufferRef(A, s), groups[BufferRef(A, s)])
-                ins.append(acc)
-                outs.append(acc)
-            if ph is Phase.FORWARD and residuals.vars:
-                outs.append(residuals)
-            for k in edge_out.get(name, []):
-                outs.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (edges[k].var,)))
+            if ph is Phase.BACKWARD and group(R, s).vars:
+                ins.append(group(R, s))
+            ins += [transfer(k) for k in edge_in.get(name, [])]
+            if name in acc_of_prog:
+                ins.append(group(A, s))
+                outs.append(group(A, s))
+            if ph is Phase.FORWARD and group(R, s).vars:
+                outs.append(group(R, s))
+            outs += [transfer(k) for k in edge_out.get(name, [])]
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
-    for m in range(num_stages):
+    return programs
+
+
+def _update_programs(st: _Step, groups: dict, apply_by_mesh: dict) -> list:
+    """The update program of every mesh (reads ``A P S``, writes ``O``)."""
+    programs = []
+    for m in range(st.num_stages):
         ins = [
             BufferGroup(BufferRef(kind, m), groups[BufferRef(kind, m)])
             for kind in (A, P, S)
@@ -344,29 +422,21 @@ def build_stage_graph(
                 ProgramRef(Phase.APPLY, m), m, tuple(apply_by_mesh[m]), tuple(ins), tuple(outs)
             )
         )
+    return programs
 
-    # --- step input slots ------------------------------------------------------------
-    input_slots = []
-    for leaf in range(n_in):
+
+def _input_slots(st: _Step, groups: dict) -> tuple[InputSlots, ...]:
+    """For every step input leaf, the (group, position) places that hold it."""
+    out = []
+    for leaf in range(len(st.traced.jaxpr.invars)):
         slots = []
-        for s in range(num_stages):
+        for s in range(st.num_stages):
             for kind in (X, P, S):
                 content = groups[BufferRef(kind, s)]
                 if leaf in content:
                     slots.append((BufferRef(kind, s), content.index(leaf)))
-        input_slots.append(InputSlots(leaf, tuple(slots)))
-
-    return StageGraph(
-        num_stages=num_stages,
-        layer_groups=layer_groups,
-        programs=tuple(programs),
-        groups=tuple(BufferGroup(ref, content) for ref, content in groups.items()),
-        edges=tuple(edges),
-        input_slots=tuple(input_slots),
-        output_slots=tuple(output_slots),
-        grad_pairs=tuple(grad_pairs),
-        batch_dependent=_batch_dependent(jaxpr, is_batch, ids, slicing),
-    )
+        out.append(InputSlots(leaf, tuple(slots)))
+    return tuple(out)
 
 
 def _batch_dependent(jaxpr, is_batch, ids, slicing) -> frozenset:

@@ -56,6 +56,7 @@ def plan_transfers(
                 strategy=planned.strategy,
                 sim_time_s=planned.sim_time_s,
                 lower_bound_s=planned.lower_bound_s,
+                tight_bound_s=planned.tight_bound_s,
             )
         )
     return tuple(out)

@@ -11,11 +11,42 @@ import os
 import socket
 import time
 
+#: Lines of connection chatter dropped from an actor's output unless MESHSHARD_VERBOSE=1.
+CHATTER = (b"[Gloo] Rank ", b"Gloo connected", b"Gloo rank")
+
+
+def filter_output(drop: tuple[bytes, ...], fds: tuple[int, ...] = (1, 2)) -> None:
+    """Route this process's stdout and stderr (the file descriptors C++ libraries write
+    to) through threads that drop lines starting with any of ``drop``."""
+    for fd in fds:
+        _filter_fd(fd, drop)
+
+
+def _filter_fd(fd: int, drop: tuple[bytes, ...]) -> None:
+    import threading
+
+    read_fd, write_fd = os.pipe()
+    original = os.dup(fd)
+    os.dup2(write_fd, fd)
+    os.close(write_fd)
+
+    def pump() -> None:
+        with os.fdopen(read_fd, "rb") as src:
+            for line in src:
+                if not line.lstrip().startswith(drop):
+                    os.write(original, line)
+
+    threading.Thread(target=pump, daemon=True, name="meshshard-stderr").start()
+
 
 class HostActor:
     """Owns one host's devices; wrapped with ``ray.remote`` by the cluster."""
 
-    def __init__(self, host: int, devices_per_host: int, platform: str = "cpu"):
+    def __init__(
+        self, host: int, devices_per_host: int, platform: str = "cpu", verbose: bool = False
+    ):
+        if not verbose:
+            filter_output(CHATTER)
         if platform == "cpu":
             flags = os.environ.get("XLA_FLAGS", "")
             flags = " ".join(
@@ -33,9 +64,15 @@ class HostActor:
         self.store: dict = {}
         self.torch_groups: dict = {}
         self.jax_group: tuple[int, ...] | None = None
+        self.writer = None  # checkpoint writes in progress (runtime.checkpoint_io)
 
     def ping(self) -> int:
+        """This actor's process id (tests kill it to simulate a crash)."""
         return os.getpid()
+
+    def identity(self) -> tuple[int, str]:
+        """(process id, host name): the driver waits for local actors to exit."""
+        return os.getpid(), socket.gethostname()
 
     def free_port(self) -> tuple[str, int]:
         """An address other processes can reach this one on, with a port free now."""
@@ -118,9 +155,10 @@ class HostActor:
             devices = [devs[i * per + j] for i in range(h) for j in range(d)]
         else:
             devices = jax.local_devices()[:d]
-        worker = Worker(
-            self.host, devices, TorchTransport(self.host, self.torch_groups), store=self.store
-        )
+        # the transport's data path is fixed here, at compile time: NCCL with host
+        # arrays raises now instead of hanging at the first message
+        transport = TorchTransport(self.host, self.torch_groups, devices=devices)
+        worker = Worker(self.host, devices, transport, store=self.store)
         seconds = worker.compile(fn, abstract_args, batch_argnums, plan)
         self.workers[plan_id] = worker
         return seconds
@@ -130,9 +168,59 @@ class HostActor:
         result = self.workers[plan_id].run_step(batch, state, out_keys, free)
         return result, time.perf_counter() - t0
 
-    def fetch(self, key: int):
-        return next(iter(self.workers.values())).fetch(key)
+    def fetch(self, key: int) -> list[tuple[tuple, object]]:
+        """The local shards of stored array ``key`` as (index, data) pairs."""
+        import numpy as np
+
+        from meshshard.errors import MeshshardRuntimeError
+
+        arr = self.store.get(key)
+        if arr is None:
+            raise MeshshardRuntimeError(
+                f"host-actor w{self.host} holds no array {key} (freed, or the actor restarted)"
+            )
+        return [
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
+        ]
+
+    def release(self, plan_id: str) -> None:
+        """Drop a step's compiled programs (its arrays stay in the store)."""
+        self.workers.pop(plan_id, None)
+
+    def stats(self) -> dict:
+        """What this host holds: stored arrays, live device buffers, compiled steps, RSS."""
+        import jax
+        import psutil
+
+        return {
+            "store": len(self.store),
+            "live_buffers": sum(len(a.addressable_shards) for a in jax.live_arrays()),
+            "compiled": len(self.workers),
+            "rss": psutil.Process().memory_info().rss,
+        }
 
     def free(self, keys) -> None:
         for k in keys:
             self.store.pop(k, None)
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, parts: list[tuple[str, dict[str, int]]]) -> int:
+        """Snapshot stored arrays and start writing each part; returns bytes to write."""
+        from meshshard.runtime.checkpoint_io import ShardWriter
+
+        if self.writer is None:
+            self.writer = ShardWriter()
+        return sum(self.writer.begin(self.store, d, arrays) for d, arrays in parts)
+
+    def finish_save(self, directories: list[str]) -> None:
+        """Wait until the parts started by :meth:`begin_save` are on disk."""
+        for d in directories:
+            self.writer.finish(d)
+
+    def restore_shards(self, plan_id: str, requests) -> int:
+        """Read this host's shards of saved arrays into the store (see ``read_shards``)."""
+        from meshshard.runtime.checkpoint_io import read_shards
+
+        worker = self.workers.get(plan_id)
+        return read_shards(self.store, getattr(worker, "mesh", None), requests)

@@ -7,15 +7,23 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
 import sys
+import time
 import uuid
+import warnings
+import weakref
 from collections.abc import Sequence
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import raise_worker_errors
+from meshshard.runtime.executable import CLOSED_STEP
+from meshshard.runtime.faults import WorkerFault, gather
+
+log = logging.getLogger(__name__)
 
 _CURRENT = None
 
@@ -43,7 +51,7 @@ def init(
     *,
     num_hosts: int | None = None,
     devices_per_host: int | None = None,
-    backend: str = "ray",
+    backend: str | None = None,
     name: str | None = None,
 ):
     """Start (or join) the cluster that parallelized steps run on.
@@ -51,27 +59,88 @@ def init(
     With no arguments: an embedded local Ray instance with 4 host-actors of 2
     emulated CPU devices each.  ``address=...`` joins an existing Ray cluster and
     uses one host-actor per node (its GPUs, or ``devices_per_host`` CPU devices).
-    ``backend="threads"`` runs the workers as threads of this process instead (fast
+    ``backend="threads"`` (default ``"ray"``) runs the workers as threads of this process instead (fast
     tests; this process must have ``num_hosts * devices_per_host`` devices).
+
+    While a cluster is running, ``init()`` with no arguments, or with arguments it
+    already matches, returns that cluster (steps and arrays stay valid); asking for a
+    different one raises: call ``meshshard.shutdown()`` first.
     """
     global _CURRENT
+    _configure_logging()
     if _CURRENT is not None:
-        shutdown()
+        return _reuse(_CURRENT, address, num_hosts, devices_per_host, backend, name)
     if backend == "threads":
         _CURRENT = ThreadsCluster(num_hosts or 4, devices_per_host or 2)
-    elif backend == "ray":
+    elif backend in (None, "ray"):
         _CURRENT = RayCluster(address, num_hosts, devices_per_host, name)
     else:
         raise MeshshardInputError(f"init(backend={backend!r}): use 'ray' or 'threads'")
+    log.info("meshshard cluster %s started", _CURRENT.spec.name)
     return _CURRENT
 
 
+def _reuse(cluster, address, num_hosts, devices_per_host, backend, name):
+    kind = "threads" if isinstance(cluster, ThreadsCluster) else "ray"
+    spec = cluster.spec
+    asked = {
+        "backend": (backend, kind),
+        "num_hosts": (num_hosts, spec.num_hosts),
+        "devices_per_host": (devices_per_host, spec.devices_per_host),
+        "name": (name, spec.name),
+        "address": (address, getattr(cluster, "address", None)),
+    }
+    differ = [
+        f"{k}={want!r} (running: {have!r})"
+        for k, (want, have) in asked.items()
+        if want is not None and want != have
+    ]
+    if differ:
+        raise MeshshardRuntimeError(
+            f"init({', '.join(differ)}): a different meshshard cluster ({spec.name}) is "
+            "running; call meshshard.shutdown() first (its steps and arrays end with it), or "
+            "call init() without arguments to keep using it"
+        )
+    log.info("meshshard.init(): reusing the running cluster %s", spec.name)
+    return cluster
+
+
 def shutdown() -> None:
-    """Stop the current cluster's actors (and the embedded Ray instance, if we started it)."""
+    """Stop the current cluster's actors (and the embedded Ray instance, if we started it).
+
+    Steps compiled on it and arrays kept on it end with it: using them afterwards raises
+    an error that says so.  Returns once the host-actor processes have exited."""
     global _CURRENT
     if _CURRENT is not None:
         _CURRENT.close()
     _CURRENT = None
+
+
+def recover() -> None:
+    """Bring the running cluster back after a host-actor died or a step failed.
+
+    Restarts the dead host-actors and the ones left blocked on them (after copying the
+    arrays they hold to the driver), rebuilds the transfer group, and keeps every array
+    that a surviving host still held.  Steps recompile on their next call, which also
+    calls this by itself if needed."""
+    require_cluster().recover()
+
+
+def _configure_logging() -> None:
+    """With ``MESHSHARD_VERBOSE=1``, show meshshard's progress (INFO) on stderr."""
+    import logging
+
+    root = logging.getLogger("meshshard")
+    if verbose() and not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
+def verbose() -> bool:
+    """True if ``MESHSHARD_VERBOSE=1``: let Ray's, Gloo's and meshshard's chatter through."""
+    return os.environ.get("MESHSHARD_VERBOSE", "") not in ("", "0")
 
 
 class ThreadsCluster:
@@ -82,34 +151,53 @@ class ThreadsCluster:
             f"threads-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
+        self.closed = False
 
     def backend(self):
         from meshshard.runtime.local import LocalBackend
 
-        return LocalBackend(self.spec.devices_per_host, self.stores)
+        return LocalBackend(self.spec.devices_per_host, self.stores, cluster=self)
+
+    def recover(self) -> None:
+        """Nothing to do: threads share this process and cannot die alone."""
+
+    def host_stats(self) -> dict[int, dict]:
+        """Per host: stored arrays and live device buffers on its devices (for leak tests)."""
+        import jax
+
+        d = self.spec.devices_per_host
+        counts = [0] * self.spec.num_hosts
+        for a in jax.live_arrays():
+            for sh in a.addressable_shards:
+                if sh.device.id // d < self.spec.num_hosts:
+                    counts[sh.device.id // d] += 1
+        return {
+            h: {"store": len(self.stores.get(h, {})), "live_buffers": counts[h]}
+            for h in range(self.spec.num_hosts)
+        }
 
     def close(self) -> None:
-        pass
+        self.closed = True
+        for store in self.stores.values():
+            store.clear()
 
 
 class RayCluster:
-    """Host-actors on Ray, one per host; owns the embedded Ray instance if it started it."""
+    """Host-actors on Ray, one per host; owns the embedded Ray instance if it started it.
+
+    Keeps what the driver knows about each actor: its JAX process group (``fresh``,
+    ``local``, or the hosts of the multi-host mesh it joined), whether it died or is
+    blocked after a failed call, and every live :class:`RemoteArray` kept on it, so a
+    restart moves those arrays instead of losing them.
+    """
 
     def __init__(self, address, num_hosts, devices_per_host, name):
         import ray
 
         self._started_ray = False
+        self.address = address
         if not ray.is_initialized():
-            env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
-            kwargs = dict(
-                include_dashboard=False,
-                log_to_driver=True,
-                configure_logging=False,
-                runtime_env={"env_vars": env},
-            )
-            if address is None:
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
-            ray.init(address=address, **kwargs)
+            _ray_init(address)
             self._started_ray = address is None
         if address is not None:
             num_hosts, devices_per_host, self.platform, self._nodes = discover_hosts(
@@ -122,94 +210,186 @@ class RayCluster:
             name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
         )
         self._actors: list = [None] * num_hosts
+        self.pids: list[int | None] = [None] * num_hosts
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
         self._groups_made: set = set()
-        self.generation = 0  # bumped whenever actors restart (compiled steps die with them)
-        for h in range(num_hosts):
-            self._start_actor(h)
-        import ray as _ray
-
-        _ray.get([a.ping.remote() for a in self._actors])
+        self._cleanups: list = []  # refs of free/release calls in flight
+        self.generation = 0  # bumped when actors restart or the transfer group is rebuilt
+        self.dead: set[int] = set()  # hosts whose actor process is gone
+        self.blocked: set[int] = set()  # hosts left inside a failed call
+        self.closed = False
+        self.arrays: weakref.WeakSet = weakref.WeakSet()  # live RemoteArrays kept here
+        self._start(range(num_hosts))
 
     # --- actors ------------------------------------------------------------------
-    def _start_actor(self, h: int) -> None:
+    def _start(self, hosts) -> None:
+        """Start actors for ``hosts`` and wait until each answers (records its pid)."""
         import ray
 
         from meshshard.runtime.actor import HostActor
 
-        opts = dict(num_cpus=0, max_concurrency=4)
-        if self.platform == "gpu":
-            opts["num_gpus"] = self.spec.devices_per_host
-        if self._nodes is not None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        hosts = list(hosts)
+        for h in hosts:
+            opts = dict(num_cpus=0, max_concurrency=4)
+            if self.platform == "gpu":
+                opts["num_gpus"] = self.spec.devices_per_host
+            if self._nodes is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self._nodes[h], soft=False)
-        self._actors[h] = (
-            ray.remote(HostActor)
-            .options(**opts)
-            .remote(h, self.spec.devices_per_host, self.platform)
-        )
-        self._groups[h] = "fresh"
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                    self._nodes[h], soft=False
+                )
+            self._actors[h] = (
+                ray.remote(HostActor)
+                .options(**opts)
+                .remote(h, self.spec.devices_per_host, self.platform, verbose())
+            )
+            self._groups[h] = "fresh"
         self._transport_ready = False
+        ids = self._call({h: self._actors[h].identity.remote() for h in hosts}, "starting actors")
+        here = socket.gethostname()
+        for h, (pid, node) in ids.items():
+            self.pids[h] = pid if node == here else None  # only local processes are awaited
 
-    def _restart(self, hosts: Sequence[int]) -> None:
+    def _restart(self, hosts, reason: str) -> None:
+        """Move live arrays off ``hosts`` (and the peers of their JAX groups), then
+        restart those actors."""
         import ray
 
+        hosts = self._with_group_peers(hosts)
+        moved, lost = 0, 0
+        for a in list(self.arrays):
+            if a.evacuate(hosts, self.dead):
+                moved += a.nbytes
+            lost += bool(a._lost)
+        log.warning(
+            "restarting host-actors %s (%s); copied %.1f KiB of live arrays to the driver%s",
+            ", ".join(f"w{h}" for h in hosts),
+            reason,
+            moved / 2**10,
+            f"; {lost} arrays were only on dead hosts and are lost" if lost else "",
+        )
         self.generation += 1
         for h in hosts:
-            ray.kill(self._actors[h], no_restart=True)
-        for h in hosts:
-            self._start_actor(h)
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(self._actors[h], no_restart=True)
+        _wait_exit([self.pids[h] for h in hosts])
+        self.dead -= set(hosts)
+        self.blocked -= set(hosts)
+        self._start(hosts)
+
+    def _with_group_peers(self, hosts) -> list[int]:
+        """``hosts`` plus every member of a multi-host JAX group one of them is in: a
+        process joins one such group for life, and its peers cannot continue without it."""
+        out = set(hosts)
+        for h in list(out):
+            if isinstance(self._groups[h], tuple):
+                out.update(self._groups[h])
+        return sorted(out)
+
+    @property
+    def broken(self) -> bool:
+        """True if some actor died or was left blocked: :meth:`recover` is needed."""
+        return bool(self.dead or self.blocked)
+
+    def recover(self) -> None:
+        """Restart dead and blocked actors (moving the arrays of the living ones to the
+        driver first) and rebuild the transfer group; see ``meshshard.recover``."""
+        if self.closed:
+            raise MeshshardRuntimeError(CLOSED_STEP)
+        t0 = time.perf_counter()
+        try:  # find deaths nobody has seen yet
+            self._call({h: a.ping.remote() for h, a in enumerate(self._actors)}, "ping", 10.0)
+        except WorkerFault:
+            pass  # noted by _call
+        if self.broken:
+            self._restart(sorted(self.dead | self.blocked), "recovering from a failure")
+        self.prepare_transport()
+        log.warning("meshshard cluster recovered in %.1fs", time.perf_counter() - t0)
+
+    def _call(self, refs: dict, what: str, timeout_s: float | None = None) -> dict:
+        """Results of one call on several actors; on failure note dead/blocked actors and
+        raise a :class:`WorkerFault` that says what survives and how to recover."""
+        try:
+            return gather(refs, what, timeout_s=timeout_s)
+        except WorkerFault as fault:
+            f = fault.failure
+            self.dead.update(h for h, _ in f.dead)
+            self.blocked.update(f.blocked)
+            self._transport_ready = False  # messages of the failed call may be in flight
+            raise fault.with_advice(self._advice()) from None
+
+    def _advice(self) -> str:
+        if not self.broken:
+            return (
+                "The host-actors are alive; the next call rebuilds the transfer group and "
+                "recompiles the step."
+            )
+        alive = [f"w{h}" for h in range(self.spec.num_hosts) if h not in self.dead]
+        dead = ", ".join(f"w{h}" for h in sorted(self.dead)) or "none"
+        return (
+            f"Arrays kept on the surviving host-actors ({', '.join(alive) or 'none'}) are "
+            f"still fetchable (np.asarray(x), meshshard.fetch(tree)); arrays kept only on "
+            f"dead ones ({dead}) are lost. Call meshshard.recover() to restart the dead and "
+            f"blocked actors ({', '.join(f'w{h}' for h in sorted(self.dead | self.blocked))})"
+            " and keep the surviving arrays; the next call of a parallelized step also "
+            "recovers first."
+        )
 
     def prepare(self, plan: Plan) -> None:
         """Make every actor's process layout match ``plan`` (restarting actors if needed)."""
-        import ray
-
         need: dict[int, object] = {}
         for m in plan.meshes:
             for h in m.hosts:
                 need[h] = tuple(m.hosts) if len(m.hosts) > 1 else "local"
         conflict = [h for h, g in need.items() if self._groups[h] not in ("fresh", g)]
         if conflict:
-            self._restart(conflict)
+            self._restart(conflict, "a plan groups them differently")
         self.prepare_transport()
         for m in plan.meshes:
             if len(m.hosts) > 1 and self._groups[m.hosts[0]] == "fresh":
-                host, port = ray.get(self._actors[m.hosts[0]].free_port.remote())
+                addr = self._call({0: self._actors[m.hosts[0]].free_port.remote()}, "free_port")
+                host, port = addr[0]
                 coord = f"{host}:{port}"
-                _get(
-                    [
-                        self._actors[h].init_jax_distributed.remote(coord, len(m.hosts), i, m.hosts)
+                self._call(
+                    {
+                        h: self._actors[h].init_jax_distributed.remote(
+                            coord, len(m.hosts), i, m.hosts
+                        )
                         for i, h in enumerate(m.hosts)
-                    ]
+                    },
+                    f"joining mesh{m.id}'s JAX group",
                 )
         for h, g in need.items():
             self._groups[h] = g
 
     def prepare_transport(self) -> None:
         """(Re)build the torch.distributed group over all actors if it is stale."""
-        import ray
-
         if self._transport_ready:
             return
-        host, port = ray.get(self._actors[0].free_port.remote())
+        host, port = self._call({0: self._actors[0].free_port.remote()}, "free_port")[0]
         addr = f"tcp://{host}:{port}"
         n = self.spec.num_hosts
-        _get(
-            [
-                a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
+        self._call(
+            {
+                r: a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
                 for r, a in enumerate(self._actors)
-            ]
+            },
+            "building the transfer group",
         )
         self._transport_ready = True
         self._groups_made = set()
+        self.generation += 1
 
     def ensure_groups(self, keys: list[tuple[str, tuple[int, ...]]]) -> None:
         """Create the broadcast channels not made yet, on every actor in the same order."""
         new = [k for k in keys if k not in self._groups_made]
         if new:
-            _get([a.create_groups.remote(new) for a in self._actors])
+            self._call(
+                {h: a.create_groups.remote(new) for h, a in enumerate(self._actors)},
+                "creating broadcast groups",
+            )
             self._groups_made.update(new)
 
     def run_transfer(self, plan: Plan, full, repeat: int = 1):
@@ -225,13 +405,15 @@ class RayCluster:
         src = set(plan.meshes[t.src_mesh].workers)
         full_ref = ray.put(full)
         plan_json = plan.to_json()
-        refs = {
-            s.worker: self._actors[s.worker].run_transfer.remote(
-                plan_json, full_ref if s.worker in src else None, repeat
-            )
-            for s in plan.streams
-        }
-        out = dict(zip(refs, _get(list(refs.values())), strict=True))
+        out = self._call(
+            {
+                s.worker: self._actors[s.worker].run_transfer.remote(
+                    plan_json, full_ref if s.worker in src else None, repeat
+                )
+                for s in plan.streams
+            },
+            "transfer",
+        )
         tiles = {w: r[0] for w, r in out.items() if r[0] is not None}
         per_run = [max(r[1][i] for r in out.values()) for i in range(repeat)]
         return tiles, per_run, {w: r[2] for w, r in out.items()}
@@ -239,18 +421,83 @@ class RayCluster:
     def backend(self):
         return RayBackend(self)
 
-    def close(self) -> None:
+    def note_cleanup(self, ref) -> None:
+        """Remember a fire-and-forget free/release call (``host_stats`` waits for them)."""
+        self._cleanups.append(ref)
+        if len(self._cleanups) > 256:  # forget the finished ones
+            import ray
+
+            done, rest = ray.wait(self._cleanups, num_returns=len(self._cleanups), timeout=0)
+            self._cleanups = rest
+
+    def host_stats(self) -> dict[int, dict]:
+        """Per host-actor: stored arrays, live device buffers, compiled steps and RSS,
+        after every free and release issued so far has been done."""
         import ray
 
+        pending, self._cleanups = self._cleanups, []
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=30)
+        refs = {h: a.stats.remote() for h, a in enumerate(self._actors) if h not in self.dead}
+        return self._call(refs, "host stats")
+
+    def close(self) -> None:
+        """Kill the actors, wait for their processes to exit, stop Ray if we started it."""
+        import ray
+
+        self.closed = True
         for a in self._actors:
             if a is not None:
-                try:
+                with contextlib.suppress(Exception):  # already gone
                     ray.kill(a, no_restart=True)
-                except Exception:  # already gone
-                    pass
         self._actors = []
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        _wait_exit(self.pids)
+
+
+def _ray_init(address) -> None:
+    """``ray.init`` with the actors' import path; Ray's notices and the actors' output
+    reach this terminal only with ``MESHSHARD_VERBOSE=1``."""
+    import ray
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+    kwargs = dict(
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": env},
+    )
+    if address is None:
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
+    quiet = logging.getLogger("ray._private.authentication")
+    level = quiet.level
+    if not verbose():
+        quiet.setLevel(logging.ERROR)  # "Token authentication is enabled ..." notices
+    try:
+        with warnings.catch_warnings():
+            if not verbose():  # Ray starts its processes with fork+exec: harmless here
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
+            # address=None: always our own embedded instance, never another process's
+            # local Ray (which ray.init() would otherwise join, e.g. a test session's)
+            ray.init(address=address or "local", **kwargs)
+    finally:
+        quiet.setLevel(level)
+
+
+def _wait_exit(pids, timeout_s: float = 10.0) -> None:
+    """Wait until the local processes ``pids`` have exited (Ray kills asynchronously)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        if pid is None:
+            continue
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    if alive:
+        log.warning("host-actor processes %s still running after %ss", alive, timeout_s)
 
 
 def discover_hosts(nodes: list[dict], num_hosts: int | None, devices_per_host: int | None):
@@ -283,16 +530,24 @@ class RayBackend:
         self.cluster = cluster
         self.plan_id = uuid.uuid4().hex[:8]
         self.worker_seconds: dict[int, float] = {}
+        self.generation = -1  # the cluster generation this plan was compiled in
+
+    @property
+    def closed(self) -> bool:
+        """True once the cluster this backend ran on was shut down."""
+        return self.cluster.closed
 
     def _actor(self, w: int):
+        if self.cluster.closed:
+            raise MeshshardRuntimeError(CLOSED_STEP)
         return self.cluster._actors[w]
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         from meshshard.runtime.interpreter import broadcast_groups
 
+        self.ensure_ready(lambda: None)
         self.cluster.prepare(plan)
         self.cluster.ensure_groups(broadcast_groups(plan))
-        self.generation = self.cluster.generation
         plan_json = plan.to_json()
         refs = {
             w: self._actor(w).compile.remote(
@@ -300,56 +555,71 @@ class RayBackend:
             )
             for w in plan.workers
         }
-        return dict(zip(refs, _get(list(refs.values())), strict=True))
+        times = self.cluster._call(refs, f"compiling plan {self.plan_id}")
+        self.generation = self.cluster.generation
+        return times
+
+    def ensure_ready(self, recompile) -> None:
+        if self.cluster.closed:
+            raise MeshshardRuntimeError(CLOSED_STEP)
+        if self.cluster.broken:
+            log.warning("a host-actor failed earlier: recovering the cluster before this call")
+            self.cluster.recover()
+        if self.generation != self.cluster.generation or not self.cluster._transport_ready:
+            recompile()
+
+    def track(self, array) -> None:
+        self.cluster.arrays.add(array)
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
-        import ray
-
-        if self.generation != self.cluster.generation:
-            raise MeshshardRuntimeError(
-                "the host-actors were restarted (to run a plan with another mesh layout, or "
-                "after a failure), so this step's compiled programs and the arrays it kept "
-                "are gone; call meshshard.parallelize again and pass host (numpy) copies of "
-                "the state"
-            )
         refs = {
             w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()
         }
-        pending = list(refs.values())
-        errors: dict[int, BaseException] = {}
+        out = self.cluster._call(refs, f"step of plan {self.plan_id}")
         results = {}
-        by_ref = {r: w for w, r in refs.items()}
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            w = by_ref[done[0]]
-            try:
-                results[w], self.worker_seconds[w] = ray.get(done[0])
-            except Exception as exc:  # a failed worker leaves its peers blocked: reset them
-                errors[w] = _unwrap(exc)
-                self.cluster._restart(range(self.cluster.spec.num_hosts))
-                break
-        raise_worker_errors(errors)
+        for w, (result, seconds) in out.items():
+            results[w], self.worker_seconds[w] = result, seconds
         return results
 
     def fetch(self, worker: int, key: int) -> list:
-        return _get([self._actor(worker).fetch.remote(key)])[0]
+        ref = self._actor(worker).fetch.remote(key)
+        try:
+            return gather({worker: ref}, f"fetch from w{worker}")[worker]
+        except WorkerFault as fault:
+            if fault.failure.dead:
+                self.cluster.dead.add(worker)
+            raise
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
-        self._actor(worker).free.remote(list(keys))
+        if not self.cluster.closed and worker not in self.cluster.dead:
+            self.cluster.note_cleanup(self._actor(worker).free.remote(list(keys)))
 
+    def release(self) -> None:
+        """Drop this plan's compiled programs on every live actor (fire and forget)."""
+        if self.cluster.closed:
+            return
+        for h, a in enumerate(self.cluster._actors):
+            if a is not None and h not in self.cluster.dead:
+                self.cluster.note_cleanup(a.release.remote(self.plan_id))
 
-def _unwrap(exc: BaseException) -> BaseException:
-    cause = getattr(exc, "cause", None)
-    return cause if cause is not None else exc
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Every actor snapshots its arrays and starts writing them; returns at once."""
+        refs = {w: self._actor(w).begin_save.remote(parts) for w, parts in per_worker.items()}
+        return self.cluster._call(refs, "checkpoint save")
 
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every actor's parts are on disk."""
+        refs = {w: self._actor(w).finish_save.remote(dirs) for w, dirs in per_worker.items()}
+        self.cluster._call(refs, "checkpoint save")
 
-def _get(refs: list):
-    import ray
-
-    try:
-        return ray.get(refs)
-    except Exception as exc:
-        raise MeshshardRuntimeError(f"a host-actor failed: {_unwrap(exc)}") from None
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Every actor reads its shards of saved arrays into its store, in parallel."""
+        refs = {
+            w: self._actor(w).restore_shards.remote(self.plan_id, req)
+            for w, req in per_worker.items()
+        }
+        return self.cluster._call(refs, "checkpoint restore")
 
 
 @contextlib.contextmanager

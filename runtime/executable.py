@@ -18,7 +18,17 @@ import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.plan_checks import require_valid_plan
+from meshshard.runtime.release import RELEASER
 from meshshard.runtime.worker import StoreKey
+
+#: What calling a step compiled for a cluster that was shut down says.
+CLOSED_STEP = (
+    "this step was compiled for a meshshard cluster that was shut down (meshshard.shutdown() "
+    "or a later meshshard.init()); its programs and the arrays it kept are gone. Call the "
+    "parallelized function again (it recompiles on the running cluster) with host copies of "
+    "the state (meshshard.fetch(state) before shutting down, or a checkpoint)"
+)
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
 _KEYS = itertools.count(1)
@@ -35,21 +45,37 @@ class Backend(Protocol):
 
     def free(self, worker: int, keys: Sequence[int]) -> None: ...
 
+    def release(self) -> None: ...
+
+    def ensure_ready(self, recompile) -> None:
+        """Before a step: raise if the cluster is gone, recover it if a host-actor failed,
+        and call ``recompile()`` if the workers lost this plan's programs."""
+
+    def track(self, array: RemoteArray) -> None:
+        """Remember a live array, so restarts move it instead of losing it."""
+
 
 class RemoteArray:
     """An array that lives on a mesh's workers between steps.
 
-    ``np.asarray(x)`` fetches it; passing it back into the step uses it in place.
+    ``np.asarray(x)`` fetches it; passing it back into the step uses it in place.  If
+    the host-actors holding it are restarted (a plan with another grouping of hosts, or
+    recovery after a failure), the cluster first copies it to the driver: it stays
+    usable and the next step that needs it places it again.
     """
 
-    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype):
+    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
         self._owner = weakref.ref(owner)
         self.keys = dict(keys)
+        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.deleted = False
         self._backend = owner.backend
         self._schedule_free = owner.schedule_free
+        self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
+        self._lost: str | None = None  # why it can no longer be fetched
 
     @property
     def ndim(self) -> int:
@@ -63,6 +89,15 @@ class RemoteArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    def key_on(self, backend: Backend, worker: int) -> int | None:
+        """The store key of this array on ``worker`` of ``backend``'s cluster, if it is
+        kept there; None if the step must send it (by value) instead."""
+        if self.deleted or self._lost or worker not in self.keys:
+            return None
+        if _cluster_of(self._backend) is not _cluster_of(backend):
+            return None
+        return self.keys[worker]
+
     def fetch(self) -> np.ndarray:
         """Copy the value to this process."""
         if self.deleted:
@@ -70,28 +105,75 @@ class RemoteArray:
                 "this array was donated to a later step (donate_argnums) and no longer exists; "
                 "use the state that step returned"
             )
+        if self._lost:
+            raise MeshshardRuntimeError(self._lost)
+        if self._host is not None:
+            return self._host
+        if getattr(self._backend, "closed", False):
+            raise MeshshardRuntimeError(
+                f"{self!r} lived on a meshshard cluster that was shut down (meshshard.shutdown() "
+                "or a later meshshard.init()), so it is gone; fetch the state you need before "
+                "shutting down (meshshard.fetch(state)) or save a checkpoint"
+            )
+        value = self._gather(skip=())
+        if value is None:
+            raise MeshshardRuntimeError(
+                f"{self!r} cannot be fetched: the host-actors holding it failed (see the "
+                "error of the step that failed); if they died it is lost: call "
+                "meshshard.recover(), then restore it from a checkpoint or recompute it"
+            )
+        return value
+
+    def _gather(self, skip) -> np.ndarray | None:
+        """The value from the workers not in ``skip``; None if they do not hold all of it."""
         out = np.empty(self.shape, self.dtype)
         filled = np.zeros(self.shape, bool)
         for w, key in self.keys.items():  # replicas: stop once every element is known
-            for index, data in self._backend.fetch(w, key):
+            if w in skip:
+                continue
+            try:
+                parts = self._backend.fetch(w, key)
+            except MeshshardRuntimeError:  # that host is gone: try the other replicas
+                continue
+            for index, data in parts:
                 sl = tuple(slice(a, b) for a, b in index)
                 out[sl] = data
                 filled[sl] = True
             if filled.all():
-                break
-        return out
+                return out
+        return None
+
+    def evacuate(self, hosts, dead) -> bool:
+        """Before ``hosts`` restart: copy the value to the driver (from any live holder)
+        and forget the keys on ``hosts``; if only ``dead`` hosts held parts of it, mark it
+        lost.  True if it was copied."""
+        if self.deleted or self._lost or not (set(self.keys) & set(hosts)):
+            return False
+        copied = False
+        if self._host is None:
+            self._host = self._gather(skip=set(dead))
+            copied = self._host is not None
+            if not copied:
+                where = ", ".join(f"w{w}" for w in self.keys)
+                self._lost = (
+                    f"{self!r} is lost: it was kept only on host-actors that died ({where}); "
+                    "restore it from a checkpoint or recompute it"
+                )
+        self.keys = {w: k for w, k in self.keys.items() if w not in set(hosts)}
+        return copied
 
     def __array__(self, dtype=None, copy=None):
         a = self.fetch()
         return a.astype(dtype) if dtype is not None else a
 
     def __repr__(self) -> str:
-        where = ",".join(f"w{w}" for w in self.keys)
+        where = ",".join(f"w{w}" for w in self.keys) or "driver"
         return f"RemoteArray({self.dtype}{list(self.shape)} on {where})"
 
     def _release(self) -> None:
         if not self.deleted:
             self.deleted = True
+            self._host = None
             for w, key in self.keys.items():
                 self._schedule_free(w, key)
 
@@ -102,24 +184,48 @@ class RemoteArray:
             pass
 
 
+def _cluster_of(backend):
+    return getattr(backend, "cluster", None) or backend
+
+
+def fetch(tree):
+    """Copy every :class:`RemoteArray` in ``tree`` to this process (other leaves as they
+    are): a host copy of the training state that outlives the cluster."""
+    return jax.tree.map(lambda x: x.fetch() if isinstance(x, RemoteArray) else x, tree)
+
+
 class Executable:
     """Runs one plan on a backend; call it like the original step function."""
 
     def __init__(
         self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()
     ):
+        require_valid_plan(plan)  # an edited or broken plan never reaches the workers
         self.plan = plan
         self.backend = backend
         self.batch_argnums = tuple(batch_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self._pending_free: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a finalizer freeing an array
+        self.released = False
+        self._compile_args = (fn, abstract_args, self.batch_argnums)
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
         self.last_worker_seconds: dict[int, float] = {}
 
+    def recompile(self) -> None:
+        """Compile the plan again on the workers (they were restarted or lost their
+        transfer group); the plan itself does not change."""
+        self.compile_seconds = self.backend.compile(*self._compile_args, self.plan)
+
     def __call__(self, *args):
+        if self.released:
+            raise MeshshardRuntimeError(
+                "this compiled step was released (step.release()); call the parallelized "
+                "function again to recompile it"
+            )
         plan = self.plan
+        self.backend.ensure_ready(self.recompile)
         flat, _ = jax.tree.flatten(args)
         if len(flat) != len(plan.inputs):
             raise MeshshardInputError(
@@ -136,8 +242,8 @@ class Executable:
                 for w in self._mesh_workers[plan.buffer(group).mesh]:
                     if spec.kind == "batch":
                         per_worker_batch[w][spec.leaf] = np.asarray(leaf)
-                    elif isinstance(leaf, RemoteArray) and w in leaf.keys and not leaf.deleted:
-                        per_worker_state[w][spec.leaf] = StoreKey(leaf.keys[w])
+                    elif isinstance(leaf, RemoteArray) and leaf.key_on(self.backend, w) is not None:
+                        per_worker_state[w][spec.leaf] = StoreKey(leaf.key_on(self.backend, w))
                     else:
                         if spec.leaf not in fetched:
                             fetched[spec.leaf] = np.asarray(leaf)
@@ -161,9 +267,35 @@ class Executable:
         return self._outputs(args, flat, results, out_keys)
 
     def schedule_free(self, worker: int, key: int) -> None:
-        """Drop a stored array on ``worker`` with the next step (arrays die between steps)."""
+        """Drop a stored array on ``worker``: with the next step, or from the releaser
+        thread at once if no step takes it first (safe to call from a finalizer)."""
         with self._lock:
             self._pending_free.setdefault(worker, []).append(key)
+        RELEASER.call(self.flush_frees)
+
+    def flush_frees(self) -> None:
+        """Free the arrays dropped since the last step now, without waiting for a step."""
+        with self._lock:
+            frees, self._pending_free = self._pending_free, {}
+        for w, keys in frees.items():
+            self.backend.free(w, keys)
+
+    def release(self) -> None:
+        """Drop this step's compiled programs on the workers (the arrays it returned stay
+        valid); a released step cannot run again.  Idempotent."""
+        if not self.released:
+            self.released = True
+            self.flush_frees()
+            self.backend.release()
+
+    def release_soon(self) -> None:
+        """Like :meth:`release`, done by the releaser thread (safe from a finalizer)."""
+        if not getattr(self, "released", True):
+            self.released = True
+            RELEASER.call(self.backend.release)
+
+    def __del__(self):
+        self.release_soon()
 
     def _donated(self, args) -> list[RemoteArray]:
         out = []
@@ -190,7 +322,10 @@ class Executable:
                 for g, i in o.slots:
                     for w in self._mesh_workers[plan.buffer(g).mesh]:
                         keys[w] = int(results[w][(g, i)])
-                leaves.append(RemoteArray(self, keys, o.shape, o.dtype))
+                groups = [self._mesh_workers[plan.buffer(g).mesh] for g, _ in o.slots]
+                array = RemoteArray(self, keys, o.shape, o.dtype, groups)
+                self.backend.track(array)
+                leaves.append(array)
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:

@@ -31,8 +31,9 @@ from meshshard.instructions import (
 )
 from meshshard.plan import Plan, TransferSpec
 from meshshard.refs import BufferRef, TransferRef
+from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.programs import CompiledProgram, sharding
-from meshshard.runtime.transport import Transport
+from meshshard.runtime.transport import DEVICE, HOST, Transport
 
 
 def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
@@ -126,7 +127,8 @@ class StreamInterpreter:
         programs: compiled programs of this worker's mesh, by name.
         mesh: the jax Mesh of this worker's mesh (None for transfer-only runs).
         transport: point-to-point transport to other workers.
-        blocks: reads/rebuilds transferred values (default: global jax arrays on ``mesh``).
+        blocks: reads/rebuilds transferred values (default: global jax arrays on ``mesh``,
+            kept on the devices when the transport takes the device path).
     """
 
     def __init__(
@@ -143,7 +145,10 @@ class StreamInterpreter:
         self.programs = programs
         self.mesh = mesh
         self.transport = transport
-        self.blocks = blocks if blocks is not None else JaxBlocks(mesh)
+        if blocks is None:
+            on_device = getattr(transport, "path", HOST) == DEVICE
+            blocks = DeviceBlocks(mesh) if on_device else JaxBlocks(mesh)
+        self.blocks = blocks
         self.worker = stream.worker
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}

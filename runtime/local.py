@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
-from meshshard.errors import MeshshardInputError
+from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import run_in_threads
+from meshshard.runtime.executable import CLOSED_STEP, run_in_threads
 from meshshard.runtime.transport import QueueTransport
 from meshshard.runtime.worker import Worker
 
@@ -23,10 +24,23 @@ from meshshard.runtime.worker import Worker
 class LocalBackend:
     """Workers as threads of this process (see module docstring)."""
 
-    def __init__(self, devices_per_host: int, stores: dict[int, dict]):
+    def __init__(self, devices_per_host: int, stores: dict[int, dict], cluster=None):
         self.devices_per_host = devices_per_host
         self.stores = stores
+        self.cluster = cluster
         self.workers: dict[int, Worker] = {}
+
+    @property
+    def closed(self) -> bool:
+        """True once the cluster this backend ran on was shut down."""
+        return bool(getattr(self.cluster, "closed", False))
+
+    def ensure_ready(self, recompile) -> None:
+        if self.closed:
+            raise MeshshardRuntimeError(CLOSED_STEP)
+
+    def track(self, array) -> None:
+        pass  # threads never restart: nothing to move
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         devices = jax.local_devices()
@@ -57,7 +71,45 @@ class LocalBackend:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
     def fetch(self, worker: int, key: int) -> list:
-        return self.workers[worker].fetch(key)
+        arr = self.stores[worker][key]
+        return [
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
+        ]
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
-        self.workers[worker].free(keys)
+        store = self.stores.get(worker, {})
+        for k in keys:
+            store.pop(k, None)
+
+    def release(self) -> None:
+        """Drop this plan's compiled workers (the stores keep their arrays)."""
+        self.workers.clear()
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Snapshot stored arrays and start writing them (see ``ShardWriter.begin``)."""
+        from meshshard.runtime.checkpoint_io import ShardWriter
+
+        if not hasattr(self, "writer"):
+            self.writer = ShardWriter()
+        return {
+            w: sum(self.writer.begin(self.stores[w], d, arrays) for d, arrays in parts)
+            for w, parts in per_worker.items()
+        }
+
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every part started by :meth:`begin_save` is on disk."""
+        for dirs in per_worker.values():
+            for d in dirs:
+                self.writer.finish(d)
+
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Each worker reads its shards of saved arrays into its store, in parallel."""
+        from meshshard.runtime.checkpoint_io import read_shards
+
+        def one(w):
+            mesh = getattr(self.workers.get(w), "mesh", None)
+            return read_shards(self.stores.setdefault(w, {}), mesh, per_worker[w])
+
+        return run_in_threads(per_worker, one)

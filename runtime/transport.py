@@ -3,15 +3,68 @@
 ``TorchTransport`` is the real data plane (torch.distributed: gloo on CPU, NCCL on
 GPU); ``QueueTransport`` moves bytes between threads of one process for fast tests of
 the interpreter.  Both send raw bytes: the plan knows every message's dtype and shape.
+
+A torch transport takes one of two data paths, fixed when it is made (at plan compile
+time, by :func:`data_path`):
+
+``host``
+    gloo: blocks are NumPy bytes (a device array is copied to the host first).
+``device``
+    NCCL with the worker's arrays on GPUs: a block is the JAX array itself, handed to
+    torch by DLPack (no host round trip), and a received block is a JAX array on the
+    worker's first device.
+
+NCCL moves only GPU memory, so NCCL with host arrays (CPU devices, or the NumPy tiles
+of a transfer-only plan) is refused with an error when the transport is made, rather
+than failing or hanging at the first message.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+
+from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
+
+HOST, DEVICE = "host", "device"
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def data_path(backend: str, platform: str | None) -> str:
+    """The path (``HOST`` or ``DEVICE``) a torch transport over ``backend`` takes for a
+    worker whose arrays live on ``platform`` devices (None: host NumPy data).
+
+    Raises MeshshardInputError for NCCL with host data, which NCCL cannot send.
+    """
+    on_gpu = platform in GPU_PLATFORMS
+    if backend != "nccl":
+        return HOST
+    if on_gpu:
+        return DEVICE
+    what = f"on {platform!r} devices" if platform else "host NumPy tiles (a transfer-only plan)"
+    raise MeshshardInputError(
+        f"the transfer backend is NCCL but this worker's data is {what}: NCCL moves only "
+        "GPU memory, so the first message would fail or hang. Run the plan on GPU devices "
+        "(jax with CUDA on every host-actor), or use the gloo backend for host data "
+        "(a cluster whose actors have no GPUs uses gloo)"
+    )
+
+
+def _torch_device(device):
+    """The torch device of JAX device ``device`` (its local CUDA ordinal)."""
+    import torch
+
+    return torch.device("cuda", device.local_hardware_id)
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "gloo"
 
 
 class Handle(Protocol):
@@ -50,9 +103,14 @@ class _Done:
 
 
 class QueueTransport:
-    """In-process transport: one queue per (src, dst, tag), shared by all workers' views."""
+    """In-process transport: one queue per (src, dst, tag), shared by all workers' views.
 
-    def __init__(self, rank: int, queues: dict, lock: threading.Lock, timeout_s: float = 60.0):
+    A receive that waits ``timeout_s`` raises TimeoutError (a deadlock detector for
+    tests).  The default is generous: on a loaded 2-core machine one worker thread of a
+    GPT pipeline can spend over a minute between two messages.
+    """
+
+    def __init__(self, rank: int, queues: dict, lock: threading.Lock, timeout_s: float = 300.0):
         self.rank = rank
         self._queues = queues
         self._lock = lock
@@ -102,11 +160,53 @@ class QueueTransport:
 
 
 class TorchTransport:
-    """torch.distributed point-to-point over the default process group (gloo on CPU)."""
+    """torch.distributed point-to-point over the default process group.
 
-    def __init__(self, rank: int, groups: dict | None = None):
+    Args:
+        rank: this worker's rank (its host index).
+        groups: broadcast channels by key (:meth:`create_groups`).
+        devices: the JAX devices of this worker's arrays; None when it moves host
+            NumPy data (transfer-only plans).  With the group's backend they fix the
+            data path (module docstring); NCCL with host data raises here.
+    """
+
+    def __init__(self, rank: int, groups: dict | None = None, devices: Sequence | None = None):
         self.rank = rank
         self.groups = groups if groups is not None else {}
+        self.backend = _backend()
+        self.path = data_path(self.backend, devices[0].platform if devices else None)
+        self.device = None
+        if self.path == DEVICE:
+            from meshshard.runtime.device_blocks import local_devices
+
+            self.device = _torch_device(local_devices(devices)[0])
+
+    def _wire(self, data):
+        """``data`` as a flat torch uint8 tensor: a DLPack view of a device array, or
+        NumPy bytes on the host path."""
+        import torch
+
+        if self.path == HOST:
+            return torch.from_numpy(_as_bytes(np.asarray(data)))
+        if isinstance(data, np.ndarray):
+            raise MeshshardRuntimeError(
+                "the NCCL transport was handed a host NumPy block; on the device path "
+                "blocks must be JAX arrays on the worker's GPU (read them with DeviceBlocks)"
+            )
+        return torch.from_dlpack(data).reshape(-1).view(torch.uint8)
+
+    def _empty(self, nbytes: int):
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device or "cpu")
+
+    def _out(self, tensor):
+        """A received tensor as the path's array type (NumPy, or a JAX array on device)."""
+        if self.path == HOST:
+            return tensor.numpy()
+        import jax
+
+        return jax.dlpack.from_dlpack(tensor)
 
     @staticmethod
     def create_groups(keys: list[tuple[str, tuple[int, ...]]]) -> dict:
@@ -124,11 +224,10 @@ class TorchTransport:
                 out[key] = g
         return out
 
-    def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle:
-        import torch
+    def isend(self, data, peer: int, tag: int) -> Handle:
         import torch.distributed as dist
 
-        tensor = torch.from_numpy(_as_bytes(data))
+        tensor = self._wire(data)
         work = dist.isend(tensor, dst=peer, tag=tag)
 
         class _Send:
@@ -139,33 +238,30 @@ class TorchTransport:
         return _Send()
 
     def irecv(self, nbytes: int, peer: int, tag: int) -> Handle:
-        import torch
         import torch.distributed as dist
 
-        tensor = torch.empty(nbytes, dtype=torch.uint8)
+        tensor = self._empty(nbytes)
         work = dist.irecv(tensor, src=peer, tag=tag)
+        out = self._out
 
         class _Recv:
             def wait(self_inner):
                 work.wait()
-                return tensor.numpy()
+                return out(tensor)
 
         return _Recv()
 
     def ibroadcast(self, data, nbytes, group, key, tag):
-        import torch
         import torch.distributed as dist
 
-        if self.rank == group[0]:
-            tensor = torch.from_numpy(_as_bytes(data))
-        else:
-            tensor = torch.empty(nbytes, dtype=torch.uint8)
+        tensor = self._wire(data) if self.rank == group[0] else self._empty(nbytes)
         work = dist.broadcast(tensor, src=group[0], group=self.groups[key], async_op=True)
+        out = self._out
 
         class _Bcast:
             def wait(self_inner):
                 work.wait()
-                return tensor.numpy()
+                return out(tensor)
 
         return _Bcast()
 
@@ -176,6 +272,7 @@ class CountingTransport:
     def __init__(self, inner):
         self.inner = inner
         self.rank = inner.rank
+        self.path = getattr(inner, "path", HOST)
         self.bytes_sent = 0
         self.bytes_received = 0
 

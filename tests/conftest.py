@@ -6,6 +6,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+os.environ.setdefault("MESHSHARD_CHECKS", "1")  # IR invariants after every compiler pass
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

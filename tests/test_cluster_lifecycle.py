@@ -39,22 +39,34 @@ SCRIPT = textwrap.dedent(
     import meshshard
     from examples import mlp
 
-    # 1) the embedded local cluster: actors are real processes, gone after shutdown
+    import psutil, time
+    from meshshard import MeshshardRuntimeError
+
+    # 1) the embedded local cluster: actors are real processes, gone after shutdown;
+    #    init() while running reuses it; old steps and arrays fail clearly afterwards
     cluster = meshshard.init(num_hosts=2, devices_per_host=1)
+    assert meshshard.init() is cluster
     pids = ray.get([a.ping.remote() for a in cluster._actors])
     assert len(set(pids)) == 2 and os.getpid() not in pids
+    m = mlp.MLP(num_layers=2); b = mlp.make_batch(8); st = mlp.make_state(m, b["x"])
+    step = meshshard.parallelize(mlp.train_step, method=meshshard.PipeshardParallel(
+        num_micro_batches=2, stages=[(1, 1), (1, 1)]))
+    s, loss = step(st, b)
+    exe = step.executable
+    helpers = psutil.Process().children(recursive=True)  # gcs, raylet, agents, actors
+    assert set(pids) <= {{p.pid for p in helpers}}
+    t0 = time.perf_counter()
     meshshard.shutdown()
     assert not ray.is_initialized()
-    gone = []
-    for pid in pids:
-        for _ in range(100):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                gone.append(pid)
-                break
-            import time; time.sleep(0.1)
-    assert gone == pids, ("host-actor processes left behind", pids, gone)
+    gone, alive = psutil.wait_procs(helpers, timeout=5)
+    assert not alive, ("helper processes outlived shutdown() by 5 s", alive)
+    print("helpers gone %.1f s after shutdown() began" % (time.perf_counter() - t0))
+    for use in (lambda: np.asarray(s.params["dense0"]["kernel"]), lambda: exe(st, b)):
+        try:
+            use()
+            raise AssertionError("no error after shutdown")
+        except MeshshardRuntimeError as e:
+            assert "cluster that was shut down" in str(e), e
 
     # 2) joining an existing multi-node Ray cluster: one host-actor per node
     c = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})

@@ -3,6 +3,7 @@
 import pytest
 
 from meshshard import DataParallel, PipeshardParallel
+from meshshard.refs import Phase, ProgramRef
 from tests.parity import check_parity
 
 pytestmark = pytest.mark.ray
@@ -39,7 +40,7 @@ def test_replicated_activations_cross_two_host_meshes(ray_cluster, strategy):
     arrays, latency-bound point-to-point messages)."""
     method = PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (1, 2)], resharding=strategy)
     step = check_parity("mlp", method, batch_size=8)
-    backward = next(t for t in step.plan.transfers if t.consumer == "s0.B")
+    backward = next(t for t in step.plan.transfers if t.consumer == ProgramRef(Phase.BACKWARD, 0))
     assert backward.dst_spec == () and len(step.plan.meshes[0].hosts) == 2
     for w in step.plan.meshes[0].hosts:  # both hosts get every row
         rows = sorted(m.index[0] for m in backward.messages if w in m.receivers)

@@ -6,6 +6,9 @@ from meshshard import PipeshardParallel
 from meshshard.methods import RESHARDING_STRATEGIES
 from tests.parity import check_parity
 
+# every case traces, compiles and runs a whole model: 20 s to minutes each
+pytestmark = pytest.mark.slow
+
 CASES = [
     ("mlp", "1f1b", [(1, 2)] * 2, 1),
     ("mlp", "1f1b", [(1, 2)] * 2, 2),

@@ -1,8 +1,6 @@
 """Plans: golden text, JSON round trip, stream invariants, lowering with no cluster running."""
 
 import json
-import os
-import pathlib
 
 import jax
 import pytest
@@ -13,8 +11,8 @@ from meshshard import ClusterSpec, DataParallel, PipeshardParallel, Plan
 from meshshard.instructions import Free, Recv, Send
 from meshshard.tiles import resharding_problem
 from meshshard.verify import verify
+from tests.golden import check_golden
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
 CLUSTER = ClusterSpec("golden-4x2", 4, 2)
 
 
@@ -30,13 +28,6 @@ def gpt_plan(method):
     batch = gpt.make_batch(batch_size=8)
     state = gpt.make_state(model, batch["inputs"])
     return meshshard.parallelize(gpt.train_step, method=method).lower(state, batch, cluster=CLUSTER)
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("MESHSHARD_REGEN_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"plan text differs from {path}; see the diff above"
 
 
 def test_golden_mlp_plan_text():
@@ -63,7 +54,9 @@ METHODS = [
 
 
 @pytest.mark.parametrize("method", METHODS, ids=repr)
-@pytest.mark.parametrize("make", [mlp_plan, gpt_plan], ids=["mlp", "gpt"])
+@pytest.mark.parametrize(
+    "make", [mlp_plan, pytest.param(gpt_plan, marks=pytest.mark.slow)], ids=["mlp", "gpt"]
+)
 def test_plans_verify_and_round_trip(make, method):
     plan = make(method)
     assert verify(plan) == []

@@ -101,6 +101,7 @@ def test_more_nics_raise_the_bandwidth():
 CLUSTER6 = dataclasses.replace(P38, num_hosts=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(problem=problems(), scale=st.sampled_from([1 << 12, 1 << 20]))
 def test_no_strategy_beats_the_bound(problem, scale):
@@ -117,7 +118,7 @@ def test_no_strategy_beats_the_bound(problem, scale):
     bound = lower_bound(p, CLUSTER6)
     for strategy in STRATEGIES:
         if strategy == "broadcast_search":
-            msgs, _ = broadcast_search(p, CLUSTER6, time_limit_s=0.02)
+            msgs, _ = broadcast_search(p, CLUSTER6, max_nodes=2000)
         else:
             msgs = plan_resharding(p, strategy, CLUSTER6, simulate=False).messages
         assert simulate_resharding(p, msgs, CLUSTER6) >= bound * (1 - 1e-9), strategy

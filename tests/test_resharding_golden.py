@@ -1,11 +1,8 @@
 """Golden plan text of every strategy on small versions of the paper's cases.
 
-Regenerate with ``MESHSHARD_REGEN_GOLDEN=1 pytest tests/test_resharding_golden.py`` and
+Regenerate with ``pytest tests/test_resharding_golden.py --update-golden`` and
 read the diff: it is the plan a person would review.
 """
-
-import os
-import pathlib
 
 import pytest
 
@@ -13,8 +10,8 @@ from meshshard.cluster import ClusterSpec
 from meshshard.plan import MeshSpec
 from meshshard.resharding import STRATEGIES, plan_resharding
 from meshshard.tiles import resharding_problem
+from tests.golden import check_golden
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
 P38 = ClusterSpec.preset("aws-p3.8xlarge")
 
 CASES = {
@@ -24,13 +21,6 @@ CASES = {
     "case7_one_host_to_two": ((1, 4), ("device",), (2, 4), (), (8, 1 << 18)),
     "one_to_three_devices": ((1, 1), (), (1, 3), (), (8,)),
 }
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("MESHSHARD_REGEN_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"plan text differs from {path}; see the diff above"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

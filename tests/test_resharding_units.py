@@ -110,8 +110,10 @@ def test_ours_cuts_a_replicated_slice_between_its_holders():
 MODULES = [
     "meshshard.resharding.blocks",
     "meshshard.resharding.bound",
+    "meshshard.resharding.chunks",
     "meshshard.resharding.coverage",
     "meshshard.resharding.estimate",
+    "meshshard.resharding.gather",
     "meshshard.resharding.planner",
     "meshshard.resharding.result",
     "meshshard.resharding.rounds",

@@ -4,6 +4,7 @@ import pytest
 
 from meshshard.passes.schedules import gpipe, make_schedule, one_f_one_b
 from meshshard.verify import peak_in_flight, verify_schedule
+from tests.golden import check_golden
 
 SIZES = [(s, m) for s in (1, 2, 3, 4, 6) for m in (1, 2, 3, 4, 8, 13)]
 
@@ -28,37 +29,11 @@ def test_gpipe_holds_every_micro_batch(stages, micro_batches):
 
 
 def test_golden_1f1b_grid():
-    assert str(one_f_one_b(3, 4)) == (
-        "1f1b: 3 stages x 4 micro-batches, 12 ticks\n"
-        "  tick   s0   s1   s2\n"
-        "     0   F0    .    .\n"
-        "     1   F1   F0    .\n"
-        "     2   F2   F1   F0\n"
-        "     3    .    .   B0\n"
-        "     4    .   B0   F1\n"
-        "     5   B0   F2   B1\n"
-        "     6   F3   B1   F2\n"
-        "     7   B1   F3   B2\n"
-        "     8    .   B2   F3\n"
-        "     9   B2    .   B3\n"
-        "    10    .   B3    .\n"
-        "    11   B3    .    ."
-    )
+    check_golden("schedule_1f1b_3x4.txt", str(one_f_one_b(3, 4)) + "\n")
 
 
 def test_golden_gpipe_grid():
-    assert str(gpipe(2, 3)) == (
-        "gpipe: 2 stages x 3 micro-batches, 8 ticks\n"
-        "  tick   s0   s1\n"
-        "     0   F0    .\n"
-        "     1   F1   F0\n"
-        "     2   F2   F1\n"
-        "     3    .   F2\n"
-        "     4    .   B0\n"
-        "     5   B0   B1\n"
-        "     6   B1   B2\n"
-        "     7   B2    ."
-    )
+    check_golden("schedule_gpipe_2x3.txt", str(gpipe(2, 3)) + "\n")
 
 
 def test_verify_schedule_catches_a_broken_grid():

@@ -91,6 +91,7 @@ def test_clusters_lists_presets(capsys):
         assert name in out
 
 
+@pytest.mark.slow  # measures this machine: minutes under load
 def test_calibrate_quick_writes_a_loadable_spec(tmp_path, capsys):
     out = tmp_path / "local.json"
     rc = main(

@@ -29,32 +29,88 @@ a set ``A`` of source hosts needs that for what only it holds, divided over its
     ...                        MeshSpec(1, (2, 4), (2, 3)), ("host",))
     >>> print(lower_bound_terms(p, ClusterSpec.preset("aws-p3.8xlarge")))
     lower bound 859.023 ms: w2 ingress, 1.0 GiB at 1.25 GB/s + 1 x 30 us latency
+
+**The tight bound** (:func:`tight_bound`) adds what the NIC bound leaves out for
+small multicasts: chunks, hops and fan-out, in the plans' execution model (a host
+runs one operation at a time; only a source device sends a block, so a destination
+host relays only inside a chain broadcast; a broadcast moves in chunks of at least
+:data:`MIN_CHUNK_BYTES`, NCCL's smallest, 32 KiB, cut into equal chunks, so
+:func:`smallest_chunk` of the block).
+
+- *multicast*: a slice of ``n`` bytes held by ``s`` source hosts and needed by ``h``
+  hosts reaches them through chains.  A holder's ``k``-th chain starts once its
+  earlier ones left it (``alpha + n / B`` each); each host of a chain gets its first
+  chunk ``alpha + c / B`` after the one before it (``c`` the chunk) and its last byte
+  ``(n - c) / B`` after its first chunk.  The ``h``-th host to be reached, over the
+  best such chains, gives the term;
+- *relay tail*: a source host whose own slices all need relaying ends with a relay:
+  its egress plus the smallest ``alpha + c / B`` of those slices;
+- *fan-out tail*: the block a destination host takes last still has to reach its
+  ``R`` devices after the host's NIC is done: for a one-chunk block ``R - 1`` fabric
+  latencies (a chain through them, or a local all-gather) or another NIC message,
+  whichever is less; for a larger one its last chunk's ``R - 1`` fabric hops (the
+  smallest such tail over the host's blocks) after its ingress; likewise after a set
+  of source hosts' egress, for the last block to leave them.
+
+The tight bound is the largest of these and the NIC terms.  It assumes slices travel
+whole, as they do in small plans (cutting one adds an ``alpha`` per piece and hop).
+
+    >>> q = resharding_problem((1 << 18,), "int32", MeshSpec(0, (1, 1), (0,)), (),
+    ...                        MeshSpec(1, (4, 2), (1, 2, 3, 4)), ())
+    >>> print(tight_bound_terms(q, ClusterSpec.preset("aws-p3.8xlarge")))
+    tight bound 1.038 ms: slice [0:262144] to 4 hosts from 1, 1.0 MiB in 32.0 KiB chunks
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import math
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
-from meshshard.resharding.result import fmt_bytes, fmt_seconds
+from meshshard.resharding.result import fmt_bytes, fmt_seconds, index_str
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["BoundTerm", "LowerBound", "lower_bound", "lower_bound_terms", "host_bandwidth"]
+__all__ = [
+    "MIN_CHUNK_BYTES",
+    "BoundTerm",
+    "LowerBound",
+    "lower_bound",
+    "lower_bound_terms",
+    "host_bandwidth",
+    "multicast_seconds",
+    "smallest_chunk",
+    "tight_bound",
+    "tight_bound_terms",
+]
+
+MIN_CHUNK_BYTES = 32 << 10
+"""The smallest pipelining chunk of a broadcast: NCCL halves its chunk for small
+messages down to 32 KiB (``enqueue.cc``), and so does :mod:`~meshshard.resharding.chunks`."""
 
 _MAX_SUBSET_HOSTS = 16  # beyond this, only single hosts and the whole mesh are tried
 
 
 @dataclass(frozen=True)
 class BoundTerm:
-    """One resource's time: ``nbytes`` and ``slices`` through ``hosts`` host(s)' NICs."""
+    """One resource's time: ``nbytes`` and ``slices`` through ``hosts`` host(s)' NICs
+    (or, for the tight bound's multicast terms, ``detail`` says what it is).  ``side``
+    (``"ingress"`` or ``"egress"``) and ``members`` (the hosts) say whose NICs a NIC
+    term is about."""
 
     resource: str
     nbytes: int
     slices: int
     hosts: int
     seconds: float
+    detail: str = ""
+    side: str = ""
+    members: tuple[int, ...] = ()
 
     def __str__(self) -> str:
+        if self.detail:
+            return f"{self.resource}, {self.detail}"
         per = f" over {self.hosts} hosts" if self.hosts > 1 else ""
         return f"{self.resource}, {fmt_bytes(self.nbytes)}{per}"
 
@@ -68,6 +124,7 @@ class LowerBound:
     latency: float
     bandwidth: float
     terms: tuple[BoundTerm, ...]
+    kind: str = "lower"
 
     @property
     def binding(self) -> BoundTerm | None:
@@ -77,9 +134,11 @@ class LowerBound:
     def __str__(self) -> str:
         t = self.binding
         if t is None:
-            return "lower bound 0: nothing to move"
+            return f"{self.kind} bound 0: nothing to move"
+        if t.detail:
+            return f"{self.kind} bound {fmt_seconds(self.seconds)}: {t}"
         return (
-            f"lower bound {fmt_seconds(self.seconds)}: {t.resource}, {fmt_bytes(t.nbytes)} at "
+            f"{self.kind} bound {fmt_seconds(self.seconds)}: {t.resource}, {fmt_bytes(t.nbytes)} at "
             f"{self.bandwidth / 1e9:.3g} GB/s + {t.slices} x {self.latency * 1e6:.3g} us latency"
             + (f", over {t.hosts} hosts" if t.hosts > 1 else "")
         )
@@ -107,7 +166,8 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
         acc[1] += 1
     for h, (nbytes, n) in ingress.items():
         if n:
-            terms.append(BoundTerm(f"w{h} ingress", nbytes, n, 1, n * lat + nbytes / bw))
+            term = BoundTerm(f"w{h} ingress", nbytes, n, 1, n * lat + nbytes / bw)
+            terms.append(dataclasses.replace(term, side="ingress", members=(h,)))
     hosts = list(problem.src.hosts)
     if len(hosts) <= _MAX_SUBSET_HOSTS:
         subsets = range(1, 1 << len(hosts))
@@ -122,7 +182,9 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
         nbytes, n = sum(x[0] for x in inside), sum(x[1] for x in inside)
         size = bin(a).count("1")
         name = "+".join(f"w{h}" for h in hosts if bit[h] & a) + " egress"
-        terms.append(BoundTerm(name, nbytes, n, size, (n * lat + nbytes / bw) / size))
+        members = tuple(h for h in hosts if bit[h] & a)
+        term = BoundTerm(name, nbytes, n, size, (n * lat + nbytes / bw) / size)
+        terms.append(dataclasses.replace(term, side="egress", members=members))
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, lat, bw, tuple(terms))
 
@@ -133,3 +195,163 @@ def lower_bound(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
     The largest NIC ingress or egress time, latency per slice included (module docstring).
     """
     return lower_bound_terms(problem, cluster).seconds
+
+
+def smallest_chunk(nbytes: float) -> float:
+    """The smallest chunk a block of ``nbytes`` moves in: a broadcast cuts it into equal
+    chunks of at most its chunk size, which is at least :data:`MIN_CHUNK_BYTES`, so
+    ``n / ceil(n / MIN_CHUNK_BYTES)`` (the whole block if smaller).
+
+    >>> smallest_chunk(1000), smallest_chunk(32 << 10), smallest_chunk((32 << 10) + 2)
+    (1000.0, 32768.0, 16385.0)
+    """
+    return nbytes / max(1, math.ceil(nbytes / MIN_CHUNK_BYTES))
+
+
+def multicast_seconds(nbytes: int, senders: int, receivers: int, cluster: ClusterSpec) -> float:
+    """Earliest time ``receivers`` hosts can all have a slice of ``nbytes`` that
+    ``senders`` hosts hold, in chunked chain broadcasts from the holders (module docstring).
+
+    >>> c = ClusterSpec.preset("aws-p3.8xlarge")
+    >>> round(multicast_seconds(1 << 20, 1, 2, c) * 1e6, 3)   # a chain of two: 2 alpha + (n + c) / B
+    925.075
+    """
+    if receivers <= 0 or nbytes <= 0:
+        return 0.0
+    bw, lat = host_bandwidth(cluster), float(cluster.nic_latency)
+    chunk = smallest_chunk(nbytes)
+    first, again = lat + chunk / bw, lat + nbytes / bw
+    slots = [(first, True)] * max(1, senders)  # (first chunk of the next host, from a holder?)
+    heapq.heapify(slots)
+    reached = 0.0
+    for _ in range(receivers):
+        reached, root = heapq.heappop(slots)
+        if root:  # the holder's next chain starts once this one has left it
+            heapq.heappush(slots, (reached - first + again + first, True))
+        heapq.heappush(slots, (reached + first, False))  # the chain goes on from the new host
+    return reached + (nbytes - chunk) / bw
+
+
+def _multicast_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> list[BoundTerm]:
+    itemsize = problem.itemsize
+    out = []
+    for need in problem.needs:
+        nbytes = need.nbytes(itemsize)
+        s = len({h for h, _ in need.holders})
+        r = len({h for h, _ in need.receivers})
+        if r <= s:
+            continue  # one direct send per receiver: the NIC terms cover it
+        chunk = smallest_chunk(nbytes)
+        detail = f"{fmt_bytes(nbytes)} in {fmt_bytes(chunk)} chunks"
+        name = f"slice [{index_str(need.index)}] to {r} hosts from {s}"
+        t = multicast_seconds(nbytes, s, r, cluster)
+        out.append(BoundTerm(name, nbytes, 1, r, t, detail))
+    return out
+
+
+def _relay_tail_terms(
+    problem: ReshardingProblem, cluster: ClusterSpec, nic: LowerBound
+) -> list[BoundTerm]:
+    """Per source host: its single-host egress term plus the shortest relay tail of the
+    slices only it holds that more than one host needs (its last one ends with a relay)."""
+    itemsize = problem.itemsize
+    tails: dict[int, float] = {}
+    for need in problem.needs:
+        holders = {h for h, _ in need.holders}
+        if len(holders) != 1 or len({h for h, _ in need.receivers}) < 2:
+            continue
+        nbytes = need.nbytes(itemsize)
+        tail = nic.latency + smallest_chunk(nbytes) / nic.bandwidth
+        (h,) = holders
+        tails[h] = min(tails.get(h, tail), tail)
+    out = []
+    for t in nic.terms:
+        if t.side != "egress" or len(t.members) != 1 or t.members[0] not in tails:
+            continue
+        every = all(
+            len({h for h, _ in n.receivers}) > 1
+            for n in problem.needs
+            if {h for h, _ in n.holders} == set(t.members)
+        )
+        if not every:
+            continue  # it can end with a direct send
+        tail = tails[t.members[0]]
+        detail = f"{fmt_bytes(t.nbytes)} out, then a relay hop ({fmt_seconds(tail)})"
+        out.append(
+            BoundTerm(f"{t.resource} + relay tail", t.nbytes, t.slices, 1, t.seconds + tail, detail)
+        )
+    return out
+
+
+def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dict[int, float]]:
+    """Per slice: each receiving host's fan-out tail to its ``R`` devices.  A block of one
+    chunk (at most :data:`MIN_CHUNK_BYTES`) pays ``R - 1`` fabric latencies after the
+    NIC (a chain or a local all-gather) unless another NIC message brings it; a larger
+    block pipelines the fan-out, which hides the latencies, and only its last chunk
+    (at least ``n / ceil(n / c)`` bytes) still crosses ``R - 1`` fabric hops."""
+    out = []
+    itemsize = problem.itemsize
+    for need in problem.needs:
+        nbytes = need.nbytes(itemsize)
+        count: dict[int, int] = {}
+        for h, _ in need.receivers:
+            count[h] = count.get(h, 0) + 1
+        if nbytes <= MIN_CHUNK_BYTES:
+            per_hop = cluster.intra_latency
+        else:
+            per_hop = smallest_chunk(nbytes) / cluster.intra_bandwidth
+        out.append({h: min((r - 1) * per_hop, cluster.nic_latency) for h, r in count.items()})
+    return out
+
+
+def _fan_out_terms(
+    problem: ReshardingProblem, cluster: ClusterSpec, nic: LowerBound
+) -> list[BoundTerm]:
+    """Every ingress term plus the smallest fan-out tail of the host's blocks (the one
+    it takes last still has to reach its devices); every egress term of a set of source
+    hosts plus the smallest tail of the blocks only it holds (the last one to leave
+    still has to reach the devices of some receiving host)."""
+    tails = _fan_out_tails(problem, cluster)
+    ingress: dict[int, float] = {}
+    for t in tails:
+        for h, tail in t.items():
+            ingress[h] = min(ingress.get(h, tail), tail)
+    out = []
+    for t in nic.terms:
+        if t.side == "ingress":
+            tail = ingress.get(t.members[0], 0.0)
+        else:
+            inside = set(t.members)
+            tail = min(
+                (
+                    min(t_.values())
+                    for need, t_ in zip(problem.needs, tails, strict=True)
+                    if {h for h, _ in need.holders} <= inside
+                ),
+                default=0.0,
+            )
+        if tail <= 0:
+            continue
+        detail = f"{fmt_bytes(t.nbytes)}, then a fan-out to the devices ({fmt_seconds(tail)})"
+        out.append(
+            BoundTerm(
+                f"{t.resource} + fan-out", t.nbytes, t.slices, t.hosts, t.seconds + tail, detail
+            )
+        )
+    return out
+
+
+def tight_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> LowerBound:
+    """The NIC terms and the chunk- and latency-aware multicast terms (module docstring)."""
+    nic = lower_bound_terms(problem, cluster)
+    terms = nic.terms + tuple(_multicast_terms(problem, cluster))
+    terms += tuple(_relay_tail_terms(problem, cluster, nic))
+    terms += tuple(_fan_out_terms(problem, cluster, nic))
+    top = max((t.seconds for t in terms), default=0.0)
+    return LowerBound(top, nic.latency, nic.bandwidth, terms, kind="tight")
+
+
+def tight_bound(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
+    """Seconds below which no plan that sends slices whole in chunks of at least
+    :data:`MIN_CHUNK_BYTES` can finish: at least :func:`lower_bound`."""
+    return tight_bound_terms(problem, cluster).seconds

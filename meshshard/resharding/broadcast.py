@@ -20,8 +20,11 @@ Compared with the paper's broadcast planners (``broadcast_nolb/greedy/search``):
   arrays (:mod:`~meshshard.resharding.whole`) are compared with the makespan
   estimate of :mod:`~meshshard.resharding.estimate`; the fastest is the plan.
 
-Messages go to every device that needs the block (``dst_devices``), so no local
-all-gather is needed; a single receiving device gets a point-to-point message.
+Messages go to every device that needs the block (``dst_devices``), or, where that
+is faster, to one device per host followed by a local all-gather on the host
+(:mod:`~meshshard.resharding.gather`); a single receiving device gets a
+point-to-point message.  Broadcasts through several hops move in NCCL-like sub-MiB
+chunks where that shortens the chain (:mod:`~meshshard.resharding.chunks`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from __future__ import annotations
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import Message
 from meshshard.resharding.baselines import Planned
+from meshshard.resharding.chunks import with_chunks
+from meshshard.resharding.coverage import check_messages
 from meshshard.resharding.estimate import estimate_makespan
+from meshshard.resharding.gather import gathered
 from meshshard.resharding.realize import overhead, pool_flows, realize_rounds
 from meshshard.resharding.rounds import schedule_rounds
 from meshshard.resharding.whole import GROUPINGS, dispatch_slices, searched_slices
@@ -73,10 +79,30 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
         )
     if len(problem.needs) <= _SEARCH_MAX_SLICES:
         candidates.append(("whole slices by bounded search", searched_slices(problem, cluster)))
-    best = min(
-        range(len(candidates)),
-        key=lambda i: (round(estimate_makespan(candidates[i][1], cluster), 12), i),
-    )
-    desc, msgs = candidates[best]
+    desc, msgs = _choose(candidates, problem, cluster)
     rounds_used = 1 + max((m.round for m in msgs), default=-1)
     return tuple(msgs), (f"{len(pools)} flows in {rounds_used} rounds: {desc}",)
+
+
+def _choose(
+    candidates: list[tuple[str, list[Message]]], problem: ReshardingProblem, cluster: ClusterSpec
+) -> tuple[str, list[Message]]:
+    """The candidate the estimate finds fastest (the first of equals), each tried as is
+    and, where hosts have several receiving devices, as broadcast + local gather; every
+    broadcast in the chunk :func:`~meshshard.resharding.chunks.with_chunks` picks."""
+    best: tuple[float, int, str, list[Message]] | None = None
+    k = 0
+    for desc, msgs in candidates:
+        variants = [(desc, msgs, False)]
+        local = gathered(msgs)
+        if local is not None:
+            variants.append((desc + ", then gathered on each host", local, True))
+        for name, variant, gather in variants:
+            chunked = with_chunks(variant, cluster)
+            gathers = check_messages(problem, chunked) if gather else ()
+            key = round(estimate_makespan(chunked, cluster, gathers), 12)
+            if best is None or (key, k) < best[:2]:
+                best = (key, k, name, chunked)
+            k += 1
+    assert best is not None
+    return best[2], best[3]

@@ -3,11 +3,16 @@
 Each host does one operation at a time, in ``(round, position)`` order; an operation
 starts when its sender and all its receiving hosts are free (a rendezvous, as in
 NCCL).  A point-to-point message keeps both sides busy for ``latency + bytes /
-bandwidth``.  A chain broadcast over hosts ``0 (root), 1, ..., k-1`` moves ``C``
-chunks down the chain, so host ``j`` is free once its last chunk has moved on: the
-root after ``latency + C`` chunk times, a relay ``j`` after ``(j+1)`` latencies and
-``C + j`` chunk times, the last host after ``k-1`` latencies and ``C + k - 2`` chunk
-times.  It is the simulator's serial model without link sharing and intra-host hops,
+bandwidth``.  A chain broadcast moves ``C`` chunks (the message's ``chunk_bytes``, or
+the cluster's) down a chain of devices: the root's, then each receiving host's listed
+devices, NIC hops between hosts and fabric hops inside one.  Chunks stream and only
+the first pays an edge's latency, so the last chunk is done with edge ``e`` at the
+longest path through the (chunk, edge) grid (a flow shop: the first chunk's row up
+to some edge ``k``, then ``C - 1`` chunk times on the slowest edge from ``k`` on, and
+each further edge once); a host is free once its last chunk has moved on (the last
+host: once its last device has it).
+Local all-gathers (:class:`~meshshard.resharding.result.LocalGather`) run on their
+host after its messages.  It is the simulator's serial model without link sharing,
 thousands of times cheaper; the simulator stays the judge.
 
     >>> from meshshard.cluster import ClusterSpec
@@ -25,8 +30,11 @@ from collections.abc import Sequence
 
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import Message
+from meshshard.resharding.result import LocalGather
 
-__all__ = ["execution_order", "estimate_makespan", "busy_seconds"]
+_MAX_CHUNKS = 1024  # the simulator's default cap on chunks per broadcast channel
+
+__all__ = ["execution_order", "estimate_makespan", "busy_seconds", "message_busy"]
 
 
 def execution_order(messages: Sequence[Message]) -> list[int]:
@@ -34,26 +42,72 @@ def execution_order(messages: Sequence[Message]) -> list[int]:
     return sorted(range(len(messages)), key=lambda i: (messages[i].round, i))
 
 
-def busy_seconds(nbytes: int, hosts: int, cluster: ClusterSpec) -> list[float]:
-    """Seconds each of a transfer's ``hosts`` (sender first, then the chain) stays busy."""
-    lat = cluster.nic_latency
+def _chain_busy(
+    nbytes: float, devices: Sequence[int], cluster: ClusterSpec, chunk: int = 0
+) -> list[float]:
+    """Seconds each host of a chain broadcast stays busy; ``devices[j]`` is how many
+    devices host ``j`` (the root first) has in the chain (module docstring)."""
+    channels = cluster.nics_per_host
+    per = nbytes / channels
+    size = chunk or cluster.chunk_bytes
+    n = max(1, min(_MAX_CHUNKS, math.ceil(per / size))) if per > 0 else 1
+    step = per / n
+    edges = []  # (latency, chunk time, host it leaves)
+    for j, count in enumerate(devices):
+        if j:
+            edges.append((cluster.nic_latency, step / cluster.nic_bandwidth, j - 1))
+        edges += [(cluster.intra_latency, step / cluster.intra_bandwidth, j)] * (count - 1)
+    out = [0.0] * len(devices)
+    for e, (_, _, leaves) in enumerate(edges):
+        done = _last_chunk_done(edges[: e + 1], n)
+        out[leaves] = done
+        out[-1] = done
+    return out
+
+
+def _last_chunk_done(edges: Sequence[tuple[float, float, int]], n: int) -> float:
+    """When the last of ``n`` chunks has crossed every edge of ``edges`` (a flow shop
+    where only the first chunk pays each edge's latency): the longest path through
+    the grid, which leaves the first chunk's row at some edge ``k``."""
+    best = 0.0
+    first = 0.0  # latency + chunk time of the first chunk over edges 0..k
+    for k in range(len(edges)):
+        first += edges[k][0] + edges[k][1]
+        rest = [took for _, took, _ in edges[k:]]
+        path = first + sum(rest) + (n - 2) * max(rest) if n > 1 else first
+        best = max(best, path)
+    return best
+
+
+def busy_seconds(nbytes: int, hosts: int, cluster: ClusterSpec, chunk: int = 0) -> list[float]:
+    """Seconds each of a transfer's ``hosts`` (sender first, then the chain) stays busy,
+    one device per host; ``chunk`` is the broadcast's chunk (0: the cluster's)."""
     if hosts <= 2:
-        return [lat + nbytes / cluster.nic_bandwidth] * hosts
-    bw = cluster.nic_bandwidth * cluster.nics_per_host
-    chunk = min(cluster.chunk_bytes, nbytes) or 1
-    n = max(1, math.ceil(nbytes / chunk))
-    step = nbytes / n / bw
-    out = [(j + 1) * lat + (n + j) * step for j in range(hosts - 1)]
-    return out + [(hosts - 1) * lat + (n + hosts - 2) * step]
+        return [cluster.nic_latency + nbytes / cluster.nic_bandwidth] * hosts
+    return _chain_busy(nbytes, [1] * hosts, cluster, chunk)
 
 
-def estimate_makespan(messages: Sequence[Message], cluster: ClusterSpec) -> float:
+def message_busy(m: Message, cluster: ClusterSpec) -> list[float]:
+    """Seconds each member of message ``m`` (sender first) stays busy, its devices included."""
+    if not m.group:
+        return [cluster.nic_latency + m.nbytes / cluster.nic_bandwidth] * 2
+    counts = [1] + [len(d) for d in m.dst_devices] if m.dst_devices else [1] * len(m.group)
+    return _chain_busy(m.nbytes, counts, cluster, m.chunk_bytes)
+
+
+def estimate_makespan(
+    messages: Sequence[Message], cluster: ClusterSpec, gathers: Sequence[LocalGather] = ()
+) -> float:
     """Seconds until the last host finishes, in the serial host model (module docstring)."""
     clock: dict[int, float] = {}
     for i in execution_order(messages):
         m = messages[i]
         members = (m.src,) + tuple(m.receivers)
         start = max(clock.get(h, 0.0) for h in members)
-        for h, took in zip(members, busy_seconds(m.nbytes, len(members), cluster), strict=True):
+        for h, took in zip(members, message_busy(m, cluster), strict=True):
             clock[h] = start + took
+    for g in gathers:
+        clock[g.host] = clock.get(g.host, 0.0) + (
+            g.missing / cluster.intra_bandwidth + (len(g.devices) - 1) * cluster.intra_latency
+        )
     return max(clock.values(), default=0.0)

@@ -7,7 +7,10 @@
 >>> print(ReshardingPlan(p, "broadcast", (m,), lower_bound_s=1e-3, sim_time_s=None, planning_s=0.0))
 reshard i32[8] 32 B: mesh0 (1, 1) P() -> mesh1 (1, 2) P()
   broadcast: 1 messages, 32 B over the network, lower bound 1.000 ms
-  #0 r0 bcast w0.0 -> w1.{0,1} [0:8] 32 B
+  #0 r0 p2p   w0.0 -> w1.{0,1} [0:8] 32 B
+
+A group of root and one receiver runs as a send, so it prints ``p2p``; ``bcast`` is
+for groups of three or more workers.
 """
 
 from __future__ import annotations
@@ -42,13 +45,22 @@ def fmt_seconds(s: float) -> str:
 
 
 def message_str(i: int, m: Message) -> str:
-    """One message as ``#i r<round> bcast|p2p w<src>.<dev> -> w<h>.{devs} ... [block] size``."""
+    """One message as ``#i r<round> bcast|p2p w<src>.<dev> -> w<h>.{devs} ... [block] size``
+    (and ``in <chunk> chunks`` when the planner chose the broadcast's chunk).
+
+    ``bcast`` only for what runs as a broadcast (a group of three or more workers); a
+    group of root and one receiver runs as a send, so it prints ``p2p``.
+    """
     to = " ".join(
         f"w{h}.{{{','.join(map(str, devs))}}}"
         for h, devs in zip(m.receivers, m.dst_devices or ((),) * len(m.receivers), strict=True)
     )
-    kind = "bcast" if m.group else "p2p  "
-    return f"#{i} r{m.round} {kind} w{m.src}.{m.src_device} -> {to} [{index_str(m.index)}] {fmt_bytes(m.nbytes)}"
+    kind = "bcast" if m.is_broadcast else "p2p  "
+    chunk = f" in {fmt_bytes(m.chunk_bytes)} chunks" if m.chunk_bytes else ""
+    return (
+        f"#{i} r{m.round} {kind} w{m.src}.{m.src_device} -> {to} [{index_str(m.index)}] "
+        f"{fmt_bytes(m.nbytes)}{chunk}"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +97,9 @@ class ReshardingPlan:
             ``(round, position)`` order.  ``src``/receivers are worker ids,
             ``src_device`` holds the block, ``dst_devices[i]`` are the devices of
             receiver ``i`` that store it.
-        lower_bound_s: no plan can finish sooner on the cluster (see ``bound``).
+        lower_bound_s: no plan can finish sooner on the cluster (the NIC bound, ``bound``).
+        tight_bound_s: the chunk- and latency-aware bound (``bound.tight_bound``), or
+            None when not computed.
         sim_time_s: the simulator's prediction, or None when not simulated.
         planning_s: seconds the planner took (simulation excluded).
         gathers: intra-host all-gathers that run after the messages (``local_allgather``).
@@ -100,6 +114,7 @@ class ReshardingPlan:
     planning_s: float
     gathers: tuple[LocalGather, ...] = ()
     notes: tuple[str, ...] = ()
+    tight_bound_s: float | None = None
 
     @property
     def wire_bytes(self) -> int:
@@ -125,8 +140,13 @@ class ReshardingPlan:
             f"  {self.strategy}: {len(self.messages)} messages, {fmt_bytes(self.wire_bytes)} "
             f"over the network, lower bound {fmt_seconds(self.lower_bound_s)}"
         )
+        if self.tight_bound_s is not None:
+            line += f", tight bound {fmt_seconds(self.tight_bound_s)}"
         if self.sim_time_s is not None:
-            line += f", simulated {fmt_seconds(self.sim_time_s)} ({self.ratio:.3f}x)"
+            line += f", simulated {fmt_seconds(self.sim_time_s)} ({self.ratio:.3f}x"
+            if self.tight_bound_s:
+                line += f", {self.sim_time_s / self.tight_bound_s:.3f}x tight"
+            line += ")"
         out = [head, line]
         out += [f"  {message_str(i, m)}" for i, m in enumerate(self.messages)]
         out += [f"  {g}" for g in self.gathers]

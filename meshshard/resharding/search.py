@@ -6,16 +6,18 @@ sender hosts, receiver hosts, a duration (its bytes).  Works run in a global ord
 work starts when its sender and all its receivers are free and keeps them all busy
 for its duration.  A depth-first search branches over (next work, its sender), prunes
 a branch when a greedy estimate of its finish exceeds the best complete schedule, and
-stops after ``time_limit_s`` (1 s in Alpa), keeping the best schedule found.  The
-search also stops early when the best schedule meets the busiest worker's total load
-(nothing can beat that).  Works that start together form one round.
+stops after a budget of search nodes, keeping the best schedule found.  Alpa caps the
+search at 1 s of wall clock; a node budget makes the plan (and every golden file)
+the same on every machine, however fast.  :data:`NODE_BUDGET` (250,000 nodes) is
+about that second on the machine the benchmarks ran on.  The search also stops early
+when the best schedule meets the busiest worker's total load (nothing can beat
+that).  Works that start together form one round.
 
 It does not cut slices: a slice goes whole from one sender.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
@@ -24,7 +26,17 @@ from meshshard.resharding.baselines import Planned, naive_order
 from meshshard.resharding.blocks import by_host, make_message
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["Work", "SearchResult", "search_schedule", "searched_messages", "broadcast_search"]
+__all__ = [
+    "NODE_BUDGET",
+    "Work",
+    "SearchResult",
+    "search_schedule",
+    "searched_messages",
+    "broadcast_search",
+]
+
+NODE_BUDGET = 250_000
+"""Search nodes ``broadcast_search`` may visit (Alpa's 1 s cap, as a machine-independent count)."""
 
 
 @dataclass(frozen=True)
@@ -48,39 +60,32 @@ class SearchResult:
     complete: bool  # True: the search space was exhausted or the bound was met
 
     def __str__(self) -> str:
-        how = "complete" if self.complete else "cut off at the time limit"
+        how = "complete" if self.complete else "cut off by the node budget"
         return f"search: makespan {self.makespan} B after {self.nodes} nodes ({how})"
 
 
-def search_schedule(
-    works: list[Work], time_limit_s: float = 1.0, max_nodes: int | None = None
-) -> SearchResult:
+def search_schedule(works: list[Work], max_nodes: int = NODE_BUDGET) -> SearchResult:
     """Depth-first branch and bound over (order, sender) of ``works`` (see module docstring).
 
-    Stops after ``time_limit_s`` or, when given, ``max_nodes`` search nodes (a
-    deterministic cut-off), keeping the best complete schedule found.
+    Visits at most ``max_nodes`` search nodes and keeps the best complete schedule
+    found, so the result depends on the works and the budget only, never on the
+    machine's speed.  The first dive to a complete schedule is always finished (it
+    takes ``len(works) + 1`` nodes), so a budget below that is raised to it.
     """
+    if not isinstance(max_nodes, int) or max_nodes < 1:
+        raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}; pass e.g. 1000")
     n = len(works)
     workers = sorted({w for x in works for w in x.senders + x.receivers})
     slot = {w: i for i, w in enumerate(workers)}
     senders = [tuple(slot[s] for s in x.senders) for x in works]
     receivers = [tuple(slot[r] for r in x.receivers) for x in works]
     dur = [x.duration for x in works]
-    # no schedule beats the busiest receiver, nor (for single-sender works) the sender
-    floor = [0] * len(workers)
-    for i in range(n):
-        for r in receivers[i]:
-            floor[r] += dur[i]
-        if len(senders[i]) == 1:
-            floor[senders[i][0]] += dur[i]
-    target = max(floor, default=0)
-
+    target = _floor(senders, receivers, dur, len(workers))
     clock = [0] * len(workers)
     placed = [False] * n
     order: list[int] = []
     chosen = [0] * n
     best: dict = {"time": None, "order": (), "senders": (), "done": False}
-    deadline = time.perf_counter() + time_limit_s
     stats = {"nodes": 0, "timeout": False}
 
     def estimate(remaining: list[int]) -> int:
@@ -96,9 +101,7 @@ def search_schedule(
         stats["nodes"] += 1
         if best["done"]:
             return
-        if stats["nodes"] % 256 == 0 and time.perf_counter() > deadline:
-            stats["timeout"] = True
-        if max_nodes is not None and stats["nodes"] >= max_nodes:
+        if stats["nodes"] >= max_nodes:
             stats["timeout"] = True
         if stats["timeout"] and best["time"] is not None:
             return
@@ -132,30 +135,47 @@ def search_schedule(
                 return
 
     visit(0)
-    sol_senders = [workers[s] for s in best["senders"]]
-    starts = [0] * n
-    clock = [0] * len(workers)
-    for i in best["order"]:
-        members = (best["senders"][i],) + receivers[i]
-        starts[i] = max(clock[m] for m in members)
-        for m in members:
-            clock[m] = starts[i] + dur[i]
+    starts = _starts(best["order"], best["senders"], receivers, dur, len(workers))
     return SearchResult(
-        tuple(sol_senders),
+        tuple(workers[s] for s in best["senders"]),
         tuple(best["order"]),
-        tuple(starts),
+        starts,
         int(best["time"] or 0),
         stats["nodes"],
         not stats["timeout"],
     )
 
 
+def _floor(senders, receivers, dur, workers: int) -> int:
+    """No schedule beats the busiest receiver, nor (for single-sender works) the sender."""
+    floor = [0] * workers
+    for i, d in enumerate(dur):
+        for r in receivers[i]:
+            floor[r] += d
+        if len(senders[i]) == 1:
+            floor[senders[i][0]] += d
+    return max(floor, default=0)
+
+
+def _starts(order, chosen, receivers, dur, workers: int) -> tuple[int, ...]:
+    """When each work starts when run in ``order`` from its ``chosen`` sender."""
+    starts = [0] * len(dur)
+    clock = [0] * workers
+    for i in order:
+        members = (chosen[i],) + receivers[i]
+        starts[i] = max(clock[m] for m in members)
+        for m in members:
+            clock[m] = starts[i] + dur[i]
+    return tuple(starts)
+
+
 def broadcast_search(
-    problem: ReshardingProblem, cluster: ClusterSpec, *, time_limit_s: float = 1.0
+    problem: ReshardingProblem, cluster: ClusterSpec, *, max_nodes: int = NODE_BUDGET
 ) -> Planned:
     """One broadcast per (destination tile, slice); senders and order from :func:`search_schedule`.
 
-    Round ``k`` holds the works that start ``k``-th in the searched schedule.
+    Round ``k`` holds the works that start ``k``-th in the searched schedule; the
+    search visits at most ``max_nodes`` nodes (deterministic, unlike Alpa's 1 s cap).
     """
     itemsize = problem.itemsize
     needs = [need for _, tile_needs in naive_order(problem) for need in tile_needs]
@@ -167,7 +187,7 @@ def broadcast_search(
         )
         for n in needs
     ]
-    result = search_schedule(works, time_limit_s)
+    result = search_schedule(works, max_nodes)
     return tuple(searched_messages(problem, needs, result)), (str(result),)
 
 

@@ -1,10 +1,12 @@
 """Predict a resharding's time with :mod:`meshshard.sim`: build a one-transfer plan, run it.
 
-The plan has one transfer ``t0`` holding the messages and, per worker, the stream the
-runtime would run: its messages in ``(round, position)`` order (``SEND``/``RECV`` for
-point-to-point, ``COLL broadcast`` on every group member), then ``WAIT`` for what it
-received, then, where a :class:`~meshshard.resharding.result.LocalGather` is needed,
-a ``RUN`` of the intra-host all-gather, then ``WAITALL``.  It runs with
+The plan has one transfer ``t0`` holding the messages and, per worker, the stream a
+transfer-only plan runs (:func:`~meshshard.passes.lower_transfer.transfer_streams`,
+the one lowering of every transfer: its messages in ``(round, position)`` order,
+``SEND``/``RECV`` for point-to-point messages and two-member groups, ``COLL
+broadcast`` on every member of a larger group, ``WAIT`` for what it received, then
+``WAITALL``), with, where a :class:`~meshshard.resharding.result.LocalGather` is
+needed, a ``RUN`` of the intra-host all-gather before the ``WAITALL``.  It runs with
 ``serial_comm=True``: a worker does one communication at a time and a transfer
 starts when all its parties reach it (NCCL semantics, the paper's execution model),
 so order and head-of-line blocking count.  Messages name their devices, so the
@@ -22,19 +24,10 @@ import hashlib
 from collections.abc import Sequence
 
 from meshshard.cluster import ClusterSpec
-from meshshard.instructions import (
-    Collective,
-    Instruction,
-    Recv,
-    Run,
-    Send,
-    Wait,
-    WaitAll,
-    WorkerStream,
-)
+from meshshard.instructions import Run, WorkerStream
+from meshshard.passes.lower_transfer import transfer_streams
 from meshshard.plan import MeshSpec, Message, Plan, ProgramSpec, Schedule, TensorSpec, TransferSpec
 from meshshard.resharding.coverage import check_messages
-from meshshard.resharding.estimate import execution_order
 from meshshard.resharding.result import LocalGather
 from meshshard.sim import SimOptions, simulate
 from meshshard.tiles import ReshardingProblem
@@ -50,6 +43,11 @@ def gather_seconds(gathers: Sequence[LocalGather], cluster: ClusterSpec) -> floa
         g.missing / cluster.intra_bandwidth + (len(g.devices) - 1) * cluster.intra_latency
         for g in gathers
     )
+
+
+def _gather(w: int) -> tuple[Run, ...]:
+    """The intra-host all-gather worker ``w`` runs once its messages arrived."""
+    return (Run(program=f"gather.w{w}", mb=None, inputs=(BUFFER,), outputs=(BUFFER,)),)
 
 
 def resharding_sim_plan(
@@ -74,37 +72,12 @@ def resharding_sim_plan(
     transfer = TransferSpec(
         "t0", tensor, problem.dst_spec, 0, 1, "-", "-", tuple(messages), "resharding"
     )
-    order = execution_order(messages)
-    streams = []
-    for w in sorted(set(src.hosts) | set(dst.hosts)):
-        ins: list[Instruction] = []
-        received = False
-        for i in order:
-            m = messages[i]
-            if m.group:
-                if w in m.group:
-                    ins.append(
-                        Collective(
-                            kind="broadcast",
-                            buffer=BUFFER,
-                            transfer="t0",
-                            message=i,
-                            group=m.group,
-                            root=m.src,
-                        )
-                    )
-                    received |= w != m.src
-            elif w == m.src:
-                ins.append(Send(buffer=BUFFER, transfer="t0", message=i, peer=m.dst))
-            elif w == m.dst:
-                ins.append(Recv(buffer=BUFFER, transfer="t0", message=i, peer=m.src))
-                received = True
-        if received:
-            ins.append(Wait(buffer=BUFFER))
-        if w in by_host:
-            ins.append(Run(program=f"gather.w{w}", mb=None, inputs=(BUFFER,), outputs=(BUFFER,)))
-        ins.append(WaitAll())
-        streams.append(WorkerStream(w, tuple(ins)))
+    streams = tuple(
+        WorkerStream(s.worker, s.instructions[:-1] + _gather(s.worker) + s.instructions[-1:])
+        if s.worker in by_host
+        else s
+        for s in transfer_streams(transfer, meshes)
+    )
     key = repr((problem.shape, problem.dtype, tuple(messages), tuple(gathers)))
     plan = Plan(
         method="resharding",
@@ -117,7 +90,7 @@ def resharding_sim_plan(
         buffers=(),
         transfers=(transfer,),
         schedule=Schedule("none", 0, 1, ()),
-        streams=tuple(streams),
+        streams=streams,
         inputs=(),
         outputs=(),
         notes=(f"resharding {problem.dtype}{list(problem.shape)} simulated on its own",),

@@ -100,5 +100,5 @@ def searched_slices(problem: ReshardingProblem, cluster: ClusterSpec) -> list[Me
         hosts = tuple(by_host(n.receivers))
         took = max(busy_seconds(n.nbytes(itemsize), 1 + len(hosts), cluster))
         works.append(Work(tuple(by_host(n.holders)), hosts, round(took * 1e9)))
-    result = search_schedule(works, time_limit_s=60.0, max_nodes=SEARCH_NODES)
+    result = search_schedule(works, max_nodes=SEARCH_NODES)
     return searched_messages(problem, list(problem.needs), result)

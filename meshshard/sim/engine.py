@@ -31,7 +31,9 @@ have been reached, which exposes head-of-line blocking and order effects.
 
 Devices: a message of the plan that names its devices (``Message.dst_devices``)
 moves between them: a point-to-point flow runs from ``src_device`` to the first
-device listed for its receiving worker (through those devices' NICs), and a broadcast chains
+device listed for its receiving worker (through those devices' NICs) and, when the
+receiver lists several devices, is chained on through the rest (the in-host fan-out
+the runtime does after the receive), and a broadcast chains
 through the root's ``src_device`` and every listed device of each receiver, so the
 intra-host fan-out costs its fabric hops.  Otherwise a host's NIC device stands in.
 
@@ -52,20 +54,14 @@ from dataclasses import dataclass
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import (
     Collective,
-    Free,
     Instruction,
-    Load,
-    Recv,
-    Run,
     Send,
-    Wait,
-    WaitAll,
-    Zeros,
 )
 from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
 from meshshard.sim.costs import ProgramCost, program_cost
 from meshshard.sim.network import FlowNetwork
+from meshshard.sim.rules import RULES, CollKey, P2PKey, RunKey, StreamState
 from meshshard.sim.topology import Topology
 
 __all__ = ["SimOptions", "SimulationDeadlock", "Timeline", "OpRecord", "execute", "check_fits"]
@@ -126,7 +122,7 @@ class _Op:
         "worker",
         "index",
         "ins",
-        "code",
+        "rule",
         "queue",
         "deps",
         "dep_i",
@@ -142,12 +138,12 @@ class _Op:
         "comm_end",
     )
 
-    def __init__(self, oid, worker, index, ins, code):
+    def __init__(self, oid, worker, index, ins, rule):
         self.id = oid
         self.worker = worker
         self.index = index
         self.ins = ins
-        self.code = code
+        self.rule = rule
         self.queue = None
         self.deps: list[int] = []
         self.dep_i = 0
@@ -177,7 +173,18 @@ class _Queue:
 class _P2P:
     """A matched SEND/RECV pair."""
 
-    __slots__ = ("send", "recv", "nbytes", "flow_done", "src", "dst", "channel", "devices")
+    __slots__ = (
+        "send",
+        "recv",
+        "nbytes",
+        "flow_done",
+        "src",
+        "dst",
+        "channel",
+        "devices",
+        "fanout",
+        "chunk",
+    )
 
     def __init__(self):
         self.send: _Op | None = None
@@ -185,6 +192,8 @@ class _P2P:
         self.nbytes = 0.0
         self.flow_done = False
         self.devices: tuple[int, int] | None = None  # (src device, dst device) when known
+        self.fanout: tuple[int, ...] = ()  # every receiving device, when several need it
+        self.chunk = 0
 
 
 class _Rendezvous:
@@ -206,20 +215,6 @@ class Timeline:
     topology: Topology
     network: FlowNetwork
     notes: tuple[str, ...]
-
-
-_CODES = {
-    Run: "RUN",
-    Load: "LOAD",
-    Zeros: "ZEROS",
-    Send: "SEND",
-    Recv: "RECV",
-    Collective: "COLL",
-    Wait: "WAIT",
-    WaitAll: "WAITALL",
-    Free: "FREE",
-}
-_COMM = ("SEND", "RECV", "COLL")
 
 
 def check_fits(plan: Plan, cluster: ClusterSpec) -> None:
@@ -262,6 +257,7 @@ class _Engine:
         self.p2p: dict = {}
         self.coll_cache: dict = {}
         self.mesh_of_program = {p.name: p.mesh for p in plan.programs}
+        self.transfers = {t.name: t for t in plan.transfers}
         self.mesh_workers = {m.id: tuple(m.hosts) for m in plan.meshes}
         self.costs: dict[str, ProgramCost] = {}
         for p in plan.programs:
@@ -282,128 +278,95 @@ class _Engine:
 
     # --- building ------------------------------------------------------------------
     def _build(self) -> None:
-        overlap, serial = self.opt.overlap, self.opt.serial_comm
         counts: dict = {}
         for stream in self.plan.streams:
-            w = stream.worker
-            if overlap:
-                qs = [_Queue(w, "compute"), _Queue(w, "comm")]
-            else:
-                qs = [_Queue(w, "all")]
-            self.queues[w] = qs
-            last_writer: dict[str, int] = {}
-            unwaited: dict[str, list[int]] = {}
-            sends: list[int] = []
-            occ: dict = {}
-            for i, ins in enumerate(stream.instructions):
-                code = _CODES.get(type(ins))
-                if code is None:
-                    raise TypeError(f"w{w}: cannot simulate instruction {ins!r}")
-                op = _Op(len(self.ops), w, i, ins, code)
-                self.ops.append(op)
-                is_comm = code in _COMM
-                op.queue = qs[1] if (overlap and is_comm) else qs[0]
-                op.queue.ops.append(op)
-                op.blocking = (not overlap) or (not is_comm) or serial
-                deps: list[int] = []
-                if code in ("RUN", "SEND", "COLL"):
-                    deps = [last_writer[b] for b in ins.reads if b in last_writer]
-                if code == "RUN":
-                    mesh = self.mesh_of_program.get(ins.program)
-                    if mesh is None:
-                        raise ValueError(
-                            f"w{w}: {ins} runs program {ins.program!r}, which the plan lacks"
-                        )
-                    op.dur = self.costs[ins.program].seconds
-                    if len(self.mesh_workers.get(mesh, ())) > 1:
-                        n = occ[("run", ins.program, ins.mb)] = (
-                            occ.get(("run", ins.program, ins.mb), -1) + 1
-                        )
-                        op.key = ("run", ins.program, ins.mb, n)
-                elif code in ("SEND", "RECV"):
-                    src, dst = (w, ins.peer) if code == "SEND" else (ins.peer, w)
-                    base = ("p2p", ins.transfer, ins.message, ins.buffer, src, dst)
-                    n = occ[(code,) + base] = occ.get((code,) + base, -1) + 1
-                    op.key = base + (n,)
-                    pair = self.p2p.get(op.key)
-                    if pair is None:
-                        pair = self.p2p[op.key] = _P2P()
-                    if code == "SEND":
-                        pair.send = op
-                        sends.append(op.id)
-                    else:
-                        pair.recv = op
-                        unwaited.setdefault(ins.buffer, []).append(op.id)
-                elif code == "COLL":
-                    base = (
-                        "coll",
-                        ins.kind,
-                        ins.transfer,
-                        ins.message,
-                        ins.buffer,
-                        ins.group,
-                        ins.root,
-                    )
-                    n = occ[base] = occ.get(base, -1) + 1
-                    op.key = base + (n,)
-                    unwaited.setdefault(ins.buffer, []).append(op.id)
-                elif code == "WAIT":
-                    deps = unwaited.pop(ins.buffer, [])
-                elif code == "WAITALL":
-                    deps, sends = sends, []
-                op.deps = deps
-                for b in ins.writes:
-                    last_writer[b] = op.id
-                if op.key is not None:
-                    counts[op.key] = counts.get(op.key, 0) + 1
-        # validate matches
+            self._build_stream(stream, counts)
         for pair in self.p2p.values():
-            if pair.send is None or pair.recv is None:
-                have = pair.send or pair.recv
-                peer = have.ins.peer
-                raise SimulationDeadlock(
-                    f"w{have.worker}: {have.ins} has no matching "
-                    f"{'RECV' if pair.send else 'SEND'} on w{peer} "
-                    f"(same transfer {have.ins.transfer}, message #{have.ins.message}, buffer "
-                    f"{have.ins.buffer}); the plan's streams are inconsistent"
-                )
-            pair.nbytes = self._message_bytes(pair.send.ins)
-            pair.channel = pair.send.ins.message % self.cluster.nics_per_host
-            msg = self._message(pair.send.ins)
-            peer = pair.send.ins.peer
-            if msg is not None and msg.src == pair.send.worker and peer in msg.receivers:
-                devs = msg.dst_devices[msg.receivers.index(peer)] if msg.dst_devices else ()
-                if devs:
-                    pair.devices = (msg.src_device, devs[0])
+            self._match(pair)
         for key, n in counts.items():
-            if key[0] == "run":
-                mesh = self.mesh_of_program[key[1]]
-                if n != len(self.mesh_workers[mesh]):
-                    self.notes.append(
-                        f"RUN {key[1]} mb{key[2]} appears on {n} of mesh{mesh}'s "
-                        f"{len(self.mesh_workers[mesh])} workers; started when those {n} reach it"
-                    )
-                self.rdv[key] = _Rendezvous(n)
-            elif key[0] == "coll":
-                group = key[5]
-                if n != len(group):
-                    missing = sorted(set(group) - {op.worker for op in self.ops if op.key == key})
-                    raise SimulationDeadlock(
-                        f"COLL {key[1]} {key[4]} #{key[3]} over {list(group)} is missing on "
-                        f"workers {missing}; every group member must issue it"
-                    )
-                self.rdv[key] = _Rendezvous(n)
+            if isinstance(key, RunKey):
+                self._check_run_group(key, n)
+            elif isinstance(key, CollKey):
+                self._check_collective_group(key, n)
+            self.rdv[key] = _Rendezvous(n)
+
+    def _build_stream(self, stream, counts: dict) -> None:
+        """Ops of one worker's stream, their queues, dependencies and matching keys."""
+        overlap, serial = self.opt.overlap, self.opt.serial_comm
+        w = stream.worker
+        qs = [_Queue(w, "compute"), _Queue(w, "comm")] if overlap else [_Queue(w, "all")]
+        self.queues[w] = qs
+        state = StreamState(w)
+        for i, ins in enumerate(stream.instructions):
+            rule = RULES.get(type(ins))
+            if rule is None:
+                raise TypeError(f"w{w}: cannot simulate instruction {ins!r}")
+            op = _Op(len(self.ops), w, i, ins, rule)
+            self.ops.append(op)
+            op.queue = qs[1] if (overlap and ins.is_comm) else qs[0]
+            op.queue.ops.append(op)
+            op.blocking = (not overlap) or (not ins.is_comm) or serial
+            rule.build(self, op, state)
+            for b in ins.writes:
+                state.last_writer[b] = op.id
+            if op.key is not None:
+                counts[op.key] = counts.get(op.key, 0) + 1
+
+    def pair(self, key: P2PKey) -> _P2P:
+        """The SEND/RECV pair of ``key`` (made on first use)."""
+        pair = self.p2p.get(key)
+        if pair is None:
+            pair = self.p2p[key] = _P2P()
+        return pair
+
+    def _match(self, pair: _P2P) -> None:
+        """Check a SEND has its RECV (and the reverse); size and route the message."""
+        if pair.send is None or pair.recv is None:
+            have = pair.send or pair.recv
+            peer = have.ins.peer
+            raise SimulationDeadlock(
+                f"w{have.worker}: {have.ins} has no matching "
+                f"{'RECV' if pair.send else 'SEND'} on w{peer} "
+                f"(same transfer {have.ins.transfer}, message #{have.ins.message}, buffer "
+                f"{have.ins.buffer}); the plan's streams are inconsistent"
+            )
+        pair.nbytes = self._message_bytes(pair.send.ins)
+        pair.channel = pair.send.ins.message % self.cluster.nics_per_host
+        msg = self._message(pair.send.ins)
+        peer = pair.send.ins.peer
+        if msg is not None and msg.src == pair.send.worker and peer in msg.receivers:
+            devs = msg.dst_devices[msg.receivers.index(peer)] if msg.dst_devices else ()
+            if devs:
+                pair.devices = (msg.src_device, devs[0])
+            if len(devs) > 1:
+                pair.fanout, pair.chunk = tuple(devs), msg.chunk_bytes
+
+    def _check_run_group(self, key: RunKey, n: int) -> None:
+        mesh = self.mesh_of_program[key.program]
+        if n != len(self.mesh_workers[mesh]):
+            self.notes.append(
+                f"RUN {key.program} mb{key.mb} appears on {n} of mesh{mesh}'s "
+                f"{len(self.mesh_workers[mesh])} workers; started when those {n} reach it"
+            )
+
+    def _check_collective_group(self, key: CollKey, n: int) -> None:
+        if n != len(key.group):
+            missing = sorted(set(key.group) - {op.worker for op in self.ops if op.key == key})
+            raise SimulationDeadlock(
+                f"COLL {key.kind.value} {key.buffer} #{key.message} over {list(key.group)} is "
+                f"missing on workers {missing}; every group member must issue it"
+            )
 
     def _message(self, ins: Send | Collective) -> Message | None:
         """The plan's message an instruction carries, or None when the plan lacks it."""
         try:
-            return self.plan.transfer(ins.transfer).messages[ins.message]
+            return self.transfers[ins.transfer].messages[ins.message]
         except (KeyError, IndexError):
             return None
 
     def _message_bytes(self, ins: Send) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:
@@ -418,7 +381,7 @@ class _Engine:
 
     def _coll_bytes(self, ins: Collective) -> float:
         try:
-            return float(self.plan.transfer(ins.transfer).messages[ins.message].nbytes)
+            return float(self.transfers[ins.transfer].messages[ins.message].nbytes)
         except (KeyError, IndexError):
             pass
         try:
@@ -495,32 +458,29 @@ class _Engine:
 
     def _arrive(self, op: _Op) -> None:
         op.state = ARRIVED
-        code = op.code
-        if code == "RUN" or code == "COLL":
-            if op.key is None:
-                self._start(op)
-                return
-            r = self.rdv[op.key]
-            r.arrived.append(op)
-            if len(r.arrived) == r.expected:
-                for member in r.arrived:
-                    member.state = STARTED
-                    member.start = self.now
-                if code == "RUN":
-                    for member in r.arrived:
-                        self._start(member)
-                else:
-                    self._start_collective(r.arrived)
-            return
-        if code == "SEND" or code == "RECV":
-            self._arrive_p2p(op)
-            return
-        self._start(op)
+        op.rule.arrive(self, op)
 
-    def _start(self, op: _Op) -> None:
+    def rendezvous(self, op: _Op) -> list[_Op] | None:
+        """Register ``op`` at its rendezvous; all members (marked started) once complete.
+
+        An op without a key (a program of a one-host mesh) needs nobody: ``[op]``.
+        """
+        if op.key is None:
+            return [op]
+        r = self.rdv[op.key]
+        r.arrived.append(op)
+        if len(r.arrived) != r.expected:
+            return None
+        for member in r.arrived:
+            member.state = STARTED
+            member.start = self.now
+        return r.arrived
+
+    def start(self, op: _Op) -> None:
+        """Start ``op`` now; it completes after its duration (programs) or at once."""
         op.state = STARTED
         op.start = self.now
-        if op.code == "RUN" and op.dur > 0:
+        if op.dur > 0:
             self.at(self.now + op.dur, self._complete, op)
         else:
             self._complete(op)
@@ -537,12 +497,13 @@ class _Engine:
         self._schedule_pump(op.queue)
 
     # --- point to point --------------------------------------------------------------
-    def _arrive_p2p(self, op: _Op) -> None:
+    def arrive_p2p(self, op: _Op) -> None:
+        """A SEND or RECV reached its queue head: start the flow when both sides allow."""
         pair: _P2P = self.p2p[op.key]
         op.state = STARTED
         op.start = self.now
         rendezvous = self.opt.serial_comm
-        if op.code == "SEND":
+        if isinstance(op.ins, Send):
             if not rendezvous or pair.recv.state >= STARTED:
                 self._start_flow(pair)
         else:
@@ -555,6 +516,9 @@ class _Engine:
         send = pair.send
         src = send.worker
         dst = send.ins.peer
+        if pair.fanout:
+            self._start_fanout(pair)
+            return
         if pair.devices is not None:  # the message names its devices: route between them
             a, b = (src, pair.devices[0]), (dst, pair.devices[1])
         elif src == dst:
@@ -573,6 +537,53 @@ class _Engine:
             label=str(send.ins),
         )
 
+    def _start_fanout(self, pair: _P2P) -> None:
+        """A message several devices of its receiving host need: one flow to the first,
+        then the in-host fan-out chained through the rest, as a two-member broadcast."""
+        src, dst = pair.send.worker, pair.send.ins.peer
+        d = decompose(
+            "broadcast",
+            (src, dst),
+            src,
+            pair.nbytes,
+            self.cluster,
+            chunk_bytes=pair.chunk or self.opt.chunk_bytes,
+            max_chunks=self.opt.max_chunks,
+            devices={src: (pair.devices[0],), dst: pair.fanout},
+        )
+        steps = d.steps
+        remaining = [len(s.deps) for s in steps]
+        succ: list[list[int]] = [[] for _ in steps]
+        for i, s in enumerate(steps):
+            for dep in s.deps:
+                succ[dep].append(i)
+        left = [len(steps)]
+        pair.send.comm_start = pair.recv.comm_start = self.now
+
+        def launch(i: int) -> None:
+            s = steps[i]
+            lat = self.topo.latency(s.src, s.dst) if s.latency else 0.0
+            self.net.start(
+                self.now,
+                self.topo.path(s.src, s.dst),
+                s.nbytes,
+                latency=lat,
+                on_done=lambda f: done(i),
+            )
+
+        def done(i: int) -> None:
+            left[0] -= 1
+            for j in succ[i]:
+                remaining[j] -= 1
+                if remaining[j] == 0:
+                    launch(j)
+            if left[0] == 0:
+                self._p2p_done(pair)
+
+        for i, n in enumerate(remaining):
+            if n == 0:
+                launch(i)
+
     def _p2p_done(self, pair: _P2P) -> None:
         pair.flow_done = True
         pair.send.comm_end = pair.recv.comm_end = self.now
@@ -581,14 +592,17 @@ class _Engine:
             self._complete(pair.recv)
 
     # --- collectives -------------------------------------------------------------------
-    def _start_collective(self, members: list[_Op]) -> None:
+    def start_collective(self, members: list[_Op]) -> None:
+        """All members of a collective arrived: launch its decomposed flows."""
         ins: Collective = members[0].ins
         nbytes = self._coll_bytes(ins)
         devices = self._broadcast_devices(ins)
-        key = (ins.kind, ins.group, ins.root, nbytes, devices)
+        msg = self._message(ins) if ins.kind == "broadcast" else None
+        chunk = (msg.chunk_bytes if msg is not None else 0) or self.opt.chunk_bytes
+        key = (ins.kind, ins.group, ins.root, nbytes, devices, chunk)
         prep = self.coll_cache.get(key)
         if prep is None:
-            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices)
+            prep = self.coll_cache[key] = self._prepare_collective(ins, nbytes, devices, chunk)
         paths, lats, sizes, succ, ndeps, touching, per_member = prep
         by_worker = {op.worker: op for op in members}
         left = dict(per_member)
@@ -628,7 +642,9 @@ class _Engine:
         pairs += [(h, tuple(d)) for h, d in zip(msg.group[1:], msg.dst_devices, strict=True)]
         return tuple(pairs)
 
-    def _prepare_collective(self, ins: Collective, nbytes: float, devices: tuple | None = None):
+    def _prepare_collective(
+        self, ins: Collective, nbytes: float, devices: tuple | None = None, chunk: int | None = None
+    ):
         d = decompose(
             ins.kind,
             ins.group,
@@ -636,7 +652,7 @@ class _Engine:
             nbytes,
             self.cluster,
             allreduce=self.opt.allreduce,
-            chunk_bytes=self.opt.chunk_bytes,
+            chunk_bytes=chunk or self.opt.chunk_bytes,
             max_chunks=self.opt.max_chunks,
             devices=dict(devices) if devices else None,
         )
@@ -687,9 +703,9 @@ class _Engine:
             r = self.rdv[op.key]
             here = sorted(o.worker for o in r.arrived)
             return f"rendezvous: {len(here)} of {r.expected} arrived ({here})"
-        if op.code in ("SEND", "RECV"):
+        if isinstance(op.key, P2PKey):
             pair = self.p2p[op.key]
-            other = pair.recv if op.code == "SEND" else pair.send
+            other = pair.recv if isinstance(op.ins, Send) else pair.send
             return f"waits for w{other.worker}#{other.index} {other.ins}"
         return "in flight"
 
@@ -702,9 +718,9 @@ class _Engine:
         by_worker: dict[int, list[OpRecord]] = {}
         for op in self.ops:
             comm = (None, None)
-            if op.code == "COLL":
+            if op.rule.comm_span == "rendezvous":
                 comm = (op.start, op.end)
-            elif op.code in ("SEND", "RECV"):
+            elif op.rule.comm_span == "flow":
                 comm = (op.comm_start, op.comm_end)
             by_worker.setdefault(op.worker, []).append(
                 OpRecord(

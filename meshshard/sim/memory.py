@@ -89,14 +89,17 @@ def memory_profile(
     sizes: dict[tuple[BufferRef, int], float] = {}
 
     def size(buf: BufferRef, w: int) -> float:
-        key = (buf.group, w)
-        if key not in sizes:
+        n = sizes.get((buf, w))
+        if n is None:
+            n = sizes.get((buf.group, w))
+        if n is None:
             n = bytes_per_device(plan, buf, w)
             if n is None:
-                unknown.add(key[0])
+                unknown.add(buf.group)
                 n = 0.0
-            sizes[key] = n
-        return sizes[key]
+            sizes[(buf.group, w)] = n
+        sizes[(buf, w)] = n
+        return n
 
     for recs in records:
         if not recs:
@@ -129,7 +132,8 @@ def memory_profile(
         for b in alive:
             events.append((end, len(recs), -1, b))
         # at one instant, stream order decides (a FREE before the next RUN releases first)
-        events.sort(key=lambda e: (e[0], e[1], e[2], str(e[3])))
+        # ties (one instant, one instruction, one direction) leave the peak unchanged
+        events.sort(key=lambda e: (e[0], e[1], e[2]))
         held = 0.0
         by_cat: dict[str, float] = {}
         best = (-1.0, 0.0, {})

@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
+from meshshard.instructions import Collective, Instruction, Recv, Run, Send, Wait, WaitAll
 from meshshard.plan import Plan
+from meshshard.plan_checks import require_valid_plan
 from meshshard.sim.engine import SimOptions, Timeline, execute
 from meshshard.sim.memory import CATEGORY_ORDER, memory_profile
 from meshshard.sim.result import Counter, LinkStats, MemoryStats, SimResult, Span, WorkerStats
 
 __all__ = ["simulate"]
-
-_COMM = ("Send", "Recv", "Collective")
 
 
 def simulate(
@@ -36,6 +36,7 @@ def simulate(
         >>> round(r.iteration_time, 1)  # (M + S - 1) * (F + B), plus 3 ms of transfers
         15.0
     """
+    require_valid_plan(plan, what="simulate", streams=False)  # an edited header
     cluster = plan.cluster if cluster is None else cluster
     opts = options or SimOptions()
     if overlap is not None:
@@ -56,6 +57,14 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     if cur_e is not None:
         total += cur_e - cur_s
     return total
+
+
+_SPAN_CATEGORY = {Send: "send", Recv: "recv", Collective: "collective"}
+
+
+def _category(ins: Instruction) -> str:
+    """The trace category of a communication span."""
+    return _SPAN_CATEGORY.get(type(ins), "comm")
 
 
 def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) -> SimResult:
@@ -80,22 +89,21 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
         finish = 0.0
         for r in recs:
             ins = r.instruction
-            kind = type(ins).__name__
             finish = max(finish, r.end)
-            if kind == "Run":
+            if isinstance(ins, Run):
                 compute += r.end - r.start
                 if record:
                     mb = f" mb{ins.mb}" if ins.mb is not None else ""
                     spans.append(
                         Span(track, "compute", f"{ins.program}{mb}", r.start, r.end, "run")
                     )
-            elif kind in _COMM and r.comm_start is not None:
+            elif ins.is_comm and r.comm_start is not None:
                 comm.append((r.comm_start, r.comm_end))
                 if record:
                     spans.append(
-                        Span(track, "comm", str(ins), r.comm_start, r.comm_end, kind.lower())
+                        Span(track, "comm", str(ins), r.comm_start, r.comm_end, _category(ins))
                     )
-            elif kind in ("Wait", "WaitAll") and record and r.end > r.head:
+            elif isinstance(ins, Wait | WaitAll) and record and r.end > r.head:
                 spans.append(Span(track, "compute", str(ins), r.head, r.end, "wait"))
         workers.append(
             WorkerStats(

@@ -7,7 +7,10 @@ backward ``s{s}.B`` program and each mesh an ``m{s}.apply``.  Boundary ``s`` has
 forward transfer ``t{s}`` (activations, ``s`` -> ``s+1``) and a backward transfer
 ``t{S-1+s}`` (their gradient, ``s+1`` -> ``s``), one message per host (host ``i`` of
 one mesh to host ``i`` of the next), or one broadcast from the sending mesh's first
-host with ``transfer="broadcast"``.
+host with ``transfer="broadcast"``.  Tasks run in the order of the pipeline's own
+schedule generators (:mod:`meshshard.passes.schedules`) and every transfer is lowered
+by :func:`~meshshard.passes.lower_transfer.lower_transfer`, as in a traced plan (a
+broadcast to a single host runs as a send).
 
 Buffer sizes are per device (tensors are replicated in their mesh, transfers sharded
 over hosts).  Stream of a stage worker, per task of its schedule order::
@@ -57,14 +60,14 @@ from meshshard.instructions import (
     Free,
     Instruction,
     Load,
-    Recv,
     Run,
-    Send,
     Wait,
     WaitAll,
     WorkerStream,
     Zeros,
 )
+from meshshard.passes.lower_transfer import lower_transfer
+from meshshard.passes.schedules import SCHEDULE_GENERATORS, make_schedule
 from meshshard.plan import (
     BufferSpec,
     InputSpec,
@@ -88,64 +91,30 @@ __all__ = [
     "schedule_grid",
 ]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(SCHEDULE_GENERATORS)
 
 
 def stage_order(schedule: str, num_stages: int, num_micro_batches: int, stage: int) -> list[Task]:
     """The order stage ``stage`` runs its tasks in under ``schedule`` (``gpipe`` or ``1f1b``).
 
-    GPipe: every forward, then every backward.  1F1B (PipeDream-Flush): ``S - s - 1``
-    warm-up forwards, then alternate one forward and one backward, then the rest.
+    Read off the pipeline's own schedule generator
+    (:func:`meshshard.passes.schedules.make_schedule`), so synthetic plans run the
+    schedules real plans run.  GPipe: every forward, then every backward.  1F1B
+    (PipeDream-Flush): ``S - s - 1`` warm-up forwards, then alternate one forward and
+    one backward, then the rest.
 
         >>> " ".join(map(str, stage_order("1f1b", 3, 4, 0)))
         'F0 F1 F2 B0 F3 B1 B2 B3'
     """
-    s, m = stage, num_micro_batches
-    if schedule == "gpipe":
-        return [Task(s, k, "F") for k in range(m)] + [Task(s, k, "B") for k in range(m)]
-    if schedule == "1f1b":
-        warm = min(num_stages - s - 1, m)
-        order = [Task(s, k, "F") for k in range(warm)]
-        for i in range(m - warm):
-            order += [Task(s, warm + i, "F"), Task(s, i, "B")]
-        order += [Task(s, k, "B") for k in range(m - warm, m)]
-        return order
-    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    grid = schedule_grid(schedule, num_stages, num_micro_batches)
+    return [row[stage] for row in grid.ticks if row[stage] is not None]
 
 
 def schedule_grid(schedule: str, num_stages: int, num_micro_batches: int) -> Schedule:
-    """The tick grid of a schedule when every task takes one tick (for ``print(plan)``)."""
-    S, M = num_stages, num_micro_batches
-    orders = [stage_order(schedule, S, M, s) for s in range(S)]
-    tick: dict[tuple[int, str, int], int] = {}
-    pos = [0] * S
-    free = [0] * S
-    placed, total = 0, sum(len(o) for o in orders)
-    while placed < total:
-        progressed = False
-        for s in range(S):
-            if pos[s] == len(orders[s]):
-                continue
-            task = orders[s][pos[s]]
-            if task.kind == "F":
-                dep = (s - 1, "F", task.mb) if s > 0 else None
-            else:
-                dep = (s + 1, "B", task.mb) if s < S - 1 else (s, "F", task.mb)
-            if dep is not None and dep not in tick:
-                continue
-            t = max(free[s], tick[dep] + 1 if dep is not None else 0)
-            tick[(s, task.kind, task.mb)] = t
-            free[s] = t + 1
-            pos[s] += 1
-            placed += 1
-            progressed = True
-        if not progressed:  # pragma: no cover - the schedules above always progress
-            raise RuntimeError(f"schedule {schedule} deadlocks")
-    n = max(tick.values()) + 1 if tick else 0
-    grid: list[list[Task | None]] = [[None] * S for _ in range(n)]
-    for (s, kind, mb), t in tick.items():
-        grid[t][s] = Task(s, mb, kind)
-    return Schedule(schedule, S, M, tuple(tuple(row) for row in grid))
+    """The tick grid of ``schedule`` from :mod:`meshshard.passes.schedules`."""
+    if schedule not in SCHEDULE_GENERATORS:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return make_schedule(schedule, num_stages, num_micro_batches)
 
 
 def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
@@ -279,10 +248,8 @@ def synthetic_pipeline(
                     for i in range(h)
                 )
             else:
-                msgs = tuple(
-                    Message(meshes[src].hosts[0], dh, ((0, rows),), activation_bytes)
-                    for dh in meshes[dst].hosts
-                )
+                group = (meshes[src].hosts[0], *meshes[dst].hosts)
+                msgs = (Message(group[0], group[1], ((0, rows),), activation_bytes, group=group),)
             transfers.append(TransferSpec(name, tensor, spec, src, dst, prod, cons, msgs, transfer))
     for s in range(S):
         ins_f = [f"P{s}"] + ([f"X{s}"] if s in (0, S - 1) else []) + ([fwd_t(s - 1)] if s else [])
@@ -303,43 +270,10 @@ def synthetic_pipeline(
 
     # --- streams -----------------------------------------------------------------------
     def send(name: str, buf: str, w: int) -> list[Instruction]:
-        t = tmap[name]
-        if t.strategy == "broadcast":
-            group = (t.messages[0].src,) + tuple(m.dst for m in t.messages)
-            if w != group[0]:
-                return [Free(buffer=buf)]
-            return [
-                Collective(
-                    kind="broadcast",
-                    buffer=buf,
-                    transfer=name,
-                    message=0,
-                    group=group,
-                    root=group[0],
-                ),
-                Free(buffer=buf),
-            ]
-        out: list[Instruction] = [
-            Send(buffer=buf, transfer=name, message=i, peer=m.dst)
-            for i, m in enumerate(t.messages)
-            if m.src == w
-        ]
-        return out + [Free(buffer=buf)]
+        return [*lower_transfer(tmap[name], buf, w), Free(buffer=buf)]
 
     def recv(name: str, buf: str, w: int) -> list[Instruction]:
-        t = tmap[name]
-        if t.strategy == "broadcast":
-            group = (t.messages[0].src,) + tuple(m.dst for m in t.messages)
-            coll = Collective(
-                kind="broadcast", buffer=buf, transfer=name, message=0, group=group, root=group[0]
-            )
-            return [coll, Wait(buffer=buf)]
-        out: list[Instruction] = [
-            Recv(buffer=buf, transfer=name, message=i, peer=m.src)
-            for i, m in enumerate(t.messages)
-            if m.dst == w
-        ]
-        return out + [Wait(buffer=buf)]
+        return list(lower_transfer(tmap[name], buf, w))
 
     streams = []
     for s in range(S):
@@ -519,18 +453,12 @@ def synthetic_exchange(
     streams = []
     for w in range(n):
         ins: list[Instruction] = []
-        for i, (src, dst, _) in enumerate(messages):
-            if src == w:
-                ins += [
-                    Send(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=dst),
-                    Free(buffer=f"t{i}@0"),
-                ]
-        for i, (src, dst, _) in enumerate(messages):
-            if dst == w:
-                ins += [
-                    Recv(buffer=f"t{i}@0", transfer=f"t{i}", message=0, peer=src),
-                    Wait(buffer=f"t{i}@0"),
-                ]
+        for t in transfers:
+            if t.messages[0].src == w:
+                ins += [*lower_transfer(t, f"{t.name}@0", w), Free(buffer=f"{t.name}@0")]
+        for t in transfers:
+            if t.messages[0].dst == w != t.messages[0].src:
+                ins += lower_transfer(t, f"{t.name}@0", w)
         ins.append(WaitAll())
         streams.append(WorkerStream(w, tuple(ins)))
     return _bare_plan(

@@ -1,0 +1,74 @@
+"""Repository-wide pytest setup: emulated devices, doctests of ``passes/`` and
+``runtime/``, the ``--update-golden`` option and the test tiers.
+
+Tiers (markers, ``pyproject.toml``): ``ray`` tests start Ray actors, ``slow`` tests
+take more than a few seconds each without Ray, and every other test (doctests
+included) is ``fast``; ``make test`` runs all, ``make test-fast`` only ``-m fast``.
+
+``passes/`` and ``runtime/`` are the packages ``meshshard.passes`` and
+``meshshard.runtime`` (BUILD_NOTES.md, "Install modes").  When ``--doctest-modules``
+collects a file there, pytest imports it by its path as ``passes.emit`` or
+``runtime.transport``; loaded under that second name a module would be a copy, with its
+own classes and registries.  The finder below makes the bare names aliases of the
+package's modules instead, so every doctest runs against the one ``meshshard.*``
+module, under the editable install and from a plain checkout alike.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+ALIASED = ("passes", "runtime")
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads ``passes.x`` as the already imported ``meshshard.passes.x``."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module):
+        pass
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``passes[.x]`` / ``runtime[.x]`` to ``meshshard.passes[.x]`` / ``meshshard.runtime[.x]``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] not in ALIASED:
+            return None
+        module = importlib.import_module(f"meshshard.{name}")
+        return importlib.util.spec_from_loader(name, _Alias(module))
+
+
+sys.meta_path.insert(0, _AliasFinder())
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/* with the current output instead of comparing (tests/golden.py)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--update-golden"):
+        os.environ["MESHSHARD_UPDATE_GOLDEN"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test not marked ``slow`` or ``ray`` is ``fast`` (``make test-fast`` runs those)."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("ray") is None:
+            item.add_marker("fast")
