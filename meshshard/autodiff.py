@@ -148,7 +148,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
             return False
         for src, dst in zip(eqn.invars, eqn.outvars, strict=True):  # explicit-value form
             env[dst] = read_var(env, src)
-        crossing = live[i]
+        crossing = [v for v in live[i] if _differentiable(v)]  # ints: no float0 cotangents
         vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=index_of[i])
         env.update(zip(crossing, vals, strict=True))
         return True
@@ -241,3 +241,8 @@ _FRIENDLY = {
     "custom_jvp_call": "a jax.custom_jvp function",
     "custom_vjp_call": "a jax.custom_vjp function",
 }
+
+
+def _differentiable(v) -> bool:
+    """Float values cross a boundary marker; integers and keys (no cotangent) cross as is."""
+    return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)
