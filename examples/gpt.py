@@ -20,9 +20,11 @@ class Block(nn.Module):
 
     d_model: int
     num_heads: int
+    dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x):
+        drop = nn.Dropout(self.dropout, deterministic=not self.dropout)
         seq = x.shape[1]
         mask = nn.make_causal_mask(jnp.ones((x.shape[0], seq), jnp.int32))
         h = nn.LayerNorm(name="ln1")(x)
@@ -31,11 +33,11 @@ class Block(nn.Module):
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads, name="attn", deterministic=True, use_bias=False
         )(h, h, mask=mask)
-        x = x + h
+        x = x + drop(h)
         h = nn.LayerNorm(name="ln2")(x)
         h = nn.Dense(4 * self.d_model, name="fc1")(h)
         h = nn.Dense(self.d_model, name="fc2")(jax.nn.gelu(h))
-        return x + h
+        return x + drop(h)
 
 
 class GPT(nn.Module):
@@ -51,6 +53,7 @@ class GPT(nn.Module):
     num_layers: int = 4
     max_len: int = 16
     tie_embeddings: bool = False
+    dropout: float = 0.0  # > 0 needs rngs={"dropout": key} (see examples/random_steps.py)
 
     @nn.compact
     def __call__(self, tokens):
@@ -59,7 +62,7 @@ class GPT(nn.Module):
         x = wte(tokens)
         x = x + nn.Embed(self.max_len, self.d_model, name="wpe")(pos)
         for i in range(self.num_layers):
-            x = Block(self.d_model, self.num_heads, name=f"block{i}")(x)
+            x = Block(self.d_model, self.num_heads, self.dropout, name=f"block{i}")(x)
             if i < self.num_layers - 1:
                 meshshard.mark_pipeline_boundary()
         x = nn.LayerNorm(name="ln_f")(x)

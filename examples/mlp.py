@@ -18,11 +18,13 @@ class MLP(nn.Module):
     hidden: int = 16
     num_layers: int = 4
     out: int = 4
+    dropout: float = 0.0  # > 0 needs rngs={"dropout": key} (see examples/random_steps.py)
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.num_layers - 1):
             x = jnp.tanh(nn.Dense(self.hidden, name=f"dense{i}")(x))
+            x = nn.Dropout(self.dropout, deterministic=not self.dropout)(x)
             meshshard.mark_pipeline_boundary()
         return nn.Dense(self.out, name=f"dense{self.num_layers - 1}")(x)
 

@@ -13,6 +13,7 @@ from meshshard.checkpoint import CheckpointManager, restore, save  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import DataParallel, FollowParallel, PipeshardParallel  # noqa: E402
+from meshshard.metrics import aux_max, aux_mean, aux_min, aux_sum  # noqa: E402
 from meshshard.plan import Plan  # noqa: E402
 from meshshard.primitives import mark_pipeline_boundary  # noqa: E402
 from meshshard.runtime.cluster import init, recover, shutdown  # noqa: E402
@@ -29,6 +30,10 @@ __all__ = [
     "ParallelizedFunction",
     "RemoteArray",
     "SimResult",
+    "aux_max",
+    "aux_mean",
+    "aux_min",
+    "aux_sum",
     "PipeshardParallel",
     "Plan",
     "fetch",

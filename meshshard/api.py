@@ -12,6 +12,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
+from meshshard.keys import physical_call
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
 
@@ -59,8 +60,9 @@ class ParallelizedFunction:
 
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
+        fn, args = physical_call(self.fn, args)
         plan, _ = plan_step(
-            self.fn,
+            fn,
             _abstract(args, self.batch_argnums),
             method=self.method,
             cluster=cluster,
@@ -71,7 +73,11 @@ class ParallelizedFunction:
         return plan
 
     def __call__(self, *args):
-        return self._executable_for(args)(*args)
+        exe = self._executable_for(args)
+        _, args = physical_call(self.fn, args)  # typed keys travel as raw data
+        if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
+            args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
+        return exe.keyed_step.restore(exe(*args))
 
     def placement(self, *args, argnum: int = 0):
         """Where each leaf of ``args[argnum]`` lives when the step runs on ``args``: a tree
@@ -88,6 +94,7 @@ class ParallelizedFunction:
         from meshshard.runtime.executable import Executable
 
         cluster = require_cluster()
+        fn, args = physical_call(self.fn, args)  # typed keys travel as raw data
         abstract = _abstract(args, self.batch_argnums)
         key = (
             jax.tree.structure(abstract),
@@ -102,14 +109,14 @@ class ParallelizedFunction:
         if exe is None:
             t0 = time.perf_counter()
             plan, traced = plan_step(
-                self.fn,
+                fn,
                 abstract,
                 method=self.method,
                 cluster=cluster.spec,
                 batch_argnums=self.batch_argnums,
             )
             exe = Executable(
-                plan, cluster.backend(), self.fn, abstract, self.batch_argnums, self.donate_argnums
+                plan, cluster.backend(), fn, abstract, self.batch_argnums, self.donate_argnums
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
@@ -122,6 +129,7 @@ class ParallelizedFunction:
                 len(plan.workers),
             )
             self._executables[key] = exe
+            exe.keyed_step = fn  # restores typed keys in the results
         return exe
 
     def release(self) -> None:
@@ -194,3 +202,10 @@ def _abstract(args, batch_argnums=()):
         jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a)
         for i, a in enumerate(args)
     )
+
+
+def plan_needs_index(plan: Plan) -> bool:
+    """True if the plan's last input is the micro-batch index the caller appends."""
+    from meshshard.passes.random_draws import INDEX_PATH
+
+    return bool(plan.inputs) and plan.inputs[-1].path == INDEX_PATH

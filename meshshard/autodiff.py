@@ -10,51 +10,114 @@ stages and to tell the gradient computation (run per micro-batch) from the updat
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from meshshard import metrics
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import eval_eqns, is_marker, read_var
+from meshshard.metrics import check_reduction
+from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
 
 __all__ = ["grad", "value_and_grad"]
 
 
 def value_and_grad(
-    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    aux_reduce: str | Mapping[str, str] | None = None,
+    loss_reduce: str | None = None,
 ) -> Callable:
     """Like ``jax.value_and_grad``, and marks the pipeline boundaries for meshshard.
 
-    The loss must be a scalar mean over the batch: with micro-batching meshshard
-    averages the per-micro-batch losses and gradients, which equals the full-batch
-    value exactly when the loss is a mean.
+    With micro-batches the loss, its gradients and each aux value are combined over
+    micro-batches as the full-batch step would: meshshard traces the step at micro-batch
+    and full-batch shape to find whether the loss is a mean or a sum over the batch
+    (gradients are then averaged or summed), and how each aux value reduces the batch
+    (mean, sum, max, min).  ``aux_reduce`` declares it instead: one reduction for every
+    aux leaf, or a dict from aux key (top-level key or ``jax.tree_util.keystr`` path)
+    to reduction; ``meshshard.aux_sum(x)``-style markers do the same per value.
+    ``loss_reduce`` ('mean' or 'sum') declares the loss's.  See ``meshshard.metrics``.
 
     >>> import jax.numpy as jnp
     >>> value_and_grad(lambda w: jnp.sum(w ** 2))(jnp.ones(2))[1]
     Array([2., 2.], dtype=float32)
     """
+    if loss_reduce is not None and loss_reduce not in ("mean", "sum"):
+        raise MeshshardInputError(
+            f"meshshard.value_and_grad(loss_reduce={loss_reduce!r}): the loss combines over "
+            "micro-batches as 'mean' or 'sum'"
+        )
 
     @functools.wraps(fun)
     def wrapped(*args):
         layered = _with_boundaries(fun, args, has_aux)
         out = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
+        (value, grads) = out
+        loss, aux = value if has_aux else (value, None)
+        aux = _declare_aux(aux, aux_reduce) if has_aux else None
+        info = [("loss", loss_reduce or "", "declared" if loss_reduce else "")]
+        if has_aux:
+            paths = jax.tree_util.tree_flatten_with_path(aux)[0]
+            info += [("aux" + jax.tree_util.keystr(p), "", "") for p, _ in paths]
+        info += [("grad", "", "")] * len(jax.tree.leaves(grads))
+        out = ((loss, aux), grads) if has_aux else (loss, grads)
         leaves, tree = jax.tree.flatten(out)
-        leaves = boundary_p.bind(*leaves, kind="grad_end", index=0)
+        leaves = boundary_p.bind(*leaves, kind="grad_end", index=0, reduce=tuple(info))
         return jax.tree.unflatten(tree, leaves)
 
     return wrapped
 
 
-def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False) -> Callable:
+def _declare_aux(aux, aux_reduce):
+    """Wrap the aux leaves named by ``aux_reduce`` in their reduction markers."""
+    if aux_reduce is None:
+        return aux
+    if isinstance(aux_reduce, str):
+        check_reduction(aux_reduce, "meshshard.value_and_grad(aux_reduce=...)")
+        return jax.tree.map(lambda x: metrics.aux_reduce(x, aux_reduce), aux)
+    paths, tree = jax.tree_util.tree_flatten_with_path(aux)
+    used, leaves = set(), []
+    for p, x in paths:
+        names = {jax.tree_util.keystr(p), *([str(getattr(p[0], "key", ""))] if p else [])}
+        hit = [k for k in aux_reduce if k in names]
+        if hit:
+            used.add(hit[0])
+            where = f"meshshard.value_and_grad(aux_reduce={{{hit[0]!r}: ...}})"
+            x = metrics.aux_reduce(x, check_reduction(aux_reduce[hit[0]], where))
+        leaves.append(x)
+    unknown = sorted(set(aux_reduce) - used)
+    if unknown:
+        names = [jax.tree_util.keystr(p) for p, _ in paths]
+        raise MeshshardInputError(
+            f"meshshard.value_and_grad(aux_reduce=...) names {unknown}, which are not aux "
+            f"values of the loss function (its aux leaves are {names}); use their keys"
+        )
+    return jax.tree.unflatten(tree, leaves)
+
+
+def grad(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    aux_reduce: str | Mapping[str, str] | None = None,
+    loss_reduce: str | None = None,
+) -> Callable:
     """Like ``jax.grad``, and marks the pipeline boundaries for meshshard.
 
     >>> import jax.numpy as jnp
     >>> grad(lambda w: jnp.sum(w ** 2))(jnp.ones(2))
     Array([2., 2.], dtype=float32)
     """
-    vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    vg = value_and_grad(
+        fun, argnums=argnums, has_aux=has_aux, aux_reduce=aux_reduce, loss_reduce=loss_reduce
+    )
 
     @functools.wraps(fun)
     def wrapped(*args):
@@ -68,6 +131,8 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
     """``fun`` re-expressed so each user marker carries the values that cross it."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     _check_loss(out_shape, has_aux)
+    closed = inline_calls(closed)  # boundaries inside a jax.jit-wrapped loss or layer
+    _check_nested_boundaries(closed.jaxpr)
     jaxpr = closed.jaxpr
     out_tree = jax.tree.structure(out_shape)
     marker_pos = [
@@ -83,7 +148,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
             return False
         for src, dst in zip(eqn.invars, eqn.outvars, strict=True):  # explicit-value form
             env[dst] = read_var(env, src)
-        crossing = live[i]
+        crossing = [v for v in live[i] if _differentiable(v)]  # ints: no float0 cotangents
         vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=index_of[i])
         env.update(zip(crossing, vals, strict=True))
         return True
@@ -138,3 +203,46 @@ def _check_loss(out_shape, has_aux: bool) -> None:
             f"meshshard.grad: the loss must be a scalar float, got {what}; "
             "reduce it to one number (e.g. jnp.mean over the batch) before returning it"
         )
+
+
+def _sub_jaxprs(eqn):
+    for p in eqn.params.values():
+        for x in p if isinstance(p, tuple | list) else (p,):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                yield j
+
+
+def _has_boundary(jaxpr) -> bool:
+    return any(
+        is_marker(e, "mark", "fwd") or any(_has_boundary(j) for j in _sub_jaxprs(e))
+        for e in jaxpr.eqns
+    )
+
+
+def _check_nested_boundaries(jaxpr) -> None:
+    """Refuse a pipeline boundary inside remat, a loop, a cond or a custom derivative."""
+    for e in jaxpr.eqns:
+        if any(_has_boundary(j) for j in _sub_jaxprs(e)):
+            name = _FRIENDLY.get(e.primitive.name, e.primitive.name)
+            raise MeshshardInputError(
+                f"mark_pipeline_boundary() is called inside {name} ({e.primitive.name} "
+                "equation); meshshard cuts stages only between top-level equations: put the "
+                "boundary outside it, e.g. remat each layer separately and mark between layers"
+            )
+
+
+_FRIENDLY = {
+    "remat2": "jax.checkpoint / nn.remat",
+    "checkpoint": "jax.checkpoint / nn.remat",
+    "scan": "lax.scan / nn.scan",
+    "while": "a lax.while_loop / fori_loop",
+    "cond": "lax.cond / lax.switch",
+    "custom_jvp_call": "a jax.custom_jvp function",
+    "custom_vjp_call": "a jax.custom_vjp function",
+}
+
+
+def _differentiable(v) -> bool:
+    """Float values cross a boundary marker; integers and keys (no cotangent) cross as is."""
+    return jax.dtypes.issubdtype(v.aval.dtype, np.inexact)

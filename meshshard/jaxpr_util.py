@@ -74,3 +74,35 @@ def var_ids(jaxpr) -> dict:
 def is_literal(v) -> bool:
     """True for a jaxpr literal operand."""
     return isinstance(v, Literal)
+
+
+def retrace(closed, on_eqn=None, extra_inputs: Sequence = (), *, prepare=None, finish=None):
+    """Re-express ``closed`` as a new ClosedJaxpr by evaluating it under ``jax.make_jaxpr``.
+
+    The compiler's jaxpr rewrites are written this way (public API, no jaxpr surgery):
+    ``on_eqn(i, eqn, env, extra)`` may bind replacement equations and return True, with
+    ``extra`` the tracers of ``extra_inputs`` (``jax.ShapeDtypeStruct``s appended as new
+    inputs after the original ones).  ``prepare(env)`` runs once the inputs are bound;
+    ``finish(values)`` maps the output values before they are returned.
+    """
+    import jax
+
+    jaxpr = closed.jaxpr
+    n = len(jaxpr.invars)
+
+    def run(*args):
+        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, args[:n], strict=True))
+        if prepare is not None:
+            prepare(env)
+        extra = args[n:]
+        hook = None if on_eqn is None else (lambda i, e, env: on_eqn(i, e, env, extra))
+        eval_eqns(jaxpr.eqns, env, on_eqn=hook)
+        outs = [read_var(env, v) for v in jaxpr.outvars]
+        return outs if finish is None else finish(outs)
+
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in jaxpr.invars
+    ]
+    return jax.make_jaxpr(run)(*avals, *extra_inputs)

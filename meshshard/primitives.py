@@ -16,33 +16,34 @@ __all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
 
 #: ``mark``: a user's marker (no operands); ``fwd``/``bwd``: a layer boundary in the forward
 #: pass and its mirror in the backward pass; ``loss``/``loss_bwd``: the loss value and its
-#: seed cotangent; ``grad_end``: the values ``meshshard.grad`` returns (loss, gradients).
+#: seed cotangent; ``grad_end``: the values ``meshshard.grad`` returns (loss, aux, gradients),
+#: with a ``reduce`` parameter: per operand (label, reduction over micro-batches, source).
 MARKER_KINDS = ("mark", "fwd", "bwd", "loss", "loss_bwd", "grad_end")
 
 boundary_p = Primitive("pipeline_boundary")
 boundary_p.multiple_results = True
 
 
-def _impl(*args, kind, index):
+def _impl(*args, kind, index, **params):
     return list(args)
 
 
-def _abstract_eval(*avals, kind, index):
+def _abstract_eval(*avals, kind, index, **params):
     return list(avals)
 
 
 _MIRROR = {"fwd": "bwd", "bwd": "fwd", "loss": "loss_bwd", "loss_bwd": "loss"}
 
 
-def _jvp(primals, tangents, *, kind, index):
-    outs = boundary_p.bind(*primals, kind=kind, index=index)
+def _jvp(primals, tangents, *, kind, index, **params):
+    outs = boundary_p.bind(*primals, kind=kind, index=index, **params)
     tangents = [instantiate_zeros(t) for t in tangents]
-    return outs, boundary_p.bind(*tangents, kind=kind, index=index)
+    return outs, boundary_p.bind(*tangents, kind=kind, index=index, **params)
 
 
-def _transpose(cts, *args, kind, index):
+def _transpose(cts, *args, kind, index, **params):
     cts = [instantiate_zeros(c) for c in cts]
-    return boundary_p.bind(*cts, kind=_MIRROR.get(kind, kind), index=index)
+    return boundary_p.bind(*cts, kind=_MIRROR.get(kind, kind), index=index, **params)
 
 
 boundary_p.def_impl(_impl)

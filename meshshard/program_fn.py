@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from meshshard.accumulate import combine, finish
 from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
 from meshshard.refs import BufferGroup, BufferKind
 
@@ -29,10 +30,11 @@ def program_function(
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
     ``inputs``/``outputs`` are buffer groups with their var ids, in order.  Accumulator
-    groups (``A*``) are special: a stage program returns input + its contribution; the update
-    program reads them divided by the number of micro-batches (the mean).  ``partials``
-    (var id -> (op, term var ids, literal terms)) are outputs computed as this mesh's
-    part of a cross-mesh all-reduce.
+    groups (``A*``) are special: a stage program combines its contribution into the input
+    (added, or max/min), and the update program reads them finished (a mean divides by
+    the number of micro-batches); the ``grad_end`` marker says which reduction each has.
+    ``partials`` (var id -> (op, term var ids, literal terms)) are outputs computed as
+    this mesh's part of a cross-mesh all-reduce.
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -40,6 +42,11 @@ def program_function(
     g_eqn = next((e for e in jaxpr.eqns if is_marker(e, "grad_end")), None)  # None: forward-only
     result_to_operand = dict(zip(g_eqn.outvars, g_eqn.invars, strict=True)) if g_eqn else {}
     literal_results = {r: o.val for r, o in result_to_operand.items() if is_literal(o)}
+    reduce_of = (
+        {r: red for r, (_, red, _) in zip(g_eqn.outvars, _reductions(g_eqn), strict=True)}
+        if g_eqn
+        else {}
+    )
     eqns = [jaxpr.eqns[i] for i in eqn_indices]
     defined = {v for e in eqns for v in e.outvars}
     in_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in inputs]
@@ -61,8 +68,8 @@ def program_function(
             for v, x in zip(vs, vals, strict=True):
                 if not is_acc:
                     env[v] = x
-                elif is_apply:  # accumulated sums -> means over micro-batches
-                    env[v] = x / m if jnp.issubdtype(x.dtype, jnp.floating) else x
+                elif is_apply:  # accumulators -> the combined value (mean: sum / m)
+                    env[v] = finish(reduce_of[v], x, m)
                 else:
                     acc_in[v] = x
         eval_eqns(eqns, env)
@@ -74,7 +81,11 @@ def program_function(
                 elif is_acc and not is_apply:
                     operand = result_to_operand[v]
                     contribution = read_var(env, operand) if operand in defined else None
-                    outs.append(acc_in[v] if contribution is None else acc_in[v] + contribution)
+                    outs.append(
+                        acc_in[v]
+                        if contribution is None
+                        else combine(reduce_of[v], acc_in[v], contribution)
+                    )
                 else:
                     outs.append(read_var(env, v))
         return tuple(outs)
@@ -113,3 +124,14 @@ def reduction_identity(op: str, shape, dtype) -> np.ndarray:
     info = np.finfo(dtype) if np.issubdtype(dtype, np.floating) else np.iinfo(dtype)
     big = np.inf if np.issubdtype(dtype, np.floating) else info.max
     return np.full(shape, -big if op == "max" else big, dtype)
+
+
+def _reductions(g_eqn) -> tuple:
+    """(label, reduction, source) per ``grad_end`` operand; legacy markers: float mean, int sum."""
+    info = g_eqn.params.get("reduce")
+    if info and all(red for _, red, _ in info):
+        return info
+    return tuple(
+        ("", "mean" if jnp.issubdtype(v.aval.dtype, jnp.floating) else "sum", "")
+        for v in g_eqn.invars
+    )

@@ -1,87 +1,62 @@
-"""Pass 1b: inline calls and conditionals of the update part of a traced step.
+"""Pass 0a: inline ``jax.jit`` calls, so markers and gradients inside them are visible.
 
-The update (everything after ``meshshard.grad``'s ``grad_end`` marker) is placed
-equation by equation on the meshes that hold its operands.  A ``jit`` call or a
-``cond`` whose operands span every parameter (``optax.MultiSteps`` wraps the whole
-inner update in one ``cond``; optax jit-compiles helpers) would be one equation on
-every mesh at once, so this pass re-traces the step with those equations expanded:
-a call becomes its body; a ``cond`` computes every branch and keeps one with
-``select_n`` (the same result, since update branches have no side effects).  The
-gradient part is re-traced unchanged.  A step without such equations is returned as is.
+A step or loss already wrapped in ``jax.jit`` traces to one ``jit`` equation whose
+sub-jaxpr holds everything (pipeline boundaries, the ``meshshard.grad`` markers, random
+draws).  Pipelining cuts the program at those markers, so this pass replaces each
+call equation by the equations of its callee, recursively.  What the callee computes is
+unchanged; XLA compiles each program whole anyway.  ``jax.checkpoint`` (remat) and
+custom derivative rules are left alone: they carry meaning the inlining would lose.
+
+>>> import jax, jax.numpy as jnp
+>>> closed = jax.make_jaxpr(jax.jit(lambda x: jnp.sin(x) * 2))(1.0)
+>>> [e.primitive.name for e in closed.jaxpr.eqns]
+['jit']
+>>> [e.primitive.name for e in inline_calls(closed).jaxpr.eqns]
+['sin', 'mul']
 """
 
 from __future__ import annotations
 
-import jax
-from jax import lax
-
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import eval_eqns, is_marker, read_var
+from meshshard.jaxpr_util import eval_eqns, read_var, retrace
 
-#: Call primitives whose body is inlined (``jit`` is ``pjit``'s name in current JAX).
-CALLS = ("jit", "pjit", "closed_call", "core_call")
-
-
-def _expandable(eqn) -> bool:
-    return eqn.primitive.name in CALLS or eqn.primitive.name == "cond"
+#: Call primitives whose sub-jaxpr (param ``jaxpr`` or ``call_jaxpr``) is inlined.
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def inline_update_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` with every call and ``cond`` after the ``grad_end`` marker expanded
-    (a step without ``grad_end`` gets its forward boundaries instead)."""
-    eqns = closed.jaxpr.eqns
-    ends = [i for i, e in enumerate(eqns) if is_marker(e, "grad_end")]
-    if not ends:  # a forward-only step: its markers carry the values crossing them
-        from meshshard.passes.forward_only import with_forward_boundaries
+def _callee(eqn) -> ClosedJaxpr | None:
+    if eqn.primitive.name not in CALL_PRIMITIVES:
+        return None
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if sub is None:
+        return None
+    return sub if hasattr(sub, "consts") else ClosedJaxpr(sub, ())
 
-        return with_forward_boundaries(closed)
-    if len(ends) != 1 or not any(_expandable(e) for e in eqns[ends[0] + 1 :]):
+
+def _inline_hook(i, eqn, env, extra=()) -> bool:
+    callee = _callee(eqn)
+    if callee is None:
+        return False
+    inner = dict(zip(callee.jaxpr.constvars, callee.consts, strict=True))
+    inner.update(zip(callee.jaxpr.invars, [read_var(env, v) for v in eqn.invars], strict=True))
+    eval_eqns(callee.jaxpr.eqns, inner, on_eqn=_inline_hook)
+    for out, v in zip(eqn.outvars, callee.jaxpr.outvars, strict=True):
+        env[out] = read_var(inner, v)
+    return True
+
+
+def has_calls(closed: ClosedJaxpr) -> bool:
+    """True if ``closed`` has a call equation at its top level."""
+    return any(_callee(e) is not None for e in closed.jaxpr.eqns)
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` with every ``jit``/call equation replaced by its callee's equations."""
+    if not has_calls(closed):
         return closed
-    start = ends[0] + 1
-
-    def on_eqn(i, eqn, env) -> bool:
-        if i < start or not _expandable(eqn):
-            return False
-        outs = _expand(eqn, [read_var(env, v) for v in eqn.invars])
-        env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True))
-        return True
-
-    jaxpr = closed.jaxpr
-
-    def run(*args):
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
-        return [read_var(env, v) for v in jaxpr.outvars]
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return jax.make_jaxpr(run)(*avals)
+    return retrace(closed, _inline_hook)
 
 
-def _eval_closed(body: ClosedJaxpr, args: list) -> list:
-    """Evaluate ``body`` on ``args`` with its own calls and conds expanded."""
-    env = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-    env.update(zip(body.jaxpr.invars, args, strict=True))
-
-    def on_eqn(i, eqn, env) -> bool:
-        if not _expandable(eqn):
-            return False
-        outs = _expand(eqn, [read_var(env, v) for v in eqn.invars])
-        env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True))
-        return True
-
-    eval_eqns(body.jaxpr.eqns, env, on_eqn=on_eqn)
-    return [read_var(env, v) for v in body.jaxpr.outvars]
-
-
-def _expand(eqn, args: list) -> list:
-    if eqn.primitive.name == "cond":
-        index, operands = args[0], args[1:]
-        results = [_eval_closed(b, operands) for b in eqn.params["branches"]]
-        if len(results) == 1:
-            return results[0]
-        return [lax.select_n(index, *outs) for outs in zip(*results, strict=True)]
-    body = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    if not isinstance(body, ClosedJaxpr):
-        body = ClosedJaxpr(body, ())
-    return _eval_closed(body, args)
+def inline_hook(i, eqn, env, extra=()) -> bool:
+    """The inlining rule as an ``eval_eqns`` hook, for passes that evaluate a jaxpr."""
+    return _inline_hook(i, eqn, env, extra)

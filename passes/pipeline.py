@@ -23,6 +23,7 @@ from meshshard.passes.forward_only import (
     slice_forward,
 )
 from meshshard.passes.meshes import stage_layout
+from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.schedules import make_schedule
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
@@ -112,6 +113,7 @@ def _assemble(st: CompileState) -> CompileState:
     notes = list(graph.notes)
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
+    notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
     plan = Plan(
         method=repr(st.method),
         cluster=st.cluster,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshshard.jaxpr_util import var_ids
+from meshshard.passes.physical_keys import is_key_aval
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, TensorSpec
@@ -38,7 +39,8 @@ def tensor_specs(traced: TracedStep) -> dict:
     ids = var_ids(jaxpr)
     info = {}
     for v, i in ids.items():
-        info[i] = (f"%{i}", tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
+        if not is_key_aval(v.aval):  # keys never sit in buffers (see physical_keys)
+            info[i] = (f"%{i}", tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
     for leaf, li in enumerate(traced.inputs):
         info[leaf] = (li.path, tuple(jaxpr.invars[leaf].aval.shape), li.dtype)
     return info

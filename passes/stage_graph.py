@@ -179,7 +179,7 @@ def build_stage_graph(
     groups = _compute_groups(st, per_stage, grads)
     update = _update_graph(st, placement, groups, grads)
     groups.update(update.groups)
-    output_slots = _output_slots(st, placement, update, grads, groups)
+    output_slots = _output_slots(st, placement, update, grads, groups, producer)
     acc_of_prog = {producer[v] for v in jaxpr.eqns[slicing.grad_end].invars if not is_literal(v)}
     programs = _stage_programs(st, prog_of_eqn, reads, edges, groups, acc_of_prog)
     first_move = len(edges)
@@ -323,6 +323,15 @@ def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
     return per_stage, edges, state_read_by
 
 
+def _made_by(st: _Step, v, producer: dict) -> str:
+    """``%12 (reduce_sum in s1.F)``: a value, the operation and the program that make it."""
+    eqn = next((e for e in st.traced.jaxpr.eqns if v in e.outvars), None)
+    if eqn is None:
+        return st.describe(v)
+    where = f" in {producer[v]}" if v in producer else ""
+    return f"{st.describe(v)} ({eqn.primitive.name}{where})"
+
+
 def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
     """The update may read neither batch leaves nor per-micro-batch values."""
     for i in apply_eqns:
@@ -337,9 +346,10 @@ def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
                 )
             if v in producer:
                 raise MeshshardInputError(
-                    f"the update part of the step reads {st.describe(v)}, a value computed "
-                    "per micro-batch outside what meshshard.grad returns; compute it inside "
-                    "the loss function and return it as aux (has_aux=True)"
+                    f"the update part of the step reads {_made_by(st, v, producer)}, a value "
+                    "computed from the batch per micro-batch outside what meshshard.grad "
+                    "returns; compute it inside the loss function and return it as aux "
+                    "(has_aux=True)"
                 )
 
 
@@ -383,7 +393,9 @@ def _update_graph(st: _Step, placement, groups: dict, grads: _Grads) -> ApplyGra
     )
 
 
-def _output_slots(st: _Step, placement, update: ApplyGraph, grads: _Grads, groups: dict):
+def _output_slots(
+    st: _Step, placement, update: ApplyGraph, grads: _Grads, groups: dict, producer: dict
+):
     """Where each step output comes from (the ``O{m}`` groups hold update results)."""
     computed = {st.ids[v] for i, _ in placement.runs for v in st.eqns[i].outvars if v in st.ids}
     computed |= {r.var for r in placement.reductions}
@@ -404,8 +416,9 @@ def _output_slots(st: _Step, placement, update: ApplyGraph, grads: _Grads, group
             output_slots.append(OutputSlots(j, OutputSource.BUFFER, slots))
         else:
             raise MeshshardInputError(
-                f"step output {st.traced.outputs[j].path} is computed per micro-batch outside "
-                "meshshard.grad; return it from the loss function as aux (has_aux=True)"
+                f"step output {st.traced.outputs[j].path} = {_made_by(st, v, producer)} is "
+                "computed from the batch per micro-batch outside meshshard.grad; return it "
+                "from the loss function as aux (has_aux=True)"
             )
     return tuple(output_slots)
 

@@ -5,6 +5,15 @@ Output: a frozen :class:`TracedStep` holding the step's jaxpr with the batch lea
 shrunk to one micro-batch, the flattened leaf paths and which leaves are batch.  The
 runtime traces the same function the same way and checks ``fingerprint`` to be sure
 it compiles exactly the program that was planned.
+
+The step is traced twice, at full-batch and at micro-batch shape; each trace has its
+``jax.jit`` calls inlined (:mod:`~meshshard.passes.inline`) and its keys held as raw
+data (:mod:`~meshshard.passes.physical_keys`).  Comparing the two finds the random
+keys among the batch leaves (never cut: a leaf a draw uses as its key), the draws that
+carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
+``meshshard.grad`` returns combines over micro-batches
+(:mod:`~meshshard.passes.reductions`); batch-independent values the update reads from
+before the grad are recomputed there (:mod:`~meshshard.passes.hoist`).
 """
 
 from __future__ import annotations
@@ -18,7 +27,13 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
-from meshshard.passes.inline import inline_update_calls
+from meshshard.jaxpr_util import is_literal
+from meshshard.passes.hoist import hoist_to_update
+from meshshard.passes.inline import inline_calls
+from meshshard.passes.inline_update import inline_update_calls
+from meshshard.passes.physical_keys import physical_keys
+from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
+from meshshard.passes.reductions import resolve, set_reductions
 
 
 @dataclass(frozen=True)
@@ -29,10 +44,12 @@ class LeafInfo:
     shape: tuple[int, ...]
     dtype: str
     is_batch: bool = False
+    is_key: bool = False
 
     def __str__(self) -> str:
         b = " (batch)" if self.is_batch else ""
-        return f"{self.path}: {self.dtype}{list(self.shape)}{b}"
+        k = " (key)" if self.is_key else ""
+        return f"{self.path}: {self.dtype}{list(self.shape)}{b}{k}"
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,8 @@ def trace_step(
     """Trace ``fn(*args)`` with every batch leaf cut to ``1/num_micro_batches`` of its rows.
 
     Raises a clear error for non-array batch leaves and batches that do not divide.
+    When a random draw carries the batch, the traced step takes one more input, the
+    micro-batch index (``INDEX_PATH``, ``int32[M]`` cut into ``int32[1]`` rows).
     """
     args = tuple(args)
     for i in batch_argnums:
@@ -93,35 +112,66 @@ def trace_step(
                 f"batch_argnums={tuple(batch_argnums)} names argument {i}, but the step was "
                 f"called with {len(args)} arguments; pass batch_argnums indexing the batch"
             )
-    flat_paths, _ = jax.tree_util.tree_flatten_with_path(args)
-    leaves_abs, infos = [], []
+    m = num_micro_batches
+    flat_paths, treedef = jax.tree_util.tree_flatten_with_path(args)
+    wheres, full_abs, in_batch = [], [], []
     for path, leaf in flat_paths:
         argnum = path[0].idx
-        is_batch = argnum in batch_argnums
         where = f"args[{argnum}]" + _path_str(path[1:]) if len(path) > 1 else f"args[{argnum}]"
-        a = _abstract(leaf, where, "batch" if is_batch else "state")
-        if is_batch:
-            a = _micro_batch_shape(a, where, num_micro_batches)
-        leaves_abs.append(a)
-        full_shape = (
-            tuple(np.shape(leaf)) if not isinstance(leaf, jax.ShapeDtypeStruct) else leaf.shape
-        )
-        infos.append(LeafInfo(where, tuple(full_shape), str(np.dtype(a.dtype)), is_batch))
-    treedef = jax.tree.structure(args)
-    abstract_args = jax.tree.unflatten(treedef, leaves_abs)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
-    closed = inline_update_calls(closed)  # one equation per mesh in the update part
+        is_batch = argnum in batch_argnums
+        wheres.append(where)
+        in_batch.append(is_batch)
+        full_abs.append(_abstract(leaf, where, "batch" if is_batch else "state"))
+    full, full_out = _trace(fn, treedef, full_abs)
+    keys = key_inputs(full.jaxpr)
+    is_batch = [b and i not in keys for i, b in enumerate(in_batch)]
+    micro_abs = [
+        _micro_batch_shape(a, w, m) if b else a
+        for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
+    ]
+    micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)
+    draws = find_batch_draws(micro, full, m)
+    reduce = resolve(micro, full if m > 1 else None, is_batch, m)
+    closed = slice_batch_draws(micro, draws)
+    closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
+    closed = set_reductions(closed, reduce)
+    infos = [
+        LeafInfo(w, tuple(a.shape), str(np.dtype(a.dtype)), b, i in keys)
+        for i, (w, a, b) in enumerate(zip(wheres, full_abs, is_batch, strict=True))
+    ]
+    if draws:
+        infos.append(LeafInfo(INDEX_PATH, (m,), "int32", True))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = tuple(
-        LeafInfo("out" + _path_str(p), tuple(s.shape), str(np.dtype(s.dtype))) for p, s in out_paths
+        LeafInfo("out" + _path_str(p), tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
+        for (p, _), v in zip(out_paths, closed.jaxpr.outvars, strict=True)
     )
     return TracedStep(
         closed=closed,
         inputs=tuple(infos),
         outputs=outputs,
-        num_micro_batches=num_micro_batches,
+        num_micro_batches=m,
         fingerprint=fingerprint(closed),
         out_tree=jax.tree.structure(out_shape),
+    )
+
+
+def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object]:
+    """The step's jaxpr with calls inlined and keys held as raw data, and its output shape."""
+    closed, out = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.unflatten(treedef, leaves))
+    # jit-wrapped steps/losses first, then one equation per mesh in the update part
+    return physical_keys(inline_update_calls(inline_calls(closed))), out
+
+
+def key_inputs(jaxpr) -> frozenset:
+    """Indices of the inputs used as random keys (operands of ``random_wrap``)."""
+    pos = {v: i for i, v in enumerate(jaxpr.invars)}
+    return frozenset(
+        pos[v]
+        for e in jaxpr.eqns
+        if e.primitive.name == "random_wrap"
+        for v in e.invars
+        if not is_literal(v) and v in pos
     )
 
 

@@ -89,7 +89,7 @@ def test_non_scalar_loss(setup):
         return state.apply_gradients(grads=grads)
 
     with pytest.raises(
-        MeshshardInputError, match=r"loss must be a scalar float, got float32\[8, 4\].*jnp.mean"
+        MeshshardInputError, match=r"loss must be a scalar float, got float32\[16, 4\].*jnp.mean"
     ):
         lower(step, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), state, batch)
 

@@ -1,0 +1,194 @@
+"""Pass 0e: decide how the loss, its gradients and each aux value combine over micro-batches.
+
+Found by tracing, not assumed: the step is traced at micro-batch and at full-batch
+shape, and the two jaxprs are compared equation by equation along the backward slice of
+each value ``meshshard.grad`` returns.  An equation whose inputs change shape with the
+batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contraction,
+``reduce_max``...); a literal that is ``M`` times larger on the full batch and divides
+(``jnp.mean``'s ``div x N``) *normalizes* by the batch size.  So:
+
+* a sum-like reduction and a normalizer: ``mean``; a sum-like reduction alone: ``sum``;
+* ``reduce_max`` alone: ``max``; ``reduce_min`` alone: ``min``;
+* nothing that depends on the batch: ``mean`` (the value is the same on every
+  micro-batch);
+* a division by a value computed from the batch (a masked mean) or a mix: not inferred.
+
+The loss decides its gradients (``mean``: averaged over micro-batches, ``sum``: summed).
+A declared reduction (marker or ``aux_reduce``) wins.  An aux value whose reduction is not
+inferred gets the default (``mean`` for floats, ``sum`` for integers) and the plan says so.
+The result is written into the ``grad_end`` marker's ``reduce`` parameter, which the
+runtime reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshshard._compat import ClosedJaxpr
+from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.metrics import aux_reduce_p
+from meshshard.passes.hoist import batch_dependent
+
+SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum"})
+
+
+def _shape(v) -> tuple:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _normalizes(em, ef, m: int) -> str:
+    """'norm' if ``em`` divides by (or multiplies by the inverse of) the batch size."""
+    out = ""
+    for pos, (a, b) in enumerate(zip(em.invars, ef.invars, strict=True)):
+        if not (is_literal(a) and is_literal(b)):
+            continue
+        x, y = np.asarray(a.val, np.float64), np.asarray(b.val, np.float64)
+        if x.shape != () or x == y:
+            continue
+        name = em.primitive.name
+        if name == "div" and pos == 1 and np.isclose(y, m * x):
+            out = "norm"
+        elif name == "mul" and np.isclose(x, m * y):
+            out = "norm"
+        else:
+            return "other"
+    return out
+
+
+def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple[str, str]:
+    """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars."""
+    mj, fj = micro.jaxpr, full.jaxpr
+    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
+    idx = {v: k for k, v in enumerate(mj.invars)}
+    full_shape = _shape(_full_var(mj, fj, var, producer, idx))
+    if full_shape != _shape(var):
+        return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
+    seen, stack, kinds, norms = set(), [var], set(), 0
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v not in producer or producer[v] in seen:
+            continue
+        i = producer[v]
+        seen.add(i)
+        em, ef = mj.eqns[i], fj.eqns[i]
+        stack += list(em.invars)
+        if is_marker(em) or em.primitive is aux_reduce_p:
+            continue
+        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
+        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+        if ins and not outs:
+            kinds.add(em.primitive.name)
+        how = _normalizes(em, ef, m)
+        if how == "other":
+            return "", f"{em.primitive.name} by a literal that changes with the batch size"
+        norms += how == "norm"
+        if em.primitive.name == "div" and _divides_by_batch_total(em, ef, dep):
+            return "", "it divides by a total computed from the batch (e.g. a masked mean)"
+    if not kinds:
+        return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
+    if kinds <= SUM_LIKE:
+        return ("mean", "mean over the batch") if norms else ("sum", "sum over the batch")
+    if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
+        return kinds.pop()[len("reduce_") :], "reduction over the batch"
+    return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def _same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
+    me, fe = micro.jaxpr.eqns, full.jaxpr.eqns
+    return [e.primitive for e in me] == [e.primitive for e in fe]
+
+
+def _divides_by_batch_total(em, ef, dep) -> bool:
+    d_m, d_f = em.invars[1], ef.invars[1]
+    return not is_literal(d_m) and d_m in dep and _shape(d_m) == _shape(d_f)
+
+
+def _full_var(mj, fj, var, producer, idx):
+    if var in idx:
+        return fj.invars[idx[var]]
+    i = producer[var]
+    return fj.eqns[i].outvars[list(mj.eqns[i].outvars).index(var)]
+
+
+def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> tuple:
+    """The ``grad_end`` marker's ``reduce`` parameter with every reduction decided."""
+    mj = micro.jaxpr
+    g = next((e for e in mj.eqns if is_marker(e, "grad_end")), None)
+    if g is None:
+        return None
+    producer = {v: e for e in mj.eqns for v in e.outvars}
+    dep = batch_dependent(mj, is_batch, len(mj.eqns))
+    info = g.params.get("reduce") or tuple(("grad", "", "") for _ in g.invars)
+    out, loss = [], None
+    for (label, red, source), v in zip(info, g.invars, strict=True):
+        p = producer.get(v) if not is_literal(v) else None
+        if not red and p is not None and p.primitive is aux_reduce_p:
+            red, source = p.params["reduce"], "declared"
+        if label == "grad":
+            red, source = loss, "follows the loss"
+        elif not red and (m == 1 or full is None or is_literal(v)):
+            red, source = "mean", "one micro-batch" if m == 1 else "constant"
+        elif not red and not _same_program(micro, full):
+            red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
+            source = "default: the step traces differently at micro-batch and full-batch shape"
+        elif not red:
+            red, why = classify(micro, full, v, m, dep)
+            if red == "batch":
+                raise MeshshardInputError(
+                    f"{label} returned by meshshard.grad {why}: meshshard combines the "
+                    "loss and aux values over micro-batches by mean, sum, max or min only; "
+                    "reduce it over the batch inside the loss function (e.g. a mean or a "
+                    "count), or use num_micro_batches=1"
+                )
+            source = f"traced: {why}" if red else f"default: {why}"
+            if not red and label == "loss":
+                raise MeshshardInputError(
+                    f"meshshard cannot tell how the loss combines over micro-batches: {why}; "
+                    "make the loss a mean or a sum over the batch (with a masked mean, divide "
+                    "by a count passed as a non-batch argument), or declare it with "
+                    "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum')"
+                )
+            if not red:
+                red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
+        if label == "loss":
+            loss = red
+        out.append((label, red, source))
+    return tuple(out)
+
+
+def set_reductions(closed: ClosedJaxpr, reduce: tuple) -> ClosedJaxpr:
+    """``closed`` with the ``grad_end`` marker's ``reduce`` parameter replaced."""
+    if reduce is None:
+        return closed
+
+    def hook(i, eqn, env, extra) -> bool:
+        if not is_marker(eqn, "grad_end"):
+            return False
+        e = eqn.replace(params=dict(eqn.params, reduce=reduce))
+        outs = bind_eqn(e, [read_var(env, v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            if not is_dropvar(v):
+                env[v] = o
+        return True
+
+    return retrace(closed, hook)
+
+
+def reductions_of(jaxpr) -> tuple:
+    """The ``reduce`` parameter of the step's ``grad_end`` marker (``()`` if none)."""
+    g = next((e for e in jaxpr.eqns if is_marker(e, "grad_end")), None)
+    return () if g is None else tuple(g.params.get("reduce") or ())
+
+
+def reduction_notes(jaxpr, m: int) -> list[str]:
+    """Plan notes: how the loss and each aux value combine over ``m`` micro-batches."""
+    if m == 1:
+        return []
+    notes = []
+    for label, red, source in reductions_of(jaxpr):
+        if label == "grad":
+            continue
+        what = "gradients and loss" if label == "loss" else label
+        notes.append(f"{what}: {red} over {m} micro-batches ({source})")
+    return notes

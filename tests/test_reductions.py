@@ -1,0 +1,190 @@
+"""Loss and aux metrics combine over micro-batches as the full-batch step would.
+
+The loss's reduction (mean or sum) and each aux value's (mean, sum, max, min, integer
+count) are found by tracing at micro-batch and full-batch shape, or declared; results
+equal ``jax.jit`` of the unmodified step.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import meshshard
+from examples import mlp
+from meshshard import ClusterSpec, MeshshardInputError, PipeshardParallel
+from meshshard.passes.hoist import batch_dependent
+from meshshard.passes.reductions import classify
+from tests.conftest import assert_trees_close
+from tests.random_parity import check_step_parity
+
+CLUSTER = ClusterSpec("reductions-4x2", 4, 2)
+
+
+def sgd_state(batch_x, lr=0.05):
+    model = mlp.MLP(num_layers=4)
+    params = model.init(jax.random.key(0), batch_x)["params"]
+    from flax.training import train_state
+
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(lr))
+
+
+def summed_loss_step(state, batch):
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.sum((pred - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def metrics_step(state, batch):
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        err = pred - batch["y"]
+        aux = {
+            "mse": jnp.mean(err**2),
+            "abs_sum": jnp.sum(jnp.abs(err)),
+            "abs_max": jnp.max(jnp.abs(err)),
+            "abs_min": jnp.min(jnp.abs(err)),
+            "positives": jnp.sum(pred > 0),
+            "weight_norm": jnp.sum(params["dense3"]["kernel"] ** 2),
+        }
+        return jnp.mean(err**2), aux
+
+    (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+BATCHES = [mlp.make_batch(batch_size=16, seed=i) for i in range(2)]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_summed_loss_sums_gradients_under_sgd(threads_cluster, m):
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=m, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(summed_loss_step, method, state, BATCHES)
+    assert f"gradients and loss: sum over {m} micro-batches (traced" in str(par.plan)
+
+
+def test_averaging_a_summed_loss_would_show_under_sgd():
+    """Guard against a vacuous parity: halving a summed loss's gradients moves SGD visibly."""
+    state = sgd_state(BATCHES[0]["x"])
+    grads = jax.grad(
+        lambda p: jnp.sum((state.apply_fn({"params": p}, BATCHES[0]["x"]) - BATCHES[0]["y"]) ** 2)
+    )(state.params)
+    full = state.apply_gradients(grads=grads).params
+    halved = state.apply_gradients(grads=jax.tree.map(lambda g: g / 2, grads)).params
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_trees_close(full, halved)
+
+
+def test_aux_metrics_match_jit(threads_cluster):
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="gpipe")
+    par = check_step_parity(metrics_step, method, state, BATCHES)
+    text = str(par.plan)
+    for line in (
+        "aux['abs_max']: max over 4 micro-batches (traced",
+        "aux['abs_min']: min over 4 micro-batches (traced",
+        "aux['abs_sum']: sum over 4 micro-batches (traced",
+        "aux['mse']: mean over 4 micro-batches (traced",
+        "aux['positives']: sum over 4 micro-batches (traced",
+        "aux['weight_norm']: mean over 4 micro-batches (traced: same on every micro-batch",
+    ):
+        assert line in text
+
+
+def declared_step(state, batch):
+    """Reductions the tracer cannot see (a masked ratio), declared two ways."""
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        err = jnp.abs(pred - batch["y"])
+        big = err > 1.0
+        aux = {
+            "big_err_sum": jnp.sum(jnp.where(big, err, 0.0)),  # declared below: sum
+            "worst": meshshard.aux_max(jnp.max(err, axis=0)),  # a marker, per column
+        }
+        return jnp.mean(err), aux
+
+    (loss, aux), grads = meshshard.value_and_grad(
+        loss_fn, has_aux=True, aux_reduce={"big_err_sum": "sum"}
+    )(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+def test_declared_reductions(threads_cluster):
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(declared_step, method, state, BATCHES)
+    assert "aux['big_err_sum']: sum over 2 micro-batches (declared)" in str(par.plan)
+    assert "aux['worst']: max over 2 micro-batches (declared)" in str(par.plan)
+
+
+def masked_mean_step(state, batch):
+    def loss_fn(params):
+        err = (state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2
+        mask = (batch["y"] > 0).astype(jnp.float32)
+        return jnp.sum(err * mask) / jnp.sum(mask)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_masked_mean_loss_is_refused():
+    state = sgd_state(BATCHES[0]["x"])
+    step = meshshard.parallelize(masked_mean_step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines over micro-batches: it divides by a total "
+        r"computed from the batch.*loss_reduce='mean' or 'sum'",
+    ):
+        step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def test_aux_reduce_names_an_unknown_key():
+    state = sgd_state(BATCHES[0]["x"])
+
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean(state.apply_fn({"params": p}, batch["x"])), {"a": jnp.float32(0)}
+
+        return meshshard.value_and_grad(loss_fn, has_aux=True, aux_reduce={"b": "sum"})(
+            state.params
+        )
+
+    with pytest.raises(MeshshardInputError, match=r"aux_reduce=\.\.\.\) names \['b'\].*\['a'\]"):
+        jax.eval_shape(step, state, BATCHES[0])
+
+
+def test_unknown_reduction_is_refused():
+    with pytest.raises(MeshshardInputError, match=r"unknown reduction 'median'; use one of"):
+        meshshard.metrics.aux_reduce(jnp.float32(1), "median")
+
+
+def _classify_loss(loss_fn, m=4):
+    x_full = jnp.arange(32.0).reshape(8, 4)
+    x_micro = x_full[: 8 // m]
+    micro = jax.make_jaxpr(loss_fn)(x_micro)
+    full = jax.make_jaxpr(loss_fn)(x_full)
+    dep = batch_dependent(micro.jaxpr, [True], len(micro.jaxpr.eqns))
+    return classify(micro, full, micro.jaxpr.outvars[0], m, dep)[0]
+
+
+@pytest.mark.parametrize(
+    "fn,want",
+    [
+        (lambda x: jnp.mean(x**2), "mean"),
+        (lambda x: jnp.sum(x**2) / x.shape[0], "mean"),
+        (lambda x: jnp.sum(jnp.mean(x, axis=1)), "sum"),
+        (lambda x: jnp.max(x), "max"),
+        (lambda x: jnp.min(x), "min"),
+        (lambda x: jnp.sum(x > 3), "sum"),
+        (lambda x: jnp.sum(x) / jnp.sum(x > 3), ""),
+        (lambda x: jnp.max(x) + jnp.sum(x), ""),
+    ],
+    ids=["mean", "sum-over-n", "sum-of-row-means", "max", "min", "count", "ratio", "mixed"],
+)
+def test_classify(fn, want):
+    assert _classify_loss(fn) == want

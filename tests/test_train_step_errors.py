@@ -1,0 +1,113 @@
+"""What stays unsupported in a train step is refused with the operation, the stage and a fix."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshshard
+from examples import mlp
+from meshshard import ClusterSpec, MeshshardInputError, PipeshardParallel
+
+CLUSTER = ClusterSpec("step-errors-4x2", 4, 2)
+METHOD = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+BATCH = mlp.make_batch(batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def state():
+    return mlp.make_state(mlp.MLP(num_layers=4), BATCH["x"])
+
+
+def lower(step, *args):
+    return meshshard.parallelize(step, method=METHOD).lower(*args, cluster=CLUSTER)
+
+
+def mse(state, batch):
+    def loss_fn(p):
+        return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def test_update_reading_a_batch_value(state):
+    def step(state, batch):
+        scale = jnp.mean(batch["x"])  # from the batch, outside the loss
+        grads = meshshard.grad(mse(state, batch))(state.params)
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g * scale, grads))
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"the update part of the step reads %\d+ \(div in s0\.F\), a value computed from "
+        r"the batch.*return it as aux \(has_aux=True\)",
+    ):
+        lower(step, state, BATCH)
+
+
+def test_output_computed_from_the_batch_outside_the_grad(state):
+    def step(state, batch):
+        top = jnp.max(batch["y"])  # from the batch, outside the loss
+        grads = meshshard.grad(mse(state, batch))(state.params)
+        return state.apply_gradients(grads=grads), top
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"step output out\[1\] = %\d+ \(reduce_max in s\d\.F\) is computed from the batch "
+        r"per micro-batch outside meshshard.grad; return it from the loss function as aux",
+    ):
+        lower(step, state, BATCH)
+
+
+def test_aux_with_the_batch_as_a_dimension(state):
+    def step(state, batch):
+        def loss_fn(p):
+            pred = state.apply_fn({"params": p}, batch["x"])
+            return jnp.mean((pred - batch["y"]) ** 2), {"pred": pred}
+
+        (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), aux
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"aux\['pred'\] returned by meshshard.grad it has the batch as a dimension "
+        r"\(\[4, 4\] per micro-batch\).*reduce it over the batch inside the loss function",
+    ):
+        lower(step, state, BATCH)
+
+
+def test_draw_in_shape_dependent_control_flow(state):
+    def step(state, batch, key):
+        def loss_fn(p):
+            x = batch["x"]
+            if x.shape[0] > 4:  # only on the full batch
+                x = x * 2
+            x = x + jax.random.normal(key, x.shape)
+            return jnp.mean((state.apply_fn({"params": p}, x) - batch["y"]) ** 2)
+
+        grads = meshshard.grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"the step draws random numbers \(random_bits\) but traces to different programs "
+        r"at micro-batch and full-batch shape.*make the step's Python control flow independent",
+    ):
+        lower(step, state, BATCH, jax.random.key(0))
+
+
+def test_draw_not_sliceable_along_the_batch(state):
+    def step(state, batch, key):
+        def loss_fn(p):
+            n = batch["x"].shape[0]
+            noise = jax.random.normal(key, (n + 1,))[:n, None]
+            pred = state.apply_fn({"params": p}, batch["x"] + noise)
+            return jnp.mean((pred - batch["y"]) ** 2)
+
+        grads = meshshard.grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"random draw random_bits has shape \[5\] per micro-batch but \[9\] on the full "
+        r"batch; meshshard can only slice a draw along one dimension that is the batch",
+    ):
+        lower(step, state, BATCH, jax.random.key(0))
