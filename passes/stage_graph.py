@@ -361,7 +361,21 @@ def _place_update(st: _Step, slicing, producer, grads: _Grads, state_read_by) ->
     for leaf, stages in state_read_by.items():
         seeds[jaxpr.invars[leaf]] = next(iter(stages))
     _check_update_reads(st, slicing.apply_eqns, producer)
+    _check_outputs(st, producer, grads)
     return place_apply(jaxpr, st.ids, slicing.apply_eqns, seeds, st.num_stages, st.describe)
+
+
+def _check_outputs(st: _Step, producer: dict, grads: _Grads) -> None:
+    """A step output must not be a per-micro-batch value outside what meshshard.grad returns."""
+    for j, v in enumerate(st.traced.jaxpr.outvars):
+        if is_literal(v) or v in grads.stage or v in grads.literals or v in st.invar_leaf:
+            continue
+        if v in producer:
+            raise MeshshardInputError(
+                f"step output {st.traced.outputs[j].path} = {_made_by(st, v, producer)} is "
+                "computed from the batch per micro-batch outside meshshard.grad; return it "
+                "from the loss function as aux (has_aux=True)"
+            )
 
 
 def _compute_groups(st: _Step, per_stage, grads: _Grads) -> dict:
