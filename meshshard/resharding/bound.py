@@ -56,7 +56,10 @@ host relays only inside a chain broadcast; a broadcast moves in chunks of at lea
   latencies (a chain through them, or a local all-gather) or another NIC message,
   whichever is less; for a larger one its last chunk's ``R - 1`` fabric hops (the
   smallest such tail over the host's blocks) after its ingress; likewise after a set
-  of source hosts' egress, for the last block to leave them.
+  of source hosts' egress, for the last block to leave them.  A host-level message
+  of blocks that together exceed one chunk pipelines its fan-out, so where a host
+  takes several slices, more than :data:`MIN_CHUNK_BYTES` in all, a hop costs at
+  most half a chunk's time.
 
 The tight bound is the largest of these and the NIC terms.  It assumes slices travel
 whole, as they do in small plans (cutting one adds an ``alpha`` per piece and hop).
@@ -347,6 +350,13 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
     (at least ``n / ceil(n / c)`` bytes) still crosses ``R - 1`` fabric hops."""
     out = []
     itemsize = problem.itemsize
+    total: dict[int, int] = {}  # bytes each destination host takes, if in several slices
+    slices: dict[int, int] = {}
+    for need in problem.needs:
+        for h in {h for h, _ in need.receivers}:
+            total[h] = total.get(h, 0) + need.nbytes(itemsize)
+            slices[h] = slices.get(h, 0) + 1
+    merged_hop = min(cluster.intra_latency, MIN_CHUNK_BYTES / 2 / cluster.intra_bandwidth)
     for need in problem.needs:
         nbytes = need.nbytes(itemsize)
         count: dict[int, int] = {}
@@ -356,7 +366,14 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
             per_hop = cluster.intra_latency
         else:
             per_hop = smallest_chunk(nbytes) / cluster.intra_bandwidth
-        out.append({h: min((r - 1) * per_hop, cluster.nic_latency) for h, r in count.items()})
+        tails = {}
+        for h, r in count.items():
+            # a host-level message of several blocks over one chunk pipelines its fan-out
+            # in chunks of at least half the smallest chunk: no latency per hop
+            several = slices[h] > 1 and total[h] > MIN_CHUNK_BYTES
+            hop = min(per_hop, merged_hop) if several else per_hop
+            tails[h] = min((r - 1) * hop, cluster.nic_latency)
+        out.append(tails)
     return out
 
 
