@@ -9,6 +9,7 @@ _extend_package_path(__path__)
 
 from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
 from meshshard.autodiff import grad, value_and_grad  # noqa: E402
+from meshshard.checkpoint import CheckpointManager, restore, save  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import DataParallel, PipeshardParallel  # noqa: E402
@@ -19,6 +20,7 @@ from meshshard.runtime.executable import RemoteArray, fetch  # noqa: E402
 from meshshard.sim import SimResult, simulate  # noqa: E402
 
 __all__ = [
+    "CheckpointManager",
     "ClusterSpec",
     "DataParallel",
     "MeshshardInputError",
@@ -34,6 +36,8 @@ __all__ = [
     "mark_pipeline_boundary",
     "parallelize",
     "recover",
+    "restore",
+    "save",
     "shutdown",
     "simulate",
     "value_and_grad",

@@ -66,6 +66,18 @@ class ParallelizedFunction:
         return plan
 
     def __call__(self, *args):
+        return self._executable_for(args)(*args)
+
+    def placement(self, *args, argnum: int = 0):
+        """Where each leaf of ``args[argnum]`` lives when the step runs on ``args``: a tree
+        like it whose leaves say the meshes and shardings (compiles the step if needed).
+        ``meshshard.restore(path, like=step.placement(state, batch))`` reads a checkpoint
+        straight into that layout."""
+        from meshshard.checkpoint import placement_of
+
+        return placement_of(self._executable_for(args), args, argnum)
+
+    def _executable_for(self, args):
         from meshshard.passes.pipeline import plan_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
@@ -105,7 +117,22 @@ class ParallelizedFunction:
                 len(plan.workers),
             )
             self._executables[key] = exe
-        return exe(*args)
+        return exe
+
+    def release(self) -> None:
+        """Drop every compiled version of this step on the workers now (also done when
+        this object is garbage-collected).  Arrays it returned stay valid; the next call
+        compiles again."""
+        executables, self._executables = self._executables, {}
+        for exe in executables.values():
+            exe.release()
+
+    def __del__(self):
+        try:
+            for exe in self._executables.values():
+                exe.release_soon()
+        except Exception:  # interpreter shutdown
+            pass
 
     @property
     def plan(self) -> Plan | None:

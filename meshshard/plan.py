@@ -512,10 +512,13 @@ class Plan:
     def from_json(text: str) -> Plan:
         """Inverse of :meth:`to_json`; a malformed document raises :class:`PlanFormatError`
         naming the bad field (e.g. ``transfers[2].messages[0].nbytes``)."""
+        from meshshard.plan_checks import check_plan_document
+
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanFormatError(f"plan JSON does not parse: {exc}") from None
+        check_plan_document(data)  # not an object, or top-level fields missing
         return decode(Plan, data)
 
 

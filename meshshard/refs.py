@@ -20,7 +20,7 @@ empty today; schedules that need them print them as ``P1v2`` / ``P1~3``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum, StrEnum
 
 __all__ = [
@@ -112,6 +112,11 @@ class _Keyed:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __reduce__(self):
+        # Rebuild from the fields in the receiving process: the cached hash mixes in
+        # str hashes (enum members), which differ between processes (PYTHONHASHSEED).
+        return (self.__class__, tuple(getattr(self, f.name) for f in fields(self)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from collections import Counter
 
-from meshshard.instructions import Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
+from meshshard.cluster import ClusterSpec
+from meshshard.instructions import Collective, Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
 from meshshard.plan import Plan, Schedule
+from meshshard.plan_checks import header_problems
 from meshshard.refs import BufferKind, BufferRef, TaskKind
 
 
-def verify(plan: Plan) -> list[str]:
-    """All invariant violations of ``plan`` (an empty list if none)."""
-    problems = verify_schedule(plan.schedule)
+def verify(plan: Plan, cluster: ClusterSpec | None = None) -> list[str]:
+    """All invariant violations of ``plan`` (an empty list if none), header first: the
+    micro-batch count, mesh shapes against the plan's cluster (and ``cluster``, if
+    given) and the fingerprint format (``plan_checks.header_problems``)."""
+    problems = header_problems(plan, cluster)
+    problems += verify_schedule(plan.schedule)
     persistent = {b.name for b in plan.buffers if b.name.kind.persistent}
     sends, recvs = Counter(), Counter()
     for stream in plan.streams:
@@ -27,10 +32,14 @@ def verify(plan: Plan) -> list[str]:
         received: set[BufferRef] = set()
         for i, ins in enumerate(stream.instructions):
             where = f"w{w}[{i}] {ins}"
-            for b in ins.reads:
+            # a broadcast's receiving member issues a receive: it reads nothing yet
+            bcast_in = isinstance(ins, Collective) and ins.root is not None and ins.root != w
+            for b in () if bcast_in else ins.reads:
                 if b not in live:
                     problems.append(f"{where}: reads {b} before it is written")
-            if isinstance(ins, Recv):
+            if bcast_in:
+                received.add(ins.buffer)
+            elif isinstance(ins, Recv):
                 received.add(ins.buffer)
                 recvs[(ins.peer, w, ins.buffer, ins.message)] += 1
             elif isinstance(ins, Wait):

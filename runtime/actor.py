@@ -64,6 +64,7 @@ class HostActor:
         self.store: dict = {}
         self.torch_groups: dict = {}
         self.jax_group: tuple[int, ...] | None = None
+        self.writer = None  # checkpoint writes in progress (runtime.checkpoint_io)
 
     def ping(self) -> int:
         """This actor's process id (tests kill it to simulate a crash)."""
@@ -183,6 +184,43 @@ class HostActor:
             for sh in arr.addressable_shards
         ]
 
+    def release(self, plan_id: str) -> None:
+        """Drop a step's compiled programs (its arrays stay in the store)."""
+        self.workers.pop(plan_id, None)
+
+    def stats(self) -> dict:
+        """What this host holds: stored arrays, live device buffers, compiled steps, RSS."""
+        import jax
+        import psutil
+
+        return {
+            "store": len(self.store),
+            "live_buffers": sum(len(a.addressable_shards) for a in jax.live_arrays()),
+            "compiled": len(self.workers),
+            "rss": psutil.Process().memory_info().rss,
+        }
+
     def free(self, keys) -> None:
         for k in keys:
             self.store.pop(k, None)
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, parts: list[tuple[str, dict[str, int]]]) -> int:
+        """Snapshot stored arrays and start writing each part; returns bytes to write."""
+        from meshshard.runtime.checkpoint_io import ShardWriter
+
+        if self.writer is None:
+            self.writer = ShardWriter()
+        return sum(self.writer.begin(self.store, d, arrays) for d, arrays in parts)
+
+    def finish_save(self, directories: list[str]) -> None:
+        """Wait until the parts started by :meth:`begin_save` are on disk."""
+        for d in directories:
+            self.writer.finish(d)
+
+    def restore_shards(self, plan_id: str, requests) -> int:
+        """Read this host's shards of saved arrays into the store (see ``read_shards``)."""
+        from meshshard.runtime.checkpoint_io import read_shards
+
+        worker = self.workers.get(plan_id)
+        return read_shards(self.store, getattr(worker, "mesh", None), requests)

@@ -161,6 +161,21 @@ class ThreadsCluster:
     def recover(self) -> None:
         """Nothing to do: threads share this process and cannot die alone."""
 
+    def host_stats(self) -> dict[int, dict]:
+        """Per host: stored arrays and live device buffers on its devices (for leak tests)."""
+        import jax
+
+        d = self.spec.devices_per_host
+        counts = [0] * self.spec.num_hosts
+        for a in jax.live_arrays():
+            for sh in a.addressable_shards:
+                if sh.device.id // d < self.spec.num_hosts:
+                    counts[sh.device.id // d] += 1
+        return {
+            h: {"store": len(self.stores.get(h, {})), "live_buffers": counts[h]}
+            for h in range(self.spec.num_hosts)
+        }
+
     def close(self) -> None:
         self.closed = True
         for store in self.stores.values():
@@ -199,6 +214,7 @@ class RayCluster:
         self._groups: list = ["fresh"] * num_hosts
         self._transport_ready = False
         self._groups_made: set = set()
+        self._cleanups: list = []  # refs of free/release calls in flight
         self.generation = 0  # bumped when actors restart or the transfer group is rebuilt
         self.dead: set[int] = set()  # hosts whose actor process is gone
         self.blocked: set[int] = set()  # hosts left inside a failed call
@@ -405,6 +421,26 @@ class RayCluster:
     def backend(self):
         return RayBackend(self)
 
+    def note_cleanup(self, ref) -> None:
+        """Remember a fire-and-forget free/release call (``host_stats`` waits for them)."""
+        self._cleanups.append(ref)
+        if len(self._cleanups) > 256:  # forget the finished ones
+            import ray
+
+            done, rest = ray.wait(self._cleanups, num_returns=len(self._cleanups), timeout=0)
+            self._cleanups = rest
+
+    def host_stats(self) -> dict[int, dict]:
+        """Per host-actor: stored arrays, live device buffers, compiled steps and RSS,
+        after every free and release issued so far has been done."""
+        import ray
+
+        pending, self._cleanups = self._cleanups, []
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=30)
+        refs = {h: a.stats.remote() for h, a in enumerate(self._actors) if h not in self.dead}
+        return dict(sorted(self._call(refs, "host stats").items()))
+
     def close(self) -> None:
         """Kill the actors, wait for their processes to exit, stop Ray if we started it."""
         import ray
@@ -442,7 +478,9 @@ def _ray_init(address) -> None:
         with warnings.catch_warnings():
             if not verbose():  # Ray starts its processes with fork+exec: harmless here
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
-            ray.init(address=address, **kwargs)
+            # address=None: always our own embedded instance, never another process's
+            # local Ray (which ray.init() would otherwise join, e.g. a test session's)
+            ray.init(address=address or "local", **kwargs)
     finally:
         quiet.setLevel(level)
 
@@ -554,7 +592,34 @@ class RayBackend:
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
         if not self.cluster.closed and worker not in self.cluster.dead:
-            self._actor(worker).free.remote(list(keys))
+            self.cluster.note_cleanup(self._actor(worker).free.remote(list(keys)))
+
+    def release(self) -> None:
+        """Drop this plan's compiled programs on every live actor (fire and forget)."""
+        if self.cluster.closed:
+            return
+        for h, a in enumerate(self.cluster._actors):
+            if a is not None and h not in self.cluster.dead:
+                self.cluster.note_cleanup(a.release.remote(self.plan_id))
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Every actor snapshots its arrays and starts writing them; returns at once."""
+        refs = {w: self._actor(w).begin_save.remote(parts) for w, parts in per_worker.items()}
+        return self.cluster._call(refs, "checkpoint save")
+
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every actor's parts are on disk."""
+        refs = {w: self._actor(w).finish_save.remote(dirs) for w, dirs in per_worker.items()}
+        self.cluster._call(refs, "checkpoint save")
+
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Every actor reads its shards of saved arrays into its store, in parallel."""
+        refs = {
+            w: self._actor(w).restore_shards.remote(self.plan_id, req)
+            for w, req in per_worker.items()
+        }
+        return self.cluster._call(refs, "checkpoint restore")
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.plan_checks import require_valid_plan
+from meshshard.runtime.release import RELEASER
 from meshshard.runtime.worker import StoreKey
 
 #: What calling a step compiled for a cluster that was shut down says.
@@ -43,6 +45,8 @@ class Backend(Protocol):
 
     def free(self, worker: int, keys: Sequence[int]) -> None: ...
 
+    def release(self) -> None: ...
+
     def ensure_ready(self, recompile) -> None:
         """Before a step: raise if the cluster is gone, recover it if a host-actor failed,
         and call ``recompile()`` if the workers lost this plan's programs."""
@@ -60,9 +64,11 @@ class RemoteArray:
     usable and the next step that needs it places it again.
     """
 
-    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype):
+    def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
         self._owner = weakref.ref(owner)
         self.keys = dict(keys)
+        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
+        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.deleted = False
@@ -194,12 +200,14 @@ class Executable:
     def __init__(
         self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()
     ):
+        require_valid_plan(plan)  # an edited or broken plan never reaches the workers
         self.plan = plan
         self.backend = backend
         self.batch_argnums = tuple(batch_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self._pending_free: dict[int, list[int]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a finalizer freeing an array
+        self.released = False
         self._compile_args = (fn, abstract_args, self.batch_argnums)
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
@@ -211,6 +219,11 @@ class Executable:
         self.compile_seconds = self.backend.compile(*self._compile_args, self.plan)
 
     def __call__(self, *args):
+        if self.released:
+            raise MeshshardRuntimeError(
+                "this compiled step was released (step.release()); call the parallelized "
+                "function again to recompile it"
+            )
         plan = self.plan
         self.backend.ensure_ready(self.recompile)
         flat, _ = jax.tree.flatten(args)
@@ -254,9 +267,35 @@ class Executable:
         return self._outputs(args, flat, results, out_keys)
 
     def schedule_free(self, worker: int, key: int) -> None:
-        """Drop a stored array on ``worker`` with the next step (arrays die between steps)."""
+        """Drop a stored array on ``worker``: with the next step, or from the releaser
+        thread at once if no step takes it first (safe to call from a finalizer)."""
         with self._lock:
             self._pending_free.setdefault(worker, []).append(key)
+        RELEASER.call(self.flush_frees)
+
+    def flush_frees(self) -> None:
+        """Free the arrays dropped since the last step now, without waiting for a step."""
+        with self._lock:
+            frees, self._pending_free = self._pending_free, {}
+        for w, keys in frees.items():
+            self.backend.free(w, keys)
+
+    def release(self) -> None:
+        """Drop this step's compiled programs on the workers (the arrays it returned stay
+        valid); a released step cannot run again.  Idempotent."""
+        if not self.released:
+            self.released = True
+            self.flush_frees()
+            self.backend.release()
+
+    def release_soon(self) -> None:
+        """Like :meth:`release`, done by the releaser thread (safe from a finalizer)."""
+        if not getattr(self, "released", True):
+            self.released = True
+            RELEASER.call(self.backend.release)
+
+    def __del__(self):
+        self.release_soon()
 
     def _donated(self, args) -> list[RemoteArray]:
         out = []
@@ -283,7 +322,8 @@ class Executable:
                 for g, i in o.slots:
                     for w in self._mesh_workers[plan.buffer(g).mesh]:
                         keys[w] = int(results[w][(g, i)])
-                array = RemoteArray(self, keys, o.shape, o.dtype)
+                groups = [self._mesh_workers[plan.buffer(g).mesh] for g, _ in o.slots]
+                array = RemoteArray(self, keys, o.shape, o.dtype, groups)
                 self.backend.track(array)
                 leaves.append(array)
         return jax.tree.unflatten(self._out_tree, leaves)

@@ -64,7 +64,10 @@ def death_cause(exc: BaseException) -> str:
 def raised_message(exc: BaseException) -> str:
     """The message of an exception raised inside an actor's method (Ray wraps it)."""
     cause = getattr(exc, "cause", None)
-    return str(cause if cause is not None else exc) or type(exc).__name__
+    cause = cause if cause is not None else exc
+    if isinstance(cause, MeshshardRuntimeError):
+        return str(cause)  # already says where and why
+    return f"{type(cause).__name__}: {cause}"  # e.g. a bare KeyError prints only its key
 
 
 def gather(

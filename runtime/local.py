@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
@@ -70,7 +71,45 @@ class LocalBackend:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
     def fetch(self, worker: int, key: int) -> list:
-        return self.workers[worker].fetch(key)
+        arr = self.stores[worker][key]
+        return [
+            (tuple((s.start, s.stop) for s in sh.index), np.asarray(sh.data))
+            for sh in arr.addressable_shards
+        ]
 
     def free(self, worker: int, keys: Sequence[int]) -> None:
-        self.workers[worker].free(keys)
+        store = self.stores.get(worker, {})
+        for k in keys:
+            store.pop(k, None)
+
+    def release(self) -> None:
+        """Drop this plan's compiled workers (the stores keep their arrays)."""
+        self.workers.clear()
+
+    # --- checkpoints (runtime.checkpoint_io) ---------------------------------------
+    def begin_save(self, per_worker: dict[int, list[tuple[str, dict[str, int]]]]) -> dict:
+        """Snapshot stored arrays and start writing them (see ``ShardWriter.begin``)."""
+        from meshshard.runtime.checkpoint_io import ShardWriter
+
+        if not hasattr(self, "writer"):
+            self.writer = ShardWriter()
+        return {
+            w: sum(self.writer.begin(self.stores[w], d, arrays) for d, arrays in parts)
+            for w, parts in per_worker.items()
+        }
+
+    def finish_save(self, per_worker: dict[int, list[str]]) -> None:
+        """Wait until every part started by :meth:`begin_save` is on disk."""
+        for dirs in per_worker.values():
+            for d in dirs:
+                self.writer.finish(d)
+
+    def restore_shards(self, per_worker: dict[int, dict]) -> dict[int, int]:
+        """Each worker reads its shards of saved arrays into its store, in parallel."""
+        from meshshard.runtime.checkpoint_io import read_shards
+
+        def one(w):
+            mesh = getattr(self.workers.get(w), "mesh", None)
+            return read_shards(self.stores.setdefault(w, {}), mesh, per_worker[w])
+
+        return run_in_threads(per_worker, one)

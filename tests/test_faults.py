@@ -170,3 +170,31 @@ def test_fault_matrix(tmp_path, kind):
     assert "[Gloo]" not in proc.stdout + proc.stderr  # quiet unless MESHSHARD_VERBOSE=1
     assert "Token authentication" not in proc.stderr
     assert "restarting host-actors" in proc.stderr  # meshshard's own warnings do show
+
+
+def test_refs_pickled_to_another_process_still_key_dicts(tmp_path):
+    """Plans and step requests cross to the host-actors pickled; a reference's cached
+    hash must be the receiving process's (str hashes differ per process)."""
+    code = (
+        "import pickle, sys; from meshshard.refs import BufferRef, BufferKind, ProgramRef, "
+        "Phase, TransferRef\n"
+        "refs = [BufferRef(BufferKind.APPLY_OUTPUTS, 0), ProgramRef(Phase.APPLY, 1), "
+        "TransferRef(2)]\n"
+        "if sys.argv[1] == 'dump':\n"
+        "    open(sys.argv[2], 'wb').write(pickle.dumps({r: i for i, r in enumerate(refs)}))\n"
+        "else:\n"
+        "    d = pickle.loads(open(sys.argv[2], 'rb').read())\n"
+        "    print([d[r] for r in refs])\n"
+    )
+    path = str(tmp_path / "refs.pkl")
+    env = {"PYTHONPATH": str(ROOT)}
+    for seed, mode in (("1", "dump"), ("2", "load")):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, mode, path],
+            capture_output=True,
+            text=True,
+            env={**env, "PYTHONHASHSEED": seed},
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[0, 1, 2]"

@@ -239,3 +239,27 @@ def test_synthetic_broadcast_to_one_host_is_a_send():
     wide = synthetic_pipeline(2, 1, schedule="gpipe", mesh_shape=(2, 1), transfer="broadcast")
     kinds = {type(ins).__name__ for s in wide.streams for ins in s.instructions if ins.is_comm}
     assert kinds == {"Collective"}
+
+
+def test_verify_accepts_the_broadcasts_the_lowering_emits():
+    """A (1, 2) mesh's backward transfer broadcasts to both hosts of a (2, 2) mesh: the
+    receivers' COLL is their receive, so the verifier (run after every pass) accepts it."""
+    from meshshard.verify import verify
+
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(model, batch["x"])
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=[(2, 2), (1, 2)], resharding="broadcast_nolb"
+    )
+    plan = meshshard.parallelize(mlp.train_step, method=method).lower(
+        state, batch, cluster=ClusterSpec("c", 4, 2)
+    )
+    colls = [
+        (s.worker, ins)
+        for s in plan.streams
+        for ins in s.instructions
+        if isinstance(ins, Collective)
+    ]
+    assert any(w != ins.root for w, ins in colls)
+    assert verify(plan) == []

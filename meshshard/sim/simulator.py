@@ -8,6 +8,7 @@ from dataclasses import replace
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Collective, Instruction, Recv, Run, Send, Wait, WaitAll
 from meshshard.plan import Plan
+from meshshard.plan_checks import require_valid_plan
 from meshshard.sim.engine import SimOptions, Timeline, execute
 from meshshard.sim.memory import CATEGORY_ORDER, memory_profile
 from meshshard.sim.result import Counter, LinkStats, MemoryStats, SimResult, Span, WorkerStats
@@ -35,6 +36,7 @@ def simulate(
         >>> round(r.iteration_time, 1)  # (M + S - 1) * (F + B), plus 3 ms of transfers
         15.0
     """
+    require_valid_plan(plan, what="simulate", streams=False)  # an edited header
     cluster = plan.cluster if cluster is None else cluster
     opts = options or SimOptions()
     if overlap is not None:
