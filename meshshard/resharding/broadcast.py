@@ -90,10 +90,12 @@ def _choose(
 ) -> tuple[str, list[Message]]:
     """The candidate the estimate finds fastest (the first of equals), each tried as is
     and, where hosts have several receiving devices, as broadcast + local gather, and
-    each of those with its slices merged into host-level messages
-    (:func:`~meshshard.resharding.merge.host_messages`, per round and across rounds); every
+    each of those whose messages carry whole slices with its slices merged into
+    host-level messages (:func:`~meshshard.resharding.merge.host_messages`, per round
+    and across rounds); every
     broadcast in the chunk :func:`~meshshard.resharding.chunks.with_chunks` picks."""
     best: tuple[float, int, str, list[Message]] | None = None
+    whole = {n.index for n in problem.needs}
     k = 0
     for desc, msgs in candidates:
         variants = [(desc, msgs, False)]
@@ -101,6 +103,9 @@ def _choose(
         if local is not None:
             variants.append((desc + ", then gathered on each host", local, True))
         for name, variant, gather in list(variants):
+            if not all(m.index in whole for m in variant):
+                continue  # cut slices stay apart: merged pieces would beat the tight bound's
+                # whole-slice multicast model (one holder per piece, in parallel)
             for per_round, how in ((True, "each round's"), (False, "all")):
                 host = host_messages(variant, per_round=per_round)
                 if host is not None:
