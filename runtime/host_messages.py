@@ -10,7 +10,7 @@ devices' shards like the blocks of single-block messages.
     >>> from meshshard.plan import Block, Message
     >>> m = Message(0, 1, ((0, 2),), 16, (0, 1), 0, ((0,),),
     ...             blocks=(Block(((0, 2),), 0, ((0,),)), Block(((4, 6),), 1, ((0,),))))
-    >>> [(b.index, raw.tolist()) for b, raw in received_parts(m, np.arange(16, dtype=np.uint8), 8)]
+    >>> [(b.index, raw.tolist()) for b, raw in received_parts(m, np.arange(16, dtype=np.uint8), 4)]
     [(((0, 2),), [0, 1, 2, 3, 4, 5, 6, 7]), (((4, 6),), [8, 9, 10, 11, 12, 13, 14, 15])]
 """
 
