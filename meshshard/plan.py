@@ -169,6 +169,22 @@ class ProgramSpec:
 
 
 @dataclass(frozen=True)
+class Block:
+    """One block a host-level :class:`Message` carries: ``index`` of the array, read from
+    local device ``src_device`` of the sender and written into ``dst_devices[i]`` of the
+    message's receiver ``i``."""
+
+    index: tuple[tuple[int, int], ...]
+    src_device: int = 0
+    dst_devices: tuple[tuple[int, ...], ...] = ()
+
+    def __str__(self) -> str:
+        idx = ",".join(f"{a}:{b}" for a, b in self.index)
+        to = "/".join("{" + ",".join(map(str, d)) + "}" for d in self.dst_devices)
+        return f".{self.src_device}[{idx}]->{to}"
+
+
+@dataclass(frozen=True)
 class Message:
     """One piece of a transfer: block ``index`` of the array, sent by worker ``src``.
 
@@ -179,6 +195,11 @@ class Message:
     block (for the simulator's intra-host hops); ``round`` orders messages for load
     balancing (messages of one round may run at once).  ``chunk_bytes`` is a
     broadcast's pipelining chunk when the planner chose one (0: the cluster's).
+
+    A *host-level* message carries several blocks (``blocks``, sent back to back in one
+    payload, so the per-message latency is paid once): then ``index``/``src_device``
+    are those of ``blocks[0]``, ``dst_devices`` lists per receiver every device any
+    block goes to (the simulator's fan-out) and ``nbytes`` is the blocks' total.
     """
 
     src: int
@@ -190,6 +211,12 @@ class Message:
     dst_devices: tuple[tuple[int, ...], ...] = ()
     round: int = 0
     chunk_bytes: int = 0
+    blocks: tuple[Block, ...] = ()
+
+    @property
+    def parts(self) -> tuple[Block, ...]:
+        """The blocks this message carries, in payload order (one unless host-level)."""
+        return self.blocks or (Block(self.index, self.src_device, self.dst_devices),)
 
     @property
     def receivers(self) -> tuple[int, ...]:
@@ -210,9 +237,10 @@ class Message:
         kind = "bcast " if self.is_broadcast else ""
         rnd = f" r{self.round}" if self.round else ""
         chunk = f" chunk {fmt_bytes(self.chunk_bytes)}" if self.chunk_bytes else ""
+        merged = f" in {len(self.blocks)} blocks" if self.blocks else ""
         return (
             f"{kind}w{self.src}.{self.src_device} -> {to} [{idx}] {fmt_bytes(self.nbytes)}{rnd}"
-            f"{chunk}"
+            f"{chunk}{merged}"
         )
 
 

@@ -9,7 +9,7 @@ references and instructions, parsed back at this edge).  A malformed document ra
 
     >>> from meshshard.plan import Message
     >>> decode(Message, {"src": 0, "dst": 1, "index": [[0, 2]], "nbytes": 8})
-    Message(src=0, dst=1, index=((0, 2),), nbytes=8, group=(), src_device=0, dst_devices=(), round=0, chunk_bytes=0)
+    Message(src=0, dst=1, index=((0, 2),), nbytes=8, group=(), src_device=0, dst_devices=(), round=0, chunk_bytes=0, blocks=())
     >>> decode(Message, {"src": 0, "dst": 1, "index": [], "nbytes": "x"}, "messages[0]")
     Traceback (most recent call last):
     ...

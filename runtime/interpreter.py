@@ -33,6 +33,7 @@ from meshshard.plan import Plan, TransferSpec
 from meshshard.program_fn import reduction_identity
 from meshshard.refs import BufferKind, BufferRef, TransferRef
 from meshshard.runtime.device_blocks import DeviceBlocks
+from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.programs import CompiledProgram, sharding
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
@@ -179,7 +180,7 @@ class StreamInterpreter:
                     buffers[ins.buffer] = self._zeros(ins.buffer)
                 elif isinstance(ins, Send):
                     msg = self._transfers[ins.transfer].messages[ins.message]
-                    data = self.blocks.read(buffers[ins.buffer][0], msg.index)
+                    data = read_message(self.blocks, buffers[ins.buffer][0], msg)
                     tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
                     pending_send.append(self.transport.isend(data, ins.peer, tag))
                 elif isinstance(ins, Recv):
@@ -194,8 +195,13 @@ class StreamInterpreter:
                     full = np.asarray(handle.wait())
                     buffers[ins.buffer] = (array_from_host(full, sharding(self.mesh, ())),)
                 elif isinstance(ins, Wait):
-                    parts = [(msg, h.wait()) for msg, h in pending_recv.pop(ins.buffer)]
                     t = self._transfers[ins.buffer.transfer]
+                    size = jax.numpy.dtype(t.tensor.dtype).itemsize
+                    parts = [
+                        part
+                        for msg, h in pending_recv.pop(ins.buffer)
+                        for part in received_parts(msg, h.wait(), size)
+                    ]
                     buffers[ins.buffer] = (self.blocks.assemble(t, parts),)
                 elif isinstance(ins, Free):
                     del buffers[ins.buffer]
@@ -221,7 +227,7 @@ class StreamInterpreter:
         tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
         key = group_key(ins.transfer, msg.group)
         if self.worker == ins.root:
-            data = self.blocks.read(buffers[ins.buffer][0], msg.index)
+            data = read_message(self.blocks, buffers[ins.buffer][0], msg)
             pending_send.append(self.transport.ibroadcast(data, msg.nbytes, msg.group, key, tag))
         else:
             handle = self.transport.ibroadcast(None, msg.nbytes, msg.group, key, tag)

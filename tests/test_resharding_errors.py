@@ -58,7 +58,7 @@ def good(problem):
     [
         (dict(src_device=1), r"block \[0:2\] is not inside the tile \[3:6\] of its sender w0\.1"),
         (dict(src=5), r"sender w5\.0 is not a source device"),
-        (dict(nbytes=7), r"nbytes 7 is not the block's size"),
+        (dict(nbytes=7), r"nbytes 7 is not the size of its blocks"),
         (dict(dst_devices=((1,),)), r"receiver w1\.1 is not a destination device"),
         (dict(dst_devices=()), r"dst_devices \(\) must list devices for each receiver \(1,\)"),
         (dict(group=(1, 2)), r"group \(1, 2\) must be \(src, dst, \.\.\.\)"),

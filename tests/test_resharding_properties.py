@@ -101,15 +101,19 @@ def execute(problem, messages, array, gather: bool):
     out = {dev: np.zeros(s, array.dtype) for dev, s in shapes.items()}
     count = {dev: np.zeros(s, np.int64) for dev, s in shapes.items()}
     for m in messages:
-        block = have[(m.src, m.src_device)][rel(m.index, src[(m.src, m.src_device)])]
-        assert m.nbytes == block.nbytes
+        assert m.nbytes == sum(
+            have[(m.src, b.src_device)][rel(b.index, src[(m.src, b.src_device)])].nbytes
+            for b in m.parts
+        )
         receivers = m.group[1:] if m.group else (m.dst,)
         assert len(m.dst_devices) == len(receivers)
-        for h, devs in zip(receivers, m.dst_devices, strict=True):
-            for d in devs:
-                where = rel(m.index, dst[(h, d)])
-                out[(h, d)][where] = block
-                count[(h, d)][where] += 1
+        for b in m.parts:  # a host-level message carries several blocks
+            block = have[(m.src, b.src_device)][rel(b.index, src[(m.src, b.src_device)])]
+            for h, devs in zip(receivers, b.dst_devices, strict=True):
+                for d in devs:
+                    where = rel(b.index, dst[(h, d)])
+                    out[(h, d)][where] = block
+                    count[(h, d)][where] += 1
     if gather:  # a device takes what it lacks from its host's devices with the same tile
         direct = {dev: c.copy() for dev, c in count.items()}
         for (h, d), tile in dst.items():

@@ -14,13 +14,19 @@ bytes/s each way (full duplex).  Two facts bound any plan:
 Relays do not help either bound: a byte forwarded by a destination host still entered
 it once, and still left the source mesh once.
 
-Latency: a message carries one block, and a block lies inside one slice (it is inside
-one source tile and one destination tile), so a host that must take in ``n`` slices
-takes part in at least ``n`` messages; in the runtime's execution model a worker runs
-its communication one operation at a time and each pays the NIC latency before its
-bytes move.  So a destination host needs ``n x nic_latency + bytes / bandwidth``, and
-a set ``A`` of source hosts needs that for what only it holds, divided over its
-``|A|`` hosts.  (Paper notes section 1.9; the latency term matters for small arrays.)
+Latency: in the runtime's execution model a worker runs its communication one
+operation at a time and each pays the NIC latency before its bytes move.  A message
+carries blocks of one source host (a host-level message,
+:mod:`~meshshard.resharding.merge`, carries every slice that host sends to the same
+hosts; relays forward it whole in a chain), so a destination host takes part in at
+least as many messages as it needs source hosts to cover its slices (the smallest
+set of holders that hits every slice it needs), and pays that many latencies plus
+``bytes / bandwidth``; a set ``A`` of source hosts needs ``nic_latency + bytes /
+(|A| x bandwidth)`` for what only it holds (its busiest host sent at least its
+share, in at least one message), and at least ``(m x nic_latency + bytes /
+bandwidth) / |A|`` where ``m`` counts the groups of receiving hosts that share no
+slice (a message only reaches hosts that all need its blocks).  (Paper notes section 1.9; the latency term matters
+for small arrays.  Before host-level messages it was one latency per slice.)
 
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
@@ -50,7 +56,10 @@ host relays only inside a chain broadcast; a broadcast moves in chunks of at lea
   latencies (a chain through them, or a local all-gather) or another NIC message,
   whichever is less; for a larger one its last chunk's ``R - 1`` fabric hops (the
   smallest such tail over the host's blocks) after its ingress; likewise after a set
-  of source hosts' egress, for the last block to leave them.
+  of source hosts' egress, for the last block to leave them.  A host-level message
+  of blocks that together exceed one chunk pipelines its fan-out, so where a host
+  takes several slices, more than :data:`MIN_CHUNK_BYTES` in all, a hop costs at
+  most half a chunk's time.
 
 The tight bound is the largest of these and the NIC terms.  It assumes slices travel
 whole, as they do in small plans (cutting one adds an ``alpha`` per piece and hop).
@@ -65,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -78,6 +88,8 @@ __all__ = [
     "LowerBound",
     "lower_bound",
     "lower_bound_terms",
+    "min_senders",
+    "receiver_groups",
     "host_bandwidth",
     "multicast_seconds",
     "smallest_chunk",
@@ -155,18 +167,22 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
     itemsize = problem.itemsize
     terms: list[BoundTerm] = []
     ingress = {h: [0, 0] for h in problem.dst.hosts}
+    origins: dict[int, set[frozenset[int]]] = {h: set() for h in problem.dst.hosts}
     by_holders: dict[frozenset[int], list[int]] = {}
     for need in problem.needs:
         nbytes = need.nbytes(itemsize)
         for h in {r[0] for r in need.receivers}:
             ingress[h][0] += nbytes
             ingress[h][1] += 1
-        acc = by_holders.setdefault(frozenset(h for h, _ in need.holders), [0, 0])
+            origins[h].add(frozenset(s for s, _ in need.holders))
+        acc = by_holders.setdefault(frozenset(h for h, _ in need.holders), [0, 0, set()])
         acc[0] += nbytes
         acc[1] += 1
+        acc[2].add(frozenset(h for h, _ in need.receivers))
     for h, (nbytes, n) in ingress.items():
         if n:
-            term = BoundTerm(f"w{h} ingress", nbytes, n, 1, n * lat + nbytes / bw)
+            k = min_senders(origins[h], problem.src.hosts)
+            term = BoundTerm(f"w{h} ingress", nbytes, k, 1, k * lat + nbytes / bw)
             terms.append(dataclasses.replace(term, side="ingress", members=(h,)))
     hosts = list(problem.src.hosts)
     if len(hosts) <= _MAX_SUBSET_HOSTS:
@@ -179,20 +195,63 @@ def lower_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
         inside = [acc for m, acc in masks if m & ~a == 0]
         if not inside:
             continue
-        nbytes, n = sum(x[0] for x in inside), sum(x[1] for x in inside)
+        nbytes = sum(x[0] for x in inside)
+        k = receiver_groups(set().union(*(x[2] for x in inside)))
         size = bin(a).count("1")
         name = "+".join(f"w{h}" for h in hosts if bit[h] & a) + " egress"
         members = tuple(h for h in hosts if bit[h] & a)
-        term = BoundTerm(name, nbytes, n, size, (n * lat + nbytes / bw) / size)
+        seconds = max(lat + nbytes / bw / size, (k * lat + nbytes / bw) / size)
+        term = BoundTerm(name, nbytes, max(1, k // size), size, seconds)
         terms.append(dataclasses.replace(term, side="egress", members=members))
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, lat, bw, tuple(terms))
 
 
+def receiver_groups(receivers: set[frozenset[int]]) -> int:
+    """The fewest messages that reach every host of ``receivers`` (each the receiving
+    hosts of a slice): a message goes only to hosts that all need its blocks, so hosts
+    that share no slice, even through others, need separate messages.
+
+    >>> receiver_groups({frozenset({3}), frozenset({4, 5}), frozenset({5, 6})})
+    2
+    """
+    parent: dict[int, int] = {}
+
+    def root(h: int) -> int:
+        while parent.setdefault(h, h) != h:
+            h = parent[h]
+        return h
+
+    for group in receivers:
+        first, *rest = sorted(group)
+        for h in rest:
+            parent[root(h)] = root(first)
+    return len({root(h) for group in receivers for h in group})
+
+
+def min_senders(origins: set[frozenset[int]], hosts: tuple[int, ...]) -> int:
+    """The fewest source hosts that hold, between them, a copy of every slice whose
+    holder hosts are listed in ``origins`` (a smallest hitting set; 1 beyond
+    :data:`_MAX_SUBSET_HOSTS` hosts, where the search would be too long).
+
+    >>> min_senders({frozenset({0}), frozenset({1, 2}), frozenset({2})}, (0, 1, 2))
+    2
+    """
+    if not origins:
+        return 0
+    if len(hosts) > _MAX_SUBSET_HOSTS:
+        return 1
+    for k in range(1, len(hosts) + 1):
+        for chosen in itertools.combinations(hosts, k):
+            if all(o & set(chosen) for o in origins):
+                return k
+    return len(hosts)
+
+
 def lower_bound(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
     """Seconds below which no plan of ``problem`` can finish on ``cluster``.
 
-    The largest NIC ingress or egress time, latency per slice included (module docstring).
+    The largest NIC ingress or egress time, one message latency included (module docstring).
     """
     return lower_bound_terms(problem, cluster).seconds
 
@@ -291,6 +350,13 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
     (at least ``n / ceil(n / c)`` bytes) still crosses ``R - 1`` fabric hops."""
     out = []
     itemsize = problem.itemsize
+    total: dict[int, int] = {}  # bytes each destination host takes, if in several slices
+    slices: dict[int, int] = {}
+    for need in problem.needs:
+        for h in {h for h, _ in need.receivers}:
+            total[h] = total.get(h, 0) + need.nbytes(itemsize)
+            slices[h] = slices.get(h, 0) + 1
+    merged_hop = min(cluster.intra_latency, MIN_CHUNK_BYTES / 2 / cluster.intra_bandwidth)
     for need in problem.needs:
         nbytes = need.nbytes(itemsize)
         count: dict[int, int] = {}
@@ -300,7 +366,14 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
             per_hop = cluster.intra_latency
         else:
             per_hop = smallest_chunk(nbytes) / cluster.intra_bandwidth
-        out.append({h: min((r - 1) * per_hop, cluster.nic_latency) for h, r in count.items()})
+        tails = {}
+        for h, r in count.items():
+            # a host-level message of several blocks over one chunk pipelines its fan-out
+            # in chunks of at least half the smallest chunk: no latency per hop
+            several = slices[h] > 1 and total[h] > MIN_CHUNK_BYTES
+            hop = min(per_hop, merged_hop) if several else per_hop
+            tails[h] = min((r - 1) * hop, cluster.nic_latency)
+        out.append(tails)
     return out
 
 

@@ -36,6 +36,7 @@ from meshshard.resharding.chunks import with_chunks
 from meshshard.resharding.coverage import check_messages
 from meshshard.resharding.estimate import estimate_makespan
 from meshshard.resharding.gather import gathered
+from meshshard.resharding.merge import host_messages
 from meshshard.resharding.realize import overhead, pool_flows, realize_rounds
 from meshshard.resharding.rounds import schedule_rounds
 from meshshard.resharding.whole import GROUPINGS, dispatch_slices, searched_slices
@@ -88,15 +89,27 @@ def _choose(
     candidates: list[tuple[str, list[Message]]], problem: ReshardingProblem, cluster: ClusterSpec
 ) -> tuple[str, list[Message]]:
     """The candidate the estimate finds fastest (the first of equals), each tried as is
-    and, where hosts have several receiving devices, as broadcast + local gather; every
+    and, where hosts have several receiving devices, as broadcast + local gather, and
+    each of those whose messages carry whole slices with its slices merged into
+    host-level messages (:func:`~meshshard.resharding.merge.host_messages`, per round
+    and across rounds); every
     broadcast in the chunk :func:`~meshshard.resharding.chunks.with_chunks` picks."""
     best: tuple[float, int, str, list[Message]] | None = None
+    whole = {n.index for n in problem.needs}
     k = 0
     for desc, msgs in candidates:
         variants = [(desc, msgs, False)]
         local = gathered(msgs)
         if local is not None:
             variants.append((desc + ", then gathered on each host", local, True))
+        for name, variant, gather in list(variants):
+            if not all(m.index in whole for m in variant):
+                continue  # cut slices stay apart: merged pieces would beat the tight bound's
+                # whole-slice multicast model (one holder per piece, in parallel)
+            for per_round, how in ((True, "each round's"), (False, "all")):
+                host = host_messages(variant, per_round=per_round)
+                if host is not None:
+                    variants.append((f"{name}, {how} slices per host pair merged", host, gather))
         for name, variant, gather in variants:
             chunked = with_chunks(variant, cluster)
             gathers = check_messages(problem, chunked) if gather else ()

@@ -70,15 +70,6 @@ def _first_overlap(blocks: Sequence[Index]) -> tuple[Index, Index] | None:
 
 def _check_one(m: Message, i: int, problem, src_tiles, dst_tiles) -> None:
     where = f"message #{i} ({m})"
-    if (m.src, m.src_device) not in src_tiles:
-        raise ValueError(f"{where}: sender w{m.src}.{m.src_device} is not a source device")
-    if not contains(src_tiles[(m.src, m.src_device)], m.index):
-        raise ValueError(
-            f"{where}: block [{index_str(m.index)}] is not inside the tile "
-            f"[{index_str(src_tiles[(m.src, m.src_device)])}] of its sender w{m.src}.{m.src_device}"
-        )
-    if m.nbytes != block_nbytes(m.index, problem.itemsize):
-        raise ValueError(f"{where}: nbytes {m.nbytes} is not the block's size")
     if m.group and (m.group[0] != m.src or len(m.group) < 2 or m.dst != m.group[1]):
         raise ValueError(f"{where}: group {m.group} must be (src, dst, ...)")
     if len(m.dst_devices) != len(m.receivers) or not all(m.dst_devices):
@@ -86,13 +77,47 @@ def _check_one(m: Message, i: int, problem, src_tiles, dst_tiles) -> None:
             f"{where}: dst_devices {m.dst_devices} must list devices for each receiver "
             f"{m.receivers}"
         )
-    for h, devs in zip(m.receivers, m.dst_devices, strict=True):
+    if m.nbytes != sum(block_nbytes(b.index, problem.itemsize) for b in m.parts):
+        raise ValueError(f"{where}: nbytes {m.nbytes} is not the size of its blocks")
+    if m.blocks:
+        _check_host_level(m, where)
+    for b in m.parts:
+        _check_block(b, m, where, src_tiles, dst_tiles)
+
+
+def _check_host_level(m: Message, where: str) -> None:
+    """A host-level message's header matches its blocks (``Message`` docstring)."""
+    first = m.blocks[0]
+    if (m.index, m.src_device) != (first.index, first.src_device):
+        raise ValueError(f"{where}: index and src_device must be those of its first block")
+    union = tuple(
+        tuple(sorted({d for b in m.blocks for d in b.dst_devices[r]}))
+        if all(len(b.dst_devices) == len(m.receivers) for b in m.blocks)
+        else ()
+        for r in range(len(m.receivers))
+    )
+    if union != m.dst_devices or not all(all(b.dst_devices) for b in m.blocks):
+        raise ValueError(
+            f"{where}: dst_devices {m.dst_devices} must be, per receiver, the devices its "
+            f"blocks go to {union}; every block lists devices for each receiver"
+        )
+
+
+def _check_block(b, m: Message, where: str, src_tiles, dst_tiles) -> None:
+    if (m.src, b.src_device) not in src_tiles:
+        raise ValueError(f"{where}: sender w{m.src}.{b.src_device} is not a source device")
+    if not contains(src_tiles[(m.src, b.src_device)], b.index):
+        raise ValueError(
+            f"{where}: block [{index_str(b.index)}] is not inside the tile "
+            f"[{index_str(src_tiles[(m.src, b.src_device)])}] of its sender w{m.src}.{b.src_device}"
+        )
+    for h, devs in zip(m.receivers, b.dst_devices, strict=True):
         for d in devs:
             if (h, d) not in dst_tiles:
                 raise ValueError(f"{where}: receiver w{h}.{d} is not a destination device")
-            if not contains(dst_tiles[(h, d)], m.index):
+            if not contains(dst_tiles[(h, d)], b.index):
                 raise ValueError(
-                    f"{where}: block [{index_str(m.index)}] is not inside the tile "
+                    f"{where}: block [{index_str(b.index)}] is not inside the tile "
                     f"[{index_str(dst_tiles[(h, d)])}] of receiver w{h}.{d}"
                 )
 
@@ -110,9 +135,10 @@ def check_messages(
     got: dict[DeviceRef, list[Index]] = {dev: [] for dev in dst_tiles}
     for i, m in enumerate(messages):
         _check_one(m, i, problem, src_tiles, dst_tiles)
-        for h, devs in zip(m.receivers, m.dst_devices, strict=True):
-            for d in devs:
-                got[(h, d)].append(m.index)
+        for b in m.parts:
+            for h, devs in zip(m.receivers, b.dst_devices, strict=True):
+                for d in devs:
+                    got[(h, d)].append(b.index)
     gathers: list[LocalGather] = []
     done: set[DeviceRef] = set()
     for dev, tile in dst_tiles.items():

@@ -79,14 +79,14 @@ def plan_resharding(
         >>> r = plan_resharding(p, "broadcast", ClusterSpec.preset("aws-p3.8xlarge"))
         >>> print(r)
         reshard f32[8,1048576] 32.0 MiB: mesh0 (1, 2) P('device') -> mesh1 (2, 1) P()
-          broadcast: 2 messages, 64.0 MiB over the network, lower bound 26.904 ms, tight bound 26.960 ms, simulated 27.383 ms (1.018x, 1.016x tight)
-          #0 r0 bcast w0.0 -> w1.{0} w2.{0} [0:4,0:1048576] 16.0 MiB in 256.0 KiB chunks
-          #1 r0 bcast w0.1 -> w1.{0} w2.{0} [4:8,0:1048576] 16.0 MiB in 256.0 KiB chunks
-          note: 1 flows in 1 rounds: LP rounds
+          broadcast: 1 messages, 64.0 MiB over the network, lower bound 26.874 ms, tight bound 26.930 ms, simulated 27.323 ms (1.017x, 1.015x tight)
+          #0 r0 bcast w0 -> w1.{0} w2.{0} .0[0:4,0:1048576]->{0}/{0} + .1[4:8,0:1048576]->{0}/{0} 32.0 MiB in 512.0 KiB chunks
+          note: 1 flows in 1 rounds: LP rounds, each round's slices per host pair merged
 
-    Each 16 MiB block leaves host 0 once and host 1 relays it to host 2 (a chain
-    broadcast); the 1.8% over the NIC bound is the chains' pipeline fill, a 256 KiB
-    chunk each (1 MiB chunks would cost 6.5%).
+    Both 16 MiB slices leave host 0 once, as one host-level message (the two devices'
+    blocks back to back), and host 1 relays it to host 2 (a chain broadcast); the 1.7%
+    over the NIC bound is the chain's pipeline fill, a 512 KiB chunk (1 MiB chunks
+    would cost 6.5%).
     """
     _check_input(problem, strategy)
     start = time.perf_counter()

@@ -46,7 +46,8 @@ def fmt_seconds(s: float) -> str:
 
 def message_str(i: int, m: Message) -> str:
     """One message as ``#i r<round> bcast|p2p w<src>.<dev> -> w<h>.{devs} ... [block] size``
-    (and ``in <chunk> chunks`` when the planner chose the broadcast's chunk).
+    (and ``in <chunk> chunks`` when the planner chose the broadcast's chunk); a
+    host-level message lists its blocks as ``.<src dev>[block]->{devs}/...`` joined by ``+``.
 
     ``bcast`` only for what runs as a broadcast (a group of three or more workers); a
     group of root and one receiver runs as a send, so it prints ``p2p``.
@@ -57,6 +58,9 @@ def message_str(i: int, m: Message) -> str:
     )
     kind = "bcast" if m.is_broadcast else "p2p  "
     chunk = f" in {fmt_bytes(m.chunk_bytes)} chunks" if m.chunk_bytes else ""
+    if m.blocks:  # a host-level message: each block with its devices
+        blocks = " + ".join(map(str, m.blocks))
+        return f"#{i} r{m.round} {kind} w{m.src} -> {to} {blocks} {fmt_bytes(m.nbytes)}{chunk}"
     return (
         f"#{i} r{m.round} {kind} w{m.src}.{m.src_device} -> {to} [{index_str(m.index)}] "
         f"{fmt_bytes(m.nbytes)}{chunk}"
