@@ -43,7 +43,7 @@ def test_replicated_activations_cross_two_host_meshes(ray_cluster, strategy):
     backward = next(t for t in step.plan.transfers if t.consumer == ProgramRef(Phase.BACKWARD, 0))
     assert backward.dst_spec == () and len(step.plan.meshes[0].hosts) == 2
     for w in step.plan.meshes[0].hosts:  # both hosts get every row
-        rows = sorted(m.index[0] for m in backward.messages if w in m.receivers)
+        rows = sorted(b.index[0] for m in backward.messages if w in m.receivers for b in m.parts)
         assert rows[0][0] == 0 and rows[-1][1] == 2
     if strategy == "broadcast_nolb":
         assert all(m.is_broadcast for m in backward.messages)
