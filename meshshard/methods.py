@@ -131,8 +131,9 @@ class FollowParallel:
             once, so its plan exists.
         num_micro_batches: micro-batches of this step (a step without gradients runs one).
 
-    >>> FollowParallel(print)
-    FollowParallel(print)
+    >>> def train_step(state, batch): ...
+    >>> FollowParallel(train_step)
+    FollowParallel(train_step)
     """
 
     def __init__(self, step, num_micro_batches: int = 1):
