@@ -13,11 +13,9 @@ forward-only step runs one micro-batch (``num_micro_batches=1``).
 
 from __future__ import annotations
 
-import jax
-
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
+from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, var_ids
 from meshshard.passes.slicing import FWD, LayerSlicing
 from meshshard.primitives import boundary_p
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
@@ -63,14 +61,7 @@ def with_forward_boundaries(closed: ClosedJaxpr) -> ClosedJaxpr:
         env.update(zip(live[i], vals, strict=True))
         return True
 
-    def run(*args):
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
-        return [read_var(env, v) for v in jaxpr.outvars]
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return jax.make_jaxpr(run)(*avals)
+    return retrace(closed, lambda i, eqn, env, extra: on_eqn(i, eqn, env))
 
 
 def check_forward_only(traced) -> None:

@@ -12,11 +12,10 @@ gradient part is re-traced unchanged.  A step without such equations is returned
 
 from __future__ import annotations
 
-import jax
 from jax import lax
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import eval_eqns, is_marker, read_var
+from meshshard.jaxpr_util import eval_eqns, is_marker, read_var, retrace
 
 #: Call primitives whose body is inlined (``jit`` is ``pjit``'s name in current JAX).
 CALLS = ("jit", "pjit", "closed_call", "core_call")
@@ -46,16 +45,7 @@ def inline_update_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
         env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True))
         return True
 
-    jaxpr = closed.jaxpr
-
-    def run(*args):
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
-        return [read_var(env, v) for v in jaxpr.outvars]
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-    return jax.make_jaxpr(run)(*avals)
+    return retrace(closed, lambda i, eqn, env, extra: on_eqn(i, eqn, env))
 
 
 def _eval_closed(body: ClosedJaxpr, args: list) -> list:
