@@ -76,8 +76,11 @@ def test_tight_terms_name_what_binds():
     assert str(b).startswith("tight bound 1.038 ms: slice [0:262144] to 4 hosts from 1")
     assert b.seconds == max(t.seconds for t in b.terms) and b.kind == "tight"
     fan = problem((1, 1), (), (1, 4), (), (1024,))  # 4 KiB to 4 devices of one host
-    tail = 3 * P38.intra_latency
+    # it lands on one device, which copies it to the other three at once
+    tail = P38.intra_latency + 3 * 4096 / P38.intra_bandwidth
     assert tight_bound(fan, P38) == pytest.approx(lower_bound(fan, P38) + tail)
+    r = plan_resharding(fan, "broadcast", P38)
+    assert r.sim_time_s == pytest.approx(lower_bound(fan, P38) + tail)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))

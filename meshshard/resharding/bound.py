@@ -53,13 +53,18 @@ host relays only inside a chain broadcast; a broadcast moves in chunks of at lea
   its egress plus the smallest ``alpha + c / B`` of those slices;
 - *fan-out tail*: the block a destination host takes last still has to reach its
   ``R`` devices after the host's NIC is done: for a one-chunk block ``R - 1`` fabric
-  latencies (a chain through them, or a local all-gather) or another NIC message,
-  whichever is less; for a larger one its last chunk's ``R - 1`` fabric hops (the
+  latencies (a chain through them, or a local all-gather), one fabric latency plus
+  ``R - 1`` copies from the device it landed on (:mod:`meshshard.sim.fanout`), or
+  another NIC message, whichever is less; for a larger one its last chunk's ``R - 1`` fabric hops (the
   smallest such tail over the host's blocks) after its ingress; likewise after a set
   of source hosts' egress, for the last block to leave them.  A host-level message
   of blocks that together exceed one chunk pipelines its fan-out, so where a host
   takes several slices, more than :data:`MIN_CHUNK_BYTES` in all, a hop costs at
-  most half a chunk's time.
+  most half a chunk's time;
+- *landing*: a destination host that takes at most one chunk in all gets each message
+  whole before it fans out; with the fewest messages its last one still needs a fabric
+  hop, unless one source host of a smallest cover can send it blocks for one device
+  only; one more message costs a NIC latency instead.
 
 The tight bound is the largest of these and the NIC terms.  It assumes slices travel
 whole, as they do in small plans (cutting one adds an ``alpha`` per piece and hop).
@@ -362,7 +367,8 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
         count: dict[int, int] = {}
         for h, _ in need.receivers:
             count[h] = count.get(h, 0) + 1
-        if nbytes <= MIN_CHUNK_BYTES:
+        one_chunk = nbytes <= MIN_CHUNK_BYTES
+        if one_chunk:
             per_hop = cluster.intra_latency
         else:
             per_hop = smallest_chunk(nbytes) / cluster.intra_bandwidth
@@ -372,7 +378,10 @@ def _fan_out_tails(problem: ReshardingProblem, cluster: ClusterSpec) -> list[dic
             # in chunks of at least half the smallest chunk: no latency per hop
             several = slices[h] > 1 and total[h] > MIN_CHUNK_BYTES
             hop = min(per_hop, merged_hop) if several else per_hop
-            tails[h] = min((r - 1) * hop, cluster.nic_latency)
+            tail = (r - 1) * hop
+            if one_chunk and r > 1:  # or the landing device copies it to the rest at once
+                tail = min(tail, cluster.intra_latency + (r - 1) * nbytes / cluster.intra_bandwidth)
+            tails[h] = min(tail, cluster.nic_latency)
         out.append(tails)
     return out
 
@@ -414,12 +423,68 @@ def _fan_out_terms(
     return out
 
 
+def _single_device_last(
+    slices: list[tuple[frozenset[int], frozenset[int]]], k: int, hosts: tuple[int, ...]
+) -> bool:
+    """Whether ``k`` source hosts can cover ``slices`` (``(holder hosts, devices)`` of one
+    destination host) with one of them left only slices for a single device: then the
+    host's last message may need no fan-out."""
+    for chosen in itertools.combinations(hosts, k):
+        if not all(holders & set(chosen) for holders, _ in slices):
+            continue
+        for s in chosen:
+            rest = set(chosen) - {s}
+            mine = {devs for holders, devs in slices if s in holders and not holders & rest}
+            if len(mine) == 1 and len(next(iter(mine))) == 1:
+                return True
+    return False
+
+
+def _landing_terms(
+    problem: ReshardingProblem, cluster: ClusterSpec, nic: LowerBound
+) -> list[BoundTerm]:
+    """A destination host that takes at most one chunk in all takes every message whole
+    before its fan-out starts.  With the fewest messages (one per source host of the
+    smallest cover), unless one of them can carry only blocks for one device, its last
+    message lands on one device and still has to reach another (a fabric latency);
+    avoiding that costs one more message (a NIC latency)."""
+    per_host: dict[int, list[tuple[frozenset[int], frozenset[int]]]] = {}
+    for need in problem.needs:
+        holders = frozenset(h for h, _ in need.holders)
+        for h, devs in by_receiver_host(need.receivers).items():
+            per_host.setdefault(h, []).append((holders, devs))
+    if len(problem.src.hosts) > _MAX_SUBSET_HOSTS:
+        return []
+    out = []
+    extra = min(cluster.intra_latency, cluster.nic_latency)
+    for t in nic.terms:
+        if t.side != "ingress" or t.nbytes > MIN_CHUNK_BYTES:
+            continue
+        slices = per_host[t.members[0]]
+        if _single_device_last(slices, t.slices, problem.src.hosts):
+            continue
+        detail = f"{fmt_bytes(t.nbytes)} in {t.slices} message(s), the last one fanned out"
+        out.append(
+            BoundTerm(f"{t.resource} + landing", t.nbytes, t.slices, 1, t.seconds + extra, detail)
+        )
+    return out
+
+
+def by_receiver_host(receivers) -> dict[int, frozenset[int]]:
+    """``{host: devices}`` of a slice's receiving ``(host, device)`` refs."""
+    out: dict[int, set[int]] = {}
+    for h, d in receivers:
+        out.setdefault(h, set()).add(d)
+    return {h: frozenset(ds) for h, ds in out.items()}
+
+
 def tight_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> LowerBound:
     """The NIC terms and the chunk- and latency-aware multicast terms (module docstring)."""
     nic = lower_bound_terms(problem, cluster)
     terms = nic.terms + tuple(_multicast_terms(problem, cluster))
     terms += tuple(_relay_tail_terms(problem, cluster, nic))
     terms += tuple(_fan_out_terms(problem, cluster, nic))
+    terms += tuple(_landing_terms(problem, cluster, nic))
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, nic.latency, nic.bandwidth, terms, kind="tight")
 

@@ -3,9 +3,11 @@
 Each host does one operation at a time, in ``(round, position)`` order; an operation
 starts when its sender and all its receiving hosts are free (a rendezvous, as in
 NCCL).  A point-to-point message keeps both sides busy for ``latency + bytes /
-bandwidth``.  A chain broadcast moves ``C`` chunks (the message's ``chunk_bytes``, or
-the cluster's) down a chain of devices: the root's, then each receiving host's listed
-devices, NIC hops between hosts and fabric hops inside one.  Chunks stream and only
+bandwidth`` (and, where its receiving host lists several devices, until the device it
+lands on has copied each of them its blocks, :mod:`~meshshard.sim.fanout`).  A chain
+broadcast moves ``C`` chunks (the message's ``chunk_bytes``, or the cluster's) down a
+chain of hosts, entering each on one device, which also copies every chunk's share to
+its host's other devices.  Chunks stream and only
 the first pays an edge's latency, so the last chunk is done with edge ``e`` at the
 longest path through the (chunk, edge) grid (a flow shop: the first chunk's row up
 to some edge ``k``, then ``C - 1`` chunk times on the slowest edge from ``k`` on, and
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import Message
 from meshshard.resharding.result import LocalGather
+from meshshard.sim.fanout import device_shares
 
 _MAX_CHUNKS = 1024  # the simulator's default cap on chunks per broadcast channel
 
@@ -87,12 +90,57 @@ def busy_seconds(nbytes: int, hosts: int, cluster: ClusterSpec, chunk: int = 0) 
     return _chain_busy(nbytes, [1] * hosts, cluster, chunk)
 
 
+def _scatter_busy(m: Message, cluster: ClusterSpec) -> list[float]:
+    """A point-to-point message whose receiving host fans it out: its chunks cross the
+    NIC, and the landing device copies each chunk's share on to the other devices in
+    parallel through its fabric port (:mod:`~meshshard.sim.fanout`); both sides are
+    busy until the last copy is done, as in the simulator."""
+    shares = device_shares(m, 0)
+    landing = shares[0][0] if shares else 0
+    others = sum(b for d, b in shares if d != landing)
+    size = m.chunk_bytes or cluster.chunk_bytes
+    n = max(1, min(_MAX_CHUNKS, math.ceil(m.nbytes / size))) if m.nbytes > 0 else 1
+    nic = cluster.nic_latency + m.nbytes / cluster.nic_bandwidth
+    if others <= 0:
+        return [nic, nic]
+    edges = [
+        (cluster.nic_latency, m.nbytes / n / cluster.nic_bandwidth, 0),
+        (cluster.intra_latency, others / n / cluster.intra_bandwidth, 1),
+    ]
+    done = _last_chunk_done(edges, n)
+    return [done, done]  # the simulator completes the send with the fan-out
+
+
 def message_busy(m: Message, cluster: ClusterSpec) -> list[float]:
     """Seconds each member of message ``m`` (sender first) stays busy, its devices included."""
     if not m.group:
         return [cluster.nic_latency + m.nbytes / cluster.nic_bandwidth] * 2
-    counts = [1] + [len(d) for d in m.dst_devices] if m.dst_devices else [1] * len(m.group)
-    return _chain_busy(m.nbytes, counts, cluster, m.chunk_bytes)
+    if len(m.group) == 2:
+        return _scatter_busy(m, cluster)
+    if not m.dst_devices:
+        return _chain_busy(m.nbytes, [1] * len(m.group), cluster, m.chunk_bytes)
+    return _scatter_chain_busy(m, cluster)
+
+
+def _scatter_chain_busy(m: Message, cluster: ClusterSpec) -> list[float]:
+    """A broadcast chains through one device per host, and each receiving host's entry
+    device scatters every chunk to its other devices (:mod:`~meshshard.sim.fanout`):
+    a host is free once its last chunk has moved on and its own copies are done."""
+    per = m.nbytes / cluster.nics_per_host
+    size = m.chunk_bytes or cluster.chunk_bytes
+    n = max(1, min(_MAX_CHUNKS, math.ceil(per / size))) if per > 0 else 1
+    hop = (cluster.nic_latency, per / n / cluster.nic_bandwidth, 0)
+    out = [_last_chunk_done([hop], n)]
+    for r in range(len(m.receivers)):
+        into = [hop] * (r + 1)
+        shares = device_shares(m, r)
+        entry = shares[0][0] if shares else 0
+        others = sum(b for d, b in shares if d != entry) / cluster.nics_per_host
+        done = _last_chunk_done(into + [hop], n) if r + 1 < len(m.receivers) else 0.0
+        scatter = (cluster.intra_latency, others / n / cluster.intra_bandwidth, 1)
+        tail = _last_chunk_done(into + [scatter], n) if others > 0 else 0.0
+        out.append(max(done, tail, _last_chunk_done(into, n)))
+    return out
 
 
 def estimate_makespan(

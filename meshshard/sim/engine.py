@@ -32,9 +32,11 @@ have been reached, which exposes head-of-line blocking and order effects.
 Devices: a message of the plan that names its devices (``Message.dst_devices``)
 moves between them: a point-to-point flow runs from ``src_device`` to the first
 device listed for its receiving worker (through those devices' NICs) and, when the
-receiver lists several devices, is chained on through the rest (the in-host fan-out
-the runtime does after the receive), and a broadcast chains
-through the root's ``src_device`` and every listed device of each receiver, so the
+receiver lists several devices, is copied on from there to each other device the
+blocks it needs, in parallel (the in-host fan-out the runtime does after the receive,
+:mod:`~meshshard.sim.fanout`); a broadcast chains from the root's ``src_device``
+through one listed device of each receiver (the runtime has one transport rank per
+host), which also scatters each chunk to its host's other listed devices, so the
 intra-host fan-out costs its fabric hops.  Otherwise a host's NIC device stands in.
 
 A buffer is ready when the last instruction before the reader (in that worker's
@@ -60,6 +62,7 @@ from meshshard.instructions import (
 from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
 from meshshard.sim.costs import ProgramCost, program_cost
+from meshshard.sim.fanout import device_shares, scatter_broadcast, scatter_fanout
 from meshshard.sim.network import FlowNetwork
 from meshshard.sim.rules import RULES, CollKey, P2PKey, RunKey, StreamState
 from meshshard.sim.topology import Topology
@@ -192,7 +195,7 @@ class _P2P:
         self.nbytes = 0.0
         self.flow_done = False
         self.devices: tuple[int, int] | None = None  # (src device, dst device) when known
-        self.fanout: tuple[int, ...] = ()  # every receiving device, when several need it
+        self.fanout: tuple[tuple[int, float], ...] = ()  # (device, bytes), when several need it
         self.chunk = 0
 
 
@@ -339,7 +342,8 @@ class _Engine:
             if devs:
                 pair.devices = (msg.src_device, devs[0])
             if len(devs) > 1:
-                pair.fanout, pair.chunk = tuple(devs), msg.chunk_bytes
+                shares = device_shares(msg, msg.receivers.index(peer))
+                pair.fanout, pair.chunk = shares, msg.chunk_bytes
 
     def _check_run_group(self, key: RunKey, n: int) -> None:
         mesh = self.mesh_of_program[key.program]
@@ -542,18 +546,17 @@ class _Engine:
         )
 
     def _start_fanout(self, pair: _P2P) -> None:
-        """A message several devices of its receiving host need: one flow to the first,
-        then the in-host fan-out chained through the rest, as a two-member broadcast."""
+        """A message several devices of its receiving host need: chunks to the first, each
+        copied on to the other devices that need them (:mod:`~meshshard.sim.fanout`)."""
         src, dst = pair.send.worker, pair.send.ins.peer
-        d = decompose(
-            "broadcast",
-            (src, dst),
-            src,
+        d = scatter_fanout(
+            (src, pair.devices[0]),
+            (dst, pair.devices[1]),
             pair.nbytes,
+            pair.fanout,
             self.cluster,
             chunk_bytes=pair.chunk or self.opt.chunk_bytes,
             max_chunks=self.opt.max_chunks,
-            devices={src: (pair.devices[0],), dst: pair.fanout},
         )
         steps = d.steps
         remaining = [len(s.deps) for s in steps]
@@ -635,31 +638,42 @@ class _Engine:
                 launch(i)
 
     def _broadcast_devices(self, ins: Collective) -> tuple | None:
-        """``((host, devices), ...)`` of a broadcast whose message names its devices
-        (``src_device`` on the root, ``dst_devices`` per receiver), else None."""
+        """``((host, ((device, bytes), ...)), ...)`` of a broadcast whose message names its
+        devices (``src_device`` on the root, then what each receiver's devices need,
+        :func:`~meshshard.sim.fanout.device_shares`), else None."""
         if ins.kind != "broadcast":
             return None
         msg = self._message(ins)
         if msg is None or not msg.group or len(msg.dst_devices) != len(msg.group) - 1:
             return None
-        pairs = [(msg.group[0], (msg.src_device,))]
-        pairs += [(h, tuple(d)) for h, d in zip(msg.group[1:], msg.dst_devices, strict=True)]
+        pairs = [(msg.group[0], ((msg.src_device, float(msg.nbytes)),))]
+        pairs += [(h, device_shares(msg, r)) for r, h in enumerate(msg.group[1:])]
         return tuple(pairs)
 
     def _prepare_collective(
         self, ins: Collective, nbytes: float, devices: tuple | None = None, chunk: int | None = None
     ):
-        d = decompose(
-            ins.kind,
-            ins.group,
-            ins.root,
-            nbytes,
-            self.cluster,
-            allreduce=self.opt.allreduce,
-            chunk_bytes=chunk or self.opt.chunk_bytes,
-            max_chunks=self.opt.max_chunks,
-            devices=dict(devices) if devices else None,
-        )
+        if devices:  # one rank per host: a host chain, each host scattering to its devices
+            (root, ((src_device, _),)), *receivers = devices
+            d = scatter_broadcast(
+                (root, src_device),
+                receivers,
+                nbytes,
+                self.cluster,
+                chunk_bytes=chunk or self.opt.chunk_bytes,
+                max_chunks=self.opt.max_chunks,
+            )
+        else:
+            d = decompose(
+                ins.kind,
+                ins.group,
+                ins.root,
+                nbytes,
+                self.cluster,
+                allreduce=self.opt.allreduce,
+                chunk_bytes=chunk or self.opt.chunk_bytes,
+                max_chunks=self.opt.max_chunks,
+            )
         steps = d.steps
         paths = [self.topo.path(s.src, s.dst) for s in steps]
         lats = [self.topo.latency(s.src, s.dst) if s.latency else 0.0 for s in steps]
