@@ -44,7 +44,16 @@ def _decode(k, dtype):
 
 
 def combine(reduce: str, acc, x):
-    """The accumulator after adding micro-batch value ``x`` under ``reduce``."""
+    """The accumulator after adding micro-batch value ``x`` under ``reduce``.
+
+    ``concat`` keeps the full batch's rows: the oldest ``len(x)`` rows leave at the front
+    and ``x`` enters at the back, so after micro-batches ``0 .. M-1`` in order the
+    accumulator holds their rows in order.  ``same`` keeps the latest value.
+    """
+    if reduce == "concat":
+        return jnp.concatenate([acc[x.shape[0] :], x.astype(acc.dtype)])
+    if reduce == "same":
+        return x
     if reduce in ("max", "min"):
         if x.dtype == jnp.bool_:
             return acc | x if reduce == "max" else acc | ~x

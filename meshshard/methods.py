@@ -129,7 +129,8 @@ class FollowParallel:
     Args:
         step: the ``parallelize``d step to follow; it must have run (or been lowered)
             once, so its plan exists.
-        num_micro_batches: micro-batches of this step (a step without gradients runs one).
+        num_micro_batches: micro-batches of this step (an eval step combines its results
+            over them as the full-batch step would).
 
     >>> def train_step(state, batch): ...
     >>> FollowParallel(train_step)

@@ -17,8 +17,10 @@ __all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
 #: ``mark``: a user's marker (no operands); ``fwd``/``bwd``: a layer boundary in the forward
 #: pass and its mirror in the backward pass; ``loss``/``loss_bwd``: the loss value and its
 #: seed cotangent; ``grad_end``: the values ``meshshard.grad`` returns (loss, aux, gradients),
-#: with a ``reduce`` parameter: per operand (label, reduction over micro-batches, source).
-MARKER_KINDS = ("mark", "fwd", "bwd", "loss", "loss_bwd", "grad_end")
+#: with a ``reduce`` parameter: per operand (label, reduction over micro-batches, source);
+#: ``out``: the results of a forward-only step run with micro-batches, with the same
+#: ``reduce`` parameter (``concat`` results are ``num_micro_batches`` times longer).
+MARKER_KINDS = ("mark", "fwd", "bwd", "loss", "loss_bwd", "grad_end", "out")
 
 boundary_p = Primitive("pipeline_boundary")
 boundary_p.multiple_results = True
@@ -29,7 +31,13 @@ def _impl(*args, kind, index, **params):
 
 
 def _abstract_eval(*avals, kind, index, **params):
-    return list(avals)
+    if kind != "out":
+        return list(avals)
+    m = params["num_micro_batches"]
+    return [
+        a.update(shape=(a.shape[0] * m, *a.shape[1:])) if red == "concat" else a
+        for a, (_, red, _) in zip(avals, params["reduce"], strict=True)
+    ]
 
 
 _MIRROR = {"fwd": "bwd", "bwd": "fwd", "loss": "loss_bwd", "loss_bwd": "loss"}

@@ -39,7 +39,8 @@ def program_function(
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
     consts = dict(zip(jaxpr.constvars, traced.closed.consts, strict=True))
-    g_eqn = next((e for e in jaxpr.eqns if is_marker(e, "grad_end")), None)  # None: forward-only
+    # grad_end, or the out marker of a forward-only step with micro-batches
+    g_eqn = next((e for e in jaxpr.eqns if is_marker(e, "grad_end", "out")), None)
     result_to_operand = dict(zip(g_eqn.outvars, g_eqn.invars, strict=True)) if g_eqn else {}
     literal_results = {r: o.val for r, o in result_to_operand.items() if is_literal(o)}
     reduce_of = (

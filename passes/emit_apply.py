@@ -35,7 +35,9 @@ def apply_instructions(
     by_name = {r.name: r for r in reductions}
     for ph in range(n_ph):
         for m in meshes:
-            prog = progs[ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph)]
+            prog = progs.get(ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph))
+            if prog is None:  # a forward-only stage whose results need no combining
+                continue
             for w in m.workers:
                 out[w] += _phase(prog, w, transfers, by_name, lower_transfer)
                 if ph == n_ph - 1:

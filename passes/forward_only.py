@@ -7,8 +7,21 @@ re-traces the step with each marker carrying the values live across it (as
 layers, and :func:`build_forward_graph` makes one forward program ``s{i}.F`` per stage:
 batch inputs ``X{s}``, state ``P{s}`` (a state input read by several stages lives on
 the first and is copied to the others by a transfer), cross-stage edges, and the step
-results each stage computes in ``O{s}``.  Results are per micro-batch, so a
-forward-only step runs one micro-batch (``num_micro_batches=1``).
+results each stage computes in ``O{s}``.
+
+With micro-batches (``num_micro_batches=M > 1``) each stage runs ``F0 .. F(M-1)`` and
+the step's results are combined over micro-batches as the full-batch step computes
+them: :func:`output_reductions` compares the step traced at micro-batch and at
+full-batch shape (the same detection as the loss and aux values of a train step,
+:mod:`~meshshard.passes.reductions`): ``mean``, ``sum``, ``max``, ``min``; ``concat``
+for a per-example result (logits: the batch is its first dimension and no example
+reads another); ``same`` for a result that does not depend on the batch.  An ``out``
+marker around the results carries them; each stage accumulates its results in
+``A{s}`` and a closing program ``m{s}.apply`` finishes them into ``O{s}``.
+
+A step that differentiates with ``jax.grad`` (not ``meshshard.grad``) traces to a
+forward-only step holding transposed equations; it is refused with micro-batches or
+several stages (:func:`check_forward_only`), since its backward would not be pipelined.
 """
 
 from __future__ import annotations
@@ -16,11 +29,20 @@ from __future__ import annotations
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, var_ids
-from meshshard.passes.slicing import FWD, LayerSlicing
+from meshshard.metrics import aux_reduce_p
+from meshshard.passes.slicing import FWD, GRAD_END, LayerSlicing
 from meshshard.primitives import boundary_p
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
 
-X, P, OUT = BufferKind.BATCH, BufferKind.PARAMS, BufferKind.APPLY_OUTPUTS
+X, P, OUT, ACC = (
+    BufferKind.BATCH,
+    BufferKind.PARAMS,
+    BufferKind.APPLY_OUTPUTS,
+    BufferKind.ACCUMULATORS,
+)
+
+#: Primitives that let one example's value depend on other rows (never concatenated).
+_MIXING = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"})
 
 
 def is_forward_only(jaxpr) -> bool:
@@ -64,33 +86,168 @@ def with_forward_boundaries(closed: ClosedJaxpr) -> ClosedJaxpr:
     return retrace(closed, lambda i, eqn, env, extra: on_eqn(i, eqn, env))
 
 
-def check_forward_only(traced) -> None:
-    """A forward-only step's results are per micro-batch: it must run one."""
-    if traced.num_micro_batches != 1:
+def has_transposed_eqns(closed: ClosedJaxpr) -> bool:
+    """True if ``closed`` (or a sub-jaxpr) holds equations JAX's autodiff transposed:
+    a backward pass, as ``jax.grad`` leaves it (their name stack reads ``transpose(...)``).
+
+    Read on the step's first trace, before any rewrite re-traces it.
+    """
+
+    def walk(jaxpr) -> bool:
+        for e in jaxpr.eqns:
+            if "transpose(" in str(e.source_info.name_stack):
+                return True
+            for p in e.params.values():
+                for sub in p if isinstance(p, tuple | list) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns") and walk(inner):
+                        return True
+        return False
+
+    return walk(closed.jaxpr)
+
+
+def check_forward_only(traced, num_stages: int) -> None:
+    """Refuse a step that differentiates with ``jax.grad`` when it would be pipelined.
+
+    Its transposed equations would run as forward work of the last stage, reading every
+    stage's activations, and its gradients would be combined over micro-batches as
+    results: not a pipelined backward.  One micro-batch on one stage runs it as is.
+    """
+    m = traced.num_micro_batches
+    if traced.transposed and (m > 1 or num_stages > 1):
         raise MeshshardInputError(
-            f"this step computes no gradient through meshshard.grad, so it runs as a "
-            f"forward-only pipeline, which returns one micro-batch's results: "
-            f"num_micro_batches={traced.num_micro_batches} is not supported there; use "
-            "num_micro_batches=1 for an eval/inference step, or, for a train step, compute "
-            "its gradients with meshshard.grad or meshshard.value_and_grad (not jax.grad)"
+            f"this step differentiates with jax.grad or jax.value_and_grad (its jaxpr holds "
+            f"transposed equations) instead of meshshard.grad, so meshshard sees no backward "
+            f"pass to pipeline over {num_stages} stage(s) with num_micro_batches={m}; compute "
+            "the gradients with meshshard.grad or meshshard.value_and_grad, or run the step "
+            "with one stage and num_micro_batches=1"
         )
 
 
+def output_reductions(
+    micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, m: int, labels
+) -> tuple[tuple[str, str, str] | None, ...]:
+    """Per step result of a forward-only step: (label, reduction, source), or None for a
+    result that is a literal or an input (nothing to combine)."""
+    from meshshard.passes.hoist import batch_dependent
+    from meshshard.passes.reductions import _same_program
+
+    mj = micro.jaxpr
+    dep = batch_dependent(mj, is_batch, len(mj.eqns))
+    invars = set(mj.invars)
+    producer = {v: e for e in mj.eqns for v in e.outvars}
+    out = []
+    for label, v in zip(labels, mj.outvars, strict=True):
+        if is_literal(v) or v in invars:
+            out.append(None)
+        elif producer[v].primitive is aux_reduce_p:
+            out.append((label, producer[v].params["reduce"], "declared"))
+        elif v not in dep:
+            out.append((label, "same", "does not depend on the batch"))
+        elif not _same_program(micro, full):
+            raise MeshshardInputError(
+                f"step result {label} depends on the batch, and the step traces differently at "
+                "micro-batch and full-batch shape, so meshshard cannot tell how to combine it "
+                "over micro-batches; declare it with meshshard.aux_sum/aux_mean/aux_max/aux_min "
+                "or use num_micro_batches=1"
+            )
+        else:
+            out.append((label, *_output_reduction(micro, full, v, m, dep, label)))
+    return tuple(out)
+
+
+def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, str]:
+    from meshshard.passes.reductions import classify
+
+    red, why = classify(micro, full, var, m, dep)
+    if red == "batch":
+        problem = _concat_problem(micro, full, var, m)
+        if problem is None:
+            return "concat", "traced: per-example values (concatenated over micro-batches)"
+        why = problem
+    elif red:
+        return red, f"traced: {why}"
+    raise MeshshardInputError(
+        f"step result {label}: meshshard cannot tell how to combine it over micro-batches "
+        f"({why}); return a mean, sum, max or min over the batch or per-example values "
+        "(the batch as the first dimension), declare it with meshshard.aux_sum/aux_mean/"
+        "aux_max/aux_min, or use num_micro_batches=1"
+    )
+
+
+def _concat_problem(micro, full, var, m: int) -> str | None:
+    """Why ``var`` (which keeps the batch) is not per-example rows, or None if it is."""
+    from meshshard.passes.reductions import _full_var, _normalizes, _shape
+
+    mj, fj = micro.jaxpr, full.jaxpr
+    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
+    idx = {v: k for k, v in enumerate(mj.invars)}
+    ms, fs = _shape(var), _shape(_full_var(mj, fj, var, producer, idx))
+    if not ms or fs != (ms[0] * m, *ms[1:]):
+        return f"it has the batch as a dimension other than the first ({list(fs)} on the batch)"
+    seen, stack = set(), [var]
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v not in producer or producer[v] in seen:
+            continue
+        i = producer[v]
+        seen.add(i)
+        em, ef = mj.eqns[i], fj.eqns[i]
+        stack += list(em.invars)
+        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
+        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+        name = em.primitive.name
+        if (ins and not outs) or name in _MIXING or _normalizes(em, ef, m):
+            return f"each row depends on other rows of the batch ({name})"
+    return None
+
+
+def combine_outputs(closed: ClosedJaxpr, reduce: tuple, m: int) -> ClosedJaxpr:
+    """``closed`` with its computed results wrapped in one ``out`` marker carrying
+    ``reduce`` (see :func:`output_reductions`); unchanged when nothing is combined."""
+    wrapped = [k for k, r in enumerate(reduce) if r is not None]
+    if not wrapped:
+        return closed
+    info = tuple(reduce[k] for k in wrapped)
+
+    def finish(outs):
+        vals = boundary_p.bind(
+            *[outs[k] for k in wrapped], kind="out", index=0, reduce=info, num_micro_batches=m
+        )
+        outs = list(outs)
+        for k, x in zip(wrapped, vals, strict=True):
+            outs[k] = x
+        return outs
+
+    return retrace(closed, finish=finish)
+
+
+def output_marker(jaxpr):
+    """Index of the ``out`` marker of a forward-only step (None without micro-batches)."""
+    return next((i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "out")), None)
+
+
 def slice_forward(jaxpr) -> LayerSlicing:
-    """Every equation is forward; ``fwd k`` markers start layer ``k + 1``."""
+    """Every equation is forward (but the ``out`` marker); ``fwd k`` markers start layer
+    ``k + 1``."""
     cuts = {e.params["index"]: i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "fwd")}
     if sorted(cuts) != list(range(len(cuts))):
         raise MeshshardInputError(
             f"pipeline boundary indices {sorted(cuts)} are not 0..{len(cuts) - 1}"
         )
     positions = [cuts[k] for k in range(len(cuts))]
-    layer = tuple(sum(1 for c in positions if c <= i) for i in range(len(jaxpr.eqns)))
-    return LayerSlicing(len(cuts) + 1, layer, (FWD,) * len(jaxpr.eqns), len(jaxpr.eqns))
+    out = output_marker(jaxpr)
+    layer = tuple(
+        -1 if i == out else sum(1 for c in positions if c <= i) for i in range(len(jaxpr.eqns))
+    )
+    phase = tuple(GRAD_END if i == out else FWD for i in range(len(jaxpr.eqns)))
+    return LayerSlicing(len(cuts) + 1, layer, phase, len(jaxpr.eqns) if out is None else out)
 
 
 def build_forward_graph(traced, slicing: LayerSlicing, layer_groups):
     """The stage graph of a forward-only step (see the module docstring)."""
-    from meshshard.passes.stage_graph import Edge, InputSlots, ProgramIO, StageGraph
+    from meshshard.passes.stage_graph import InputSlots, StageGraph
 
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
@@ -98,11 +255,55 @@ def build_forward_graph(traced, slicing: LayerSlicing, layer_groups):
     stage_of = {ly: s for s, g in enumerate(layer_groups) for ly in g}
     invar_leaf = {v: i for i, v in enumerate(jaxpr.invars)}
     is_batch = [leaf.is_batch for leaf in traced.inputs]
-    stage_of_eqn = [stage_of[ly] for ly in slicing.layer]
-    producer = {v: stage_of_eqn[i] for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    stage_of_eqn = [stage_of.get(ly) for ly in slicing.layer]  # None: the out marker
+    producer = {
+        v: s
+        for s, e in zip(stage_of_eqn, jaxpr.eqns, strict=True)
+        if s is not None
+        for v in e.outvars
+    }
+    groups, edges = _forward_groups_and_edges(jaxpr, ids, stage_of_eqn, producer, is_batch, n)
+    acc = _accumulators(jaxpr, ids, producer, n)
+    output_slots = _output_slots(traced, ids, producer, invar_leaf, groups, acc, n)
+    programs = _forward_programs(stage_of_eqn, groups, edges, n)
+    final = {r: tuple(sorted(v)) if r.kind in (X, P) else tuple(v) for r, v in groups.items()}
+    input_slots = tuple(
+        InputSlots(
+            leaf,
+            tuple(
+                (r, content.index(leaf))
+                for r, content in final.items()
+                if r.kind in (X, P) and leaf in content
+            ),
+        )
+        for leaf in range(len(jaxpr.invars))
+    )
+    closing = [p for p in programs if p.name.phase is Phase.APPLY]
+    return StageGraph(
+        num_stages=n,
+        layer_groups=layer_groups,
+        programs=tuple(programs),
+        groups=tuple(BufferGroup(r, v) for r, v in final.items()),
+        edges=tuple(edges),
+        input_slots=input_slots,
+        output_slots=output_slots,
+        grad_pairs=(),
+        batch_dependent=frozenset(_batch_dependent(jaxpr, is_batch, ids)),
+        apply_phases=1 if closing else 0,
+        notes=(FORWARD_ONLY_NOTE,),
+    )
+
+
+def _forward_groups_and_edges(jaxpr, ids, stage_of_eqn, producer, is_batch, n):
+    """Batch inputs ``X{s}`` and state ``P{s}`` of each stage, and the cross-stage edges
+    (a value of another stage, or a copy of a state input another stage owns)."""
+    from meshshard.passes.stage_graph import Edge
+
+    invar_leaf = {v: i for i, v in enumerate(jaxpr.invars)}
     reads: dict[int, list] = {s: [] for s in range(n)}
-    for i, e in enumerate(jaxpr.eqns):
-        s = stage_of_eqn[i]
+    for s, e in zip(stage_of_eqn, jaxpr.eqns, strict=True):
+        if s is None:
+            continue
         for v in e.invars:
             if not is_literal(v) and v not in jaxpr.constvars and producer.get(v) != s:
                 if v not in reads[s]:
@@ -125,7 +326,22 @@ def build_forward_graph(traced, slicing: LayerSlicing, layer_groups):
                     Edge(ids[v], ProgramRef(Phase.FORWARD, src), ProgramRef(Phase.FORWARD, s))
                 )
     edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
-    output_slots = _output_slots(traced, ids, producer, invar_leaf, groups, n)
+    return groups, edges
+
+
+def _accumulators(jaxpr, ids, producer, n) -> dict:
+    """Result var -> stage whose forward accumulates it (the ``out`` marker's results)."""
+    k = output_marker(jaxpr)
+    if k is None:
+        return {}
+    marker = jaxpr.eqns[k]
+    return {r: producer[o] for o, r in zip(marker.invars, marker.outvars, strict=True)}
+
+
+def _forward_programs(stage_of_eqn, groups, edges, n) -> list:
+    """Each stage's forward ``s{i}.F`` and, for combined results, ``m{i}.apply``."""
+    from meshshard.passes.stage_graph import ProgramIO
+
     programs = []
     for s in range(n):
         name = ProgramRef(Phase.FORWARD, s)
@@ -137,54 +353,43 @@ def build_forward_graph(traced, slicing: LayerSlicing, layer_groups):
                 ins.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (e.var,)))
             if e.producer == name:
                 outs.append(BufferGroup(BufferRef(BufferKind.TRANSFER, k), (e.var,)))
-        if groups[BufferRef(OUT, s)]:
-            outs.append(BufferGroup(BufferRef(OUT, s), tuple(groups[BufferRef(OUT, s)])))
+        acc = BufferGroup(BufferRef(ACC, s), tuple(groups.get(BufferRef(ACC, s), ())))
+        res = BufferGroup(BufferRef(OUT, s), tuple(groups[BufferRef(OUT, s)]))
+        if acc.vars:  # per micro-batch contributions, combined by m{s}.apply into O{s}
+            ins.append(acc)
+            outs.append(acc)
+        elif res.vars:
+            outs.append(res)
         own = tuple(i for i, st in enumerate(stage_of_eqn) if st == s)
         programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
-    final = {r: tuple(sorted(v)) if r.kind in (X, P) else tuple(v) for r, v in groups.items()}
-    input_slots = tuple(
-        InputSlots(
-            leaf,
-            tuple(
-                (r, content.index(leaf))
-                for r, content in final.items()
-                if r.kind in (X, P) and leaf in content
-            ),
-        )
-        for leaf in range(len(jaxpr.invars))
-    )
-    return StageGraph(
-        num_stages=n,
-        layer_groups=layer_groups,
-        programs=tuple(programs),
-        groups=tuple(BufferGroup(r, v) for r, v in final.items()),
-        edges=tuple(edges),
-        input_slots=input_slots,
-        output_slots=output_slots,
-        grad_pairs=(),
-        batch_dependent=frozenset(_batch_dependent(jaxpr, is_batch, ids)),
-        apply_phases=0,
-        notes=(FORWARD_ONLY_NOTE,),
-    )
+        if acc.vars:
+            programs.append(ProgramIO(ProgramRef(Phase.APPLY, s), s, (), (acc,), (res,)))
+    return programs
 
 
-def _output_slots(traced, ids, producer, invar_leaf, groups, n) -> tuple:
+def _output_slots(traced, ids, producer, invar_leaf, groups, acc, n) -> tuple:
     from meshshard.passes.stage_graph import OutputSlots
 
     for s in range(n):
         groups[BufferRef(OUT, s)] = []
+        if any(st == s for st in acc.values()):
+            groups[BufferRef(ACC, s)] = []
     out = []
     for j, v in enumerate(traced.jaxpr.outvars):
         if is_literal(v):
             out.append(OutputSlots(j, OutputSource.LITERAL, literal=v.val))
         elif v in invar_leaf:
             out.append(OutputSlots(j, OutputSource.INPUT, input_leaf=invar_leaf[v]))
-        elif v in producer:
-            content = groups[BufferRef(OUT, producer[v])]
+        elif v in producer or v in acc:
+            s = acc[v] if v in acc else producer[v]
+            content = groups[BufferRef(OUT, s)]
             if ids[v] not in content:
                 content.append(ids[v])
-            slot = (BufferRef(OUT, producer[v]), content.index(ids[v]))
-            out.append(OutputSlots(j, OutputSource.BUFFER, (slot,)))
+                if v in acc:
+                    groups[BufferRef(ACC, s)].append(ids[v])
+            out.append(
+                OutputSlots(j, OutputSource.BUFFER, ((BufferRef(OUT, s), content.index(ids[v])),))
+            )
         else:  # a constant of the step
             raise MeshshardInputError(
                 f"step output {traced.outputs[j].path} is a constant of the step; "
@@ -196,6 +401,8 @@ def _output_slots(traced, ids, producer, invar_leaf, groups, n) -> tuple:
 def _batch_dependent(jaxpr, is_batch, ids) -> set:
     dep = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     for e in jaxpr.eqns:
+        if is_marker(e, "out"):
+            continue
         if any((not is_literal(v)) and v in dep for v in e.invars):
             dep.update(e.outvars)
     return {ids[v] for v in dep if v in ids}

@@ -56,7 +56,6 @@ def plan_step(
 
 def _slice(st: CompileState) -> CompileState:
     if is_forward_only(st.traced.jaxpr):  # no meshshard.grad: an eval/inference step
-        check_forward_only(st.traced)
         return replace(st, slicing=slice_forward(st.traced.jaxpr))
     return replace(st, slicing=slice_layers(st.traced.jaxpr))
 
@@ -67,7 +66,10 @@ def _layout(st: CompileState) -> CompileState:
 
 
 def _stage_graph(st: CompileState) -> CompileState:
-    build = build_forward_graph if is_forward_only(st.traced.jaxpr) else build_stage_graph
+    forward_only = is_forward_only(st.traced.jaxpr)
+    if forward_only:
+        check_forward_only(st.traced, len(st.layer_groups))
+    build = build_forward_graph if forward_only else build_stage_graph
     return replace(st, graph=build(st.traced, st.slicing, st.layer_groups))
 
 
@@ -85,7 +87,7 @@ def _transfers(st: CompileState) -> CompileState:
 
 def _schedule(st: CompileState) -> CompileState:
     name = "1f1b" if isinstance(st.method, DataParallel) else st.method.schedule
-    name = "inference" if st.graph.apply_phases == 0 else name  # forward-only
+    name = "inference" if is_forward_only(st.traced.jaxpr) else name
     return replace(
         st, schedule=make_schedule(name, st.graph.num_stages, st.traced.num_micro_batches)
     )
@@ -189,7 +191,7 @@ def _stage_specs(traced: TracedStep, graph: StageGraph) -> tuple[StageSpec, ...]
     for s, layers in enumerate(graph.layer_groups):
         f = graph.program(ProgramRef(Phase.FORWARD, s))
         summary = f"F: {_summary(traced, f.eqns)}"
-        if graph.apply_phases == 0:  # forward-only
+        if not any(p.name == ProgramRef(Phase.BACKWARD, s) for p in graph.programs):
             out.append(StageSpec(s, s, layers, f.name, None, summary))
             continue
         b = graph.program(ProgramRef(Phase.BACKWARD, s))

@@ -176,8 +176,9 @@ def set_reductions(closed: ClosedJaxpr, reduce: tuple) -> ClosedJaxpr:
 
 
 def reductions_of(jaxpr) -> tuple:
-    """The ``reduce`` parameter of the step's ``grad_end`` marker (``()`` if none)."""
-    g = next((e for e in jaxpr.eqns if is_marker(e, "grad_end")), None)
+    """The ``reduce`` parameter of the step's ``grad_end`` marker, or of a forward-only
+    step's ``out`` marker (``()`` if none)."""
+    g = next((e for e in jaxpr.eqns if is_marker(e, "grad_end", "out")), None)
     return () if g is None else tuple(g.params.get("reduce") or ())
 
 

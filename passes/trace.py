@@ -28,6 +28,12 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal
+from meshshard.passes.forward_only import (
+    combine_outputs,
+    has_transposed_eqns,
+    is_forward_only,
+    output_reductions,
+)
 from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
@@ -62,6 +68,8 @@ class TracedStep:
     num_micro_batches: int
     fingerprint: str
     out_tree: object = None
+    #: a step without meshshard.grad whose jaxpr holds a backward pass (jax.grad)
+    transposed: bool = False
 
     @property
     def jaxpr(self):
@@ -122,26 +130,31 @@ def trace_step(
         wheres.append(where)
         in_batch.append(is_batch)
         full_abs.append(_abstract(leaf, where, "batch" if is_batch else "state"))
-    full, full_out = _trace(fn, treedef, full_abs)
+    full, full_out, transposed = _trace(fn, treedef, full_abs)
     keys = key_inputs(full.jaxpr)
     is_batch = [b and i not in keys for i, b in enumerate(in_batch)]
     micro_abs = [
         _micro_batch_shape(a, w, m) if b else a
         for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
     ]
-    micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)
+    micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)[:2]
     draws = find_batch_draws(micro, full, m)
     reduce = resolve(micro, full if m > 1 else None, is_batch, m)
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
     closed = set_reductions(closed, reduce)
+    out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
+    forward_only = is_forward_only(closed.jaxpr)
+    if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)
+        labels = ["out" + jax.tree_util.keystr(p) for p, _ in out_paths]
+        how = output_reductions(micro, full, is_batch, m, labels)
+        closed = combine_outputs(closed, how, m)
     infos = [
         LeafInfo(w, tuple(a.shape), str(np.dtype(a.dtype)), b, i in keys)
         for i, (w, a, b) in enumerate(zip(wheres, full_abs, is_batch, strict=True))
     ]
     if draws:
         infos.append(LeafInfo(INDEX_PATH, (m,), "int32", True))
-    out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = tuple(
         LeafInfo("out" + _path_str(p), tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
         for (p, _), v in zip(out_paths, closed.jaxpr.outvars, strict=True)
@@ -153,14 +166,17 @@ def trace_step(
         num_micro_batches=m,
         fingerprint=fingerprint(closed),
         out_tree=jax.tree.structure(out_shape),
+        transposed=forward_only and transposed,
     )
 
 
-def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object]:
-    """The step's jaxpr with calls inlined and keys held as raw data, and its output shape."""
+def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object, bool]:
+    """The step's jaxpr with calls inlined and keys held as raw data, its output shape,
+    and whether it holds transposed (backward) equations."""
     closed, out = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.unflatten(treedef, leaves))
+    transposed = has_transposed_eqns(closed)  # before re-traces drop the name stacks
     # jit-wrapped steps/losses first, then one equation per mesh in the update part
-    return physical_keys(inline_update_calls(inline_calls(closed))), out
+    return physical_keys(inline_update_calls(inline_calls(closed))), out, transposed
 
 
 def key_inputs(jaxpr) -> frozenset:

@@ -49,23 +49,110 @@ def test_forward_only_pipeline_matches_jit(threads_cluster):
     assert meshshard.Plan.from_json(plan.to_json()) == plan
 
 
-def test_forward_only_with_micro_batches_is_refused():
+def metrics_step(state, batch):
+    """Results of every kind a forward-only step combines over micro-batches."""
+    pred = state.apply_fn({"params": state.params}, batch["x"])
+    return {
+        "loss": jnp.mean((pred - batch["y"]) ** 2),  # mean over the batch
+        "sse": jnp.sum((pred - batch["y"]) ** 2),  # sum
+        "worst": jnp.max(jnp.abs(pred)),  # max
+        "best": jnp.min(jnp.abs(pred)),  # min
+        "hits": jnp.sum(pred[:, 0] > 0),  # integer count
+        "logits": pred,  # per example: concatenated
+        "next_step": state.step + 1,  # no batch: the same on every micro-batch
+    }
+
+
+@pytest.mark.parametrize("m,s", [(2, 2), (4, 2), (2, 4)])
+def test_pipelined_forward_only_with_micro_batches_matches_jit(threads_cluster, m, s):
     state, batch = setup()
     step = meshshard.parallelize(
-        eval_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+        metrics_step, method=PipeshardParallel(num_micro_batches=m, stages=[(1, 2)] * s)
     )
-    with pytest.raises(MeshshardInputError, match=r"forward-only .*num_micro_batches=1"):
+    got = step(state, batch)
+    assert_trees_close(jax.jit(metrics_step)(state, batch), got)
+    plan = step.plan
+    assert verify(plan) == []
+    assert plan.schedule.name == "inference"
+    # every stage runs F0 .. F(M-1), pipelined: M + S - 1 ticks
+    assert len(plan.schedule.ticks) == m + s - 1
+    ticks = plan.schedule.ticks
+    order = {k: [t.mb for row in ticks for t in row if t and t.stage == k] for k in range(s)}
+    assert order == {k: list(range(m)) for k in range(s)}
+    notes = "\n".join(plan.notes)
+    assert f"out['logits']: concat over {m} micro-batches" in notes
+    assert f"out['worst']: max over {m} micro-batches" in notes
+    assert f"out['sse']: sum over {m} micro-batches" in notes
+    assert f"out['next_step']: same over {m} micro-batches" in notes
+    last = f"m{s - 1}.apply"
+    assert last in {str(p.name) for p in plan.programs}
+
+
+def test_forward_only_result_mixing_examples_is_refused():
+    """A per-example result normalized by the batch's own mean is not a concatenation."""
+    state, batch = setup()
+
+    def centred(state, batch):
+        pred = state.apply_fn({"params": state.params}, batch["x"])
+        return pred - jnp.mean(pred, axis=0)
+
+    step = meshshard.parallelize(
+        centred, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    )
+    with pytest.raises(
+        MeshshardInputError, match=r"step result out: .*each row depends on other rows .*aux_sum"
+    ):
         step.lower(state, batch, cluster=CLUSTER)
 
 
-def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch):
+def jax_grad_step(state, batch):
+    """A train step written with jax.grad: meshshard sees no backward to pipeline."""
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.parametrize("m,s", [(2, 1), (1, 2), (2, 2)])
+def test_jax_grad_step_is_refused_when_pipelined(m, s):
+    state, batch = setup()
+    method = (
+        DataParallel(num_micro_batches=m)
+        if s == 1
+        else PipeshardParallel(num_micro_batches=m, stages=[(1, 2)] * s)
+    )
+    for fn in (jax_grad_step, jax.jit(jax_grad_step)):
+        step = meshshard.parallelize(fn, method=method)
+        with pytest.raises(
+            MeshshardInputError,
+            match=rf"jax.grad or jax.value_and_grad .*over {s} stage\(s\) with "
+            rf"num_micro_batches={m}; .*meshshard.grad or meshshard.value_and_grad",
+        ):
+            step.lower(state, batch, cluster=CLUSTER)
+
+
+def test_jax_grad_step_runs_on_one_stage_with_one_micro_batch():
+    state, batch = setup()
+    with use_cluster(ThreadsCluster(1, 2)):
+        got, loss = meshshard.parallelize(jax_grad_step)(state, batch)
+    ref, ref_loss = jax.jit(jax_grad_step)(state, batch)
+    assert_trees_close((ref.params, ref_loss), (got.params, loss))
+
+
+@pytest.mark.parametrize("eval_m", [1, 4])
+def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch, eval_m):
     state, batch = setup()
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
     with use_cluster(ThreadsCluster(4, 2)):
         train = meshshard.parallelize(mlp.train_step, method=method)
         got, _ = train(state, batch)
         ref, _ = jax.jit(mlp.train_step)(state, batch)
-        evaluate = meshshard.parallelize(eval_step, method=FollowParallel(train))
+        evaluate = meshshard.parallelize(
+            eval_step, method=FollowParallel(train, num_micro_batches=eval_m)
+        )
 
         def no_fetch(self):
             raise AssertionError(f"{self} was moved through the driver")
@@ -78,6 +165,7 @@ def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch
     assert evaluate.plan.meshes == train.plan.meshes
     assert evaluate.plan.method == "FollowParallel(train_step)"
     assert [st.layers for st in evaluate.plan.stages] == [st.layers for st in train.plan.stages]
+    assert evaluate.plan.num_micro_batches == eval_m
 
 
 def test_follow_parallel_needs_a_plan_and_the_same_layers():
