@@ -170,9 +170,9 @@ class HostActor:
         result = worker.run_step(batch, state, out_keys, free)
         return result, time.perf_counter() - t0, worker.last_trace
 
-    def set_trace(self, plan_id: str, on: bool) -> None:
+    def set_trace(self, plan_id: str, on: bool, sync: bool = False) -> None:
         """Record (or stop recording) a compiled step's per-instruction timeline."""
-        self.workers[plan_id].record(on)
+        self.workers[plan_id].record(on, sync)
 
     def clock(self) -> int:
         """This process's ``perf_counter_ns`` (the driver aligns trace clocks with it)."""

@@ -585,9 +585,10 @@ class RayBackend:
                 self.last_traces[w] = trace
         return results
 
-    def set_trace(self, workers, on: bool) -> None:
-        """Make ``workers`` record (or stop recording) their per-instruction timelines."""
-        refs = {w: self._actor(w).set_trace.remote(self.plan_id, on) for w in workers}
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
+        """Make ``workers`` record (or stop recording) their per-instruction timelines;
+        ``sync``: RUNs wait for their outputs (profiling)."""
+        refs = {w: self._actor(w).set_trace.remote(self.plan_id, on, sync) for w in workers}
         self.cluster._call(refs, "switching trace recording")
 
     def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:

@@ -54,7 +54,7 @@ class Backend(Protocol):
     def track(self, array: RemoteArray) -> None:
         """Remember a live array, so restarts move it instead of losing it."""
 
-    def set_trace(self, workers, on: bool) -> None:
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
         """Make ``workers`` record their per-instruction timelines (``last_traces``)."""
 
     def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:
@@ -219,6 +219,7 @@ class Executable:
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
         self.last_worker_seconds: dict[int, float] = {}
         self.trace_log = None  # a runtime.trace_record.TraceLog while recording
+        self._sync = False
         self._offsets: tuple = ()
 
     def recompile(self) -> None:
@@ -226,14 +227,16 @@ class Executable:
         transfer group); the plan itself does not change."""
         self.compile_seconds = self.backend.compile(*self._compile_args, self.plan)
         if self.trace_log is not None:
-            self.record(self.trace_log)
+            self.record(self.trace_log, self._sync)
 
-    def record(self, log) -> None:
+    def record(self, log, sync: bool = False) -> None:
         """Record every later call's measured timeline into ``log`` (a ``TraceLog``;
         None stops): the workers stamp each instruction, the driver its dispatch, and
-        the workers' clock offsets are estimated now."""
+        the workers' clock offsets are estimated now.  ``sync`` (profiling): each RUN
+        waits for its outputs, so its span is the program's run time."""
         self.trace_log = log
-        self.backend.set_trace(self.plan.workers, log is not None)
+        self._sync = sync
+        self.backend.set_trace(self.plan.workers, log is not None, sync)
         if log is not None:
             offsets = self.backend.clock_offsets(self.plan.workers)
             self._offsets = tuple((w, off) for w, (off, _) in sorted(offsets.items()))

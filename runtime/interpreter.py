@@ -163,10 +163,16 @@ class StreamInterpreter:
         self._buffers_spec = {b.name: b for b in plan.buffers}
         self._untimed = transport
         self.recorder: Recorder | None = None
+        self._sync = False
 
-    def record(self, on: bool) -> None:
+    def record(self, on: bool, sync: bool = False) -> None:
         """Record every instruction's start and end (and communication completions)
-        from the next step on; :attr:`recorder` holds the last step's stamps."""
+        from the next step on; :attr:`recorder` holds the last step's stamps.
+
+        ``sync`` (profiling) makes each ``RUN`` wait for its outputs, so its span is the
+        program's run time rather than its asynchronous dispatch.
+        """
+        self._sync = on and sync
         if on:
             self.recorder = Recorder(len(self.stream.instructions))
             self.transport = RecordingTransport(self._untimed, self.recorder)
@@ -190,6 +196,8 @@ class StreamInterpreter:
                 if isinstance(ins, Run):
                     prog = self.programs[ins.program]
                     outs = prog([buffers[name] for name in ins.inputs])
+                    if self._sync:
+                        jax.block_until_ready(outs)
                     for name, val in zip(ins.outputs, outs, strict=True):
                         buffers[name] = val
                 elif isinstance(ins, Load):

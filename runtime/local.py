@@ -70,10 +70,11 @@ class LocalBackend:
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
-    def set_trace(self, workers, on: bool) -> None:
-        """Make ``workers`` record (or stop recording) their per-instruction timelines."""
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
+        """Make ``workers`` record (or stop recording) their per-instruction timelines;
+        ``sync``: RUNs wait for their outputs (profiling)."""
         for w in workers:
-            self.workers[w].record(on)
+            self.workers[w].record(on, sync)
 
     @property
     def last_traces(self) -> dict:

@@ -132,11 +132,12 @@ class Worker:
             self.store.pop(key, None)
         return result
 
-    def record(self, on: bool) -> None:
-        """Record each step's per-instruction timeline (``last_trace``) from now on."""
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record each step's per-instruction timeline (``last_trace``) from now on;
+        ``sync``: each RUN waits for its outputs (profiling program times)."""
         if self.interp is None:
             raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
-        self.interp.record(on)
+        self.interp.record(on, sync)
         self.last_trace = None
 
     def _state_array(self, value, tensor) -> jax.Array:
