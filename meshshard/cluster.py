@@ -82,6 +82,13 @@ class ClusterSpec:
         oversubscription: switch oversubscription; 1.0 is non-blocking, ``r`` > 1 caps
             all inter-host traffic together at ``hosts * nics * nic_bandwidth / r``.
         chunk_bytes: chunk size of pipelined collectives (NCCL-style chain broadcast).
+        host_cores: CPU cores all hosts share (an emulated cluster on one machine); 0
+            means enough cores for everything.  When more work runs than there are
+            cores, every running program slows down (processor sharing, sim/cores.py).
+        instruction_overhead: host seconds the runtime spends on each LOAD, ZEROS,
+            FREE, WAIT and WAITALL (Python interpreter, array bookkeeping).
+        dispatch_overhead: driver seconds per step (handing inputs to the workers,
+            collecting results), added to the iteration.
         source: where the figures come from (citations, or the calibration run).
     """
 
@@ -102,6 +109,9 @@ class ClusterSpec:
     nic_of_device: tuple[int, ...] = ()
     oversubscription: float = _LOCAL["oversubscription"]
     chunk_bytes: int = 1 << 20
+    host_cores: int = 0
+    instruction_overhead: float = 0.0
+    dispatch_overhead: float = 0.0
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
@@ -133,7 +143,22 @@ class ClusterSpec:
                 raise ValueError(
                     f"ClusterSpec.{field_name} must be a positive number, got {value!r}"
                 )
-        for field_name in ("launch_overhead", "intra_latency", "nic_latency"):
+        if (
+            not isinstance(self.host_cores, int)
+            or isinstance(self.host_cores, bool)
+            or (self.host_cores < 0)
+        ):
+            raise ValueError(
+                f"ClusterSpec.host_cores must be an int >= 0 (0 = no limit), got "
+                f"{self.host_cores!r}; pass e.g. ClusterSpec(host_cores=os.cpu_count())"
+            )
+        for field_name in (
+            "launch_overhead",
+            "intra_latency",
+            "nic_latency",
+            "instruction_overhead",
+            "dispatch_overhead",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(

@@ -55,10 +55,12 @@ from meshshard.cluster import ClusterSpec
 from meshshard.instructions import (
     Collective,
     Instruction,
+    Run,
     Send,
 )
 from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
+from meshshard.sim.cores import CorePool
 from meshshard.sim.costs import ProgramCost, program_cost
 from meshshard.sim.network import FlowNetwork
 from meshshard.sim.rules import RULES, CollKey, P2PKey, RunKey, StreamState
@@ -273,6 +275,10 @@ class _Engine:
             unknown = sorted(set(program_times) - {str(p) for p in self.costs})
             if unknown:
                 self.notes.append(f"program_times for unknown programs ignored: {unknown}")
+        self.devices_of_mesh = {m.id: m.shape[1] for m in plan.meshes}
+        self.cores = (
+            CorePool(self, cluster.host_cores, self._complete) if cluster.host_cores else None
+        )
         self.queues: dict[int, list[_Queue]] = {}
         self._build()
 
@@ -307,6 +313,8 @@ class _Engine:
             op.queue.ops.append(op)
             op.blocking = (not overlap) or (not ins.is_comm) or serial
             rule.build(self, op, state)
+            if not ins.is_comm and op.dur == 0 and not isinstance(ins, Run):
+                op.dur = self.cluster.instruction_overhead  # host work of the runtime
             for b in ins.writes:
                 state.last_writer[b] = op.id
             if op.key is not None:
@@ -484,10 +492,18 @@ class _Engine:
         """Start ``op`` now; it completes after its duration (programs) or at once."""
         op.state = STARTED
         op.start = self.now
-        if op.dur > 0:
+        if op.dur > 0 and self.cores is not None:
+            self.cores.add(op, op.dur, self._demand(op))
+        elif op.dur > 0:
             self.at(self.now + op.dur, self._complete, op)
         else:
             self._complete(op)
+
+    def _demand(self, op: _Op) -> int:
+        """Cores ``op`` keeps busy: a program one per device of its mesh on a host."""
+        if isinstance(op.ins, Run):
+            return self.devices_of_mesh[self.mesh_of_program[op.ins.program]]
+        return 1
 
     def _complete(self, op: _Op) -> None:
         op.state = DONE
