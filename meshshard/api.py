@@ -56,6 +56,7 @@ class ParallelizedFunction:
         self._lowered: Plan | None = None
         self.last_compile_seconds: float | None = None
         self.trace_log = None
+        self.program_times: dict[str, float] | None = None  # set by lower(profile=True)
         self._at_exit = False
         if trace is not None:
             self.record(trace)
@@ -87,11 +88,20 @@ class ParallelizedFunction:
             )
         return self.trace_log.write(path)
 
-    def lower(self, *args, cluster: ClusterSpec | None = None, costs: bool = True) -> Plan:
+    def lower(
+        self,
+        *args,
+        cluster: ClusterSpec | None = None,
+        costs: bool = True,
+        profile: bool = False,
+    ) -> Plan:
         """The plan for these arguments on ``cluster`` (default: the running cluster, else
         ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray.
         ``costs`` fills each program's FLOPs and bytes from JAX's cost analysis, which
-        the simulator needs."""
+        the simulator needs.  ``profile`` also runs the step on the running cluster to
+        time every program on its mesh (see :meth:`profile`) into ``self.program_times``."""
+        if profile:
+            self.program_times = self.profile(*args)
         from meshshard.passes.pipeline import plan_step
 
         if cluster is None:
@@ -110,6 +120,17 @@ class ParallelizedFunction:
         )
         self._lowered = plan
         return plan
+
+    def profile(self, *args, steps: int = 5, cache_dir: str | None = None) -> dict[str, float]:
+        """Seconds of each program (``{"s0.F": ...}``) run on its real mesh of the running
+        cluster: the median over ``steps`` calls on ``args`` in which every program waits
+        for its outputs.  Cached on disk (``cache_dir``, default ``$MESHSHARD_PROFILE_CACHE``
+        or ``~/.cache/meshshard/profiles``) by program, mesh and versions.  Pass the
+        result to ``meshshard.sim.simulate(plan, program_times=...)``.  The calls use
+        ``args`` each time: donated arguments must be host arrays."""
+        from meshshard.profiling import ProfileCache, profile_step
+
+        return profile_step(self, args, steps, ProfileCache(cache_dir))
 
     def __call__(self, *args):
         exe = self._executable_for(args)

@@ -56,3 +56,60 @@ def test_runtime_and_driver_overheads_add_host_time():
 def test_host_fields_are_checked(field, value, match):
     with pytest.raises(ValueError, match=match):
         ClusterSpec(**{field: value})
+
+
+@pytest.mark.slow
+def test_simulation_with_measured_times_reproduces_a_recorded_interleaving(threads_cluster):
+    """Record a 2-stage 1F1B run (every RUN waits for its outputs), feed its program and
+    host times to the simulator: the simulated order of programs across the two
+    workers is the recorded one (median over 4 recorded steps; pairs closer than half a
+    program are not judged)."""
+    import statistics
+
+    import meshshard
+    from examples import mlp
+    from meshshard import PipeshardParallel
+    from meshshard.runtime.trace_record import TraceLog
+    from meshshard.sim.fidelity import (
+        opcode_overheads,
+        order_disagreements,
+        program_times,
+        run_spans,
+    )
+
+    model = mlp.MLP(num_layers=4, hidden=256)
+    batch = mlp.make_batch(batch_size=256)
+    state = mlp.make_state(model, batch["x"])
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="1f1b")
+    step = meshshard.parallelize(mlp.train_step, method=method)
+    step(state, batch)
+    exe = step.executable
+    log = TraceLog("unused.json", keep=4)
+    exe.record(log, sync=True)
+    for _ in range(4):
+        step(state, batch)
+    times = program_times(log.steps)
+    cluster = replace(exe.plan.cluster, opcode_overheads=opcode_overheads(log.steps))
+    sim = simulate(exe.plan, cluster, program_times=times)
+    simulated = {
+        (int(s.track[1:]), s.name): (s.start, s.end) for s in sim.spans if s.category == "run"
+    }
+    # each RUN's median start and end over the recorded steps, from its step's first RUN
+    per_step = [run_spans(log.steps, n) for n in range(len(log.steps))]
+    measured = {
+        k: tuple(
+            statistics.median(spans[k][i] - min(s for s, _ in spans.values()) for spans in per_step)
+            for i in (0, 1)
+        )
+        for k in per_step[0]
+    }
+    assert set(simulated) == set(measured) and len(measured) == 2 * (2 * 4 + 1)
+    margin = statistics.median(times.values()) / 2
+    assert order_disagreements(simulated, measured, margin) == []
+    # the check has teeth: a model with the second stage 5x slower orders differently
+    slow = {p: t * (5 if p.startswith("s1") else 1) for p, t in times.items()}
+    wrong = simulate(exe.plan, cluster, program_times=slow)
+    spans = {
+        (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
+    }
+    assert order_disagreements(spans, measured, margin)

@@ -303,6 +303,7 @@ class _Engine:
         qs = [_Queue(w, "compute"), _Queue(w, "comm")] if overlap else [_Queue(w, "all")]
         self.queues[w] = qs
         state = StreamState(w)
+        carried = 0.0  # host seconds of communications, paid by the next compute op
         for i, ins in enumerate(stream.instructions):
             rule = RULES.get(type(ins))
             if rule is None:
@@ -313,8 +314,12 @@ class _Engine:
             op.queue.ops.append(op)
             op.blocking = (not overlap) or (not ins.is_comm) or serial
             rule.build(self, op, state)
-            if not ins.is_comm and op.dur == 0 and not isinstance(ins, Run):
-                op.dur = self.cluster.instruction_overhead  # host work of the runtime
+            host = self.cluster.host_seconds(ins.opcode.value)  # the runtime's own work
+            if ins.is_comm:
+                carried += host
+            else:
+                op.dur += host + carried
+                carried = 0.0
             for b in ins.writes:
                 state.last_writer[b] = op.id
             if op.key is not None:
