@@ -113,3 +113,41 @@ def test_simulation_with_measured_times_reproduces_a_recorded_interleaving(threa
         (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
     }
     assert order_disagreements(spans, measured, margin)
+
+
+def test_calibrated_roofline_recovers_known_costs():
+    from meshshard.sim.fidelity import CalibratedRoofline, ProgramSample
+
+    truth = (2e-3, 1 / 5e9, 0.0, 3.0, 40.0)  # launch, 5 GFLOP/s, no memory term, fabrics
+    samples = []
+    for i, (flops, d, intra, cross) in enumerate(
+        [
+            (1e8, 2, 0, 0),
+            (4e8, 2, 1e-4, 0),
+            (2e9, 4, 0, 5e-4),
+            (8e8, 2, 2e-4, 0),
+            (3e9, 4, 1e-4, 1e-3),
+        ]
+    ):
+        feats = [1.0, flops / d, 0.0, intra, cross]
+        t = sum(c * f for c, f in zip(truth, feats, strict=True))
+        samples.append(ProgramSample(f"p{i}", flops, 0.0, d, (intra, cross), t))
+    fit = CalibratedRoofline.fit(samples)
+    assert fit.coef == pytest.approx(truth, rel=1e-6, abs=1e-12)
+    assert "5 GFLOP/s" in str(fit)
+
+
+def test_collectives_are_priced_on_the_fabric_they_cross():
+    from meshshard.hlo_collectives import Collective
+    from meshshard.sim.fidelity import collective_seconds
+
+    cluster = ClusterSpec(
+        nic_bandwidth=1e9, nic_latency=1e-4, intra_bandwidth=1e10, intra_latency=0.0
+    )
+    ar = Collective("all-reduce", "ar", "f32", (250,), 1000, groups=((0, 1), (2, 3)))
+    # (2, 2) mesh: devices 0, 1 are host 0: a pair within one host, over memcpy
+    assert collective_seconds([ar], (2, 2), cluster) == pytest.approx((2 * 500 / 1e10, 0.0))
+    across = Collective("all-reduce", "ar", "f32", (250,), 1000, groups=((0, 2), (1, 3)))
+    assert collective_seconds([across], (2, 2), cluster) == pytest.approx(
+        (0.0, 2 * (1e-4 + 500 / 1e9))
+    )

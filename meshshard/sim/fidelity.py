@@ -10,9 +10,9 @@ Three ingredients turn a measured run into simulator inputs:
 - **host overheads** (:func:`opcode_overheads`, :func:`dispatch_overhead`): the
   runtime's seconds per non-program instruction and the driver's per-step dispatch;
 - a **calibrated roofline** (:class:`CalibratedRoofline`) for programs never profiled:
-  ``t = c0 + c1 * flops/D + c2 * bytes/D + c3 * collective_seconds``, fitted by
+  ``t = c0 + c1 * flops/D + c2 * bytes/D + c3 * intra_s + c4 * cross_s``, fitted by
   non-negative least squares on relative error over profiled programs, where
-  ``collective_seconds`` prices the collectives XLA put inside the program (read from
+  ``intra_s``/``cross_s`` price the collectives XLA put inside the program (read from
   its compiled HLO, :mod:`meshshard.hlo_collectives`) on the mesh's fabric
   (:func:`collective_seconds`: gloo between host-actors, memcpy within one).
 
@@ -134,31 +134,33 @@ def _mesh(plan: Plan, mesh_id: int) -> MeshSpec:
 
 def collective_seconds(
     collectives: Sequence, mesh_shape: tuple[int, int], cluster: ClusterSpec
-) -> float:
-    """Alpha-beta seconds of a program's collectives on its mesh: a group spanning
-    hosts moves ``(n-1)/n`` of its bytes per phase over the NIC (gloo between
-    host-actors here), one within a host over the intra-host fabric; all-reduce is
-    two phases (reduce-scatter + all-gather), a permute one full message."""
+) -> tuple[float, float]:
+    """Alpha-beta seconds of a program's collectives on its mesh, as (within a host,
+    across hosts): a group spanning hosts moves ``(n-1)/n`` of its bytes per phase over
+    the NIC (gloo between host-actors here), one within a host over the intra-host
+    fabric; all-reduce is two phases (reduce-scatter + all-gather), a permute one full
+    message.  Kept apart because the two fabrics' real costs are fitted separately."""
     per_host = mesh_shape[1]
-    total = 0.0
+    intra = cross = 0.0
     for c in collectives:
-        group = c.groups[0] if c.groups else tuple(range(mesh_shape[0] * per_host))
-        hosts = (
-            {d // per_host for d in group}
-            if c.kind != "collective-permute"
-            else {d // per_host for pair in c.pairs[:1] for d in pair}
-        )
-        cross = len(hosts) > 1
-        bw = cluster.nic_bandwidth if cross else cluster.intra_bandwidth
-        lat = cluster.nic_latency if cross else cluster.intra_latency
+        if c.kind == "collective-permute":
+            members = {d for pair in c.pairs[:1] for d in pair}
+        else:
+            members = set(c.groups[0] if c.groups else range(mesh_shape[0] * per_host))
+        across = len({d // per_host for d in members}) > 1
+        bw = cluster.nic_bandwidth if across else cluster.intra_bandwidth
+        lat = cluster.nic_latency if across else cluster.intra_latency
         n = max(2, c.group_size)
         if c.kind == "collective-permute":
             t = lat + c.nbytes / bw
         else:
             phases = 2 if c.kind == "all-reduce" else 1
             t = phases * ((n - 1) * lat + (n - 1) / n * c.nbytes / bw)
-        total += t
-    return total
+        if across:
+            cross += t
+        else:
+            intra += t
+    return intra, cross
 
 
 @dataclass(frozen=True)
@@ -169,34 +171,34 @@ class ProgramSample:
     flops: float
     bytes_accessed: float
     devices: int
-    collective_s: float
+    collective_s: tuple[float, float]  # (within a host, across hosts)
     seconds: float
 
     def features(self) -> list[float]:
-        """The fit's regressors: 1, flops/D, bytes/D, collective seconds."""
+        """The fit's regressors: 1, flops/D, bytes/D, collective seconds in and across hosts."""
         d = max(self.devices, 1)
-        return [1.0, self.flops / d, self.bytes_accessed / d, self.collective_s]
+        return [1.0, self.flops / d, self.bytes_accessed / d, *self.collective_s]
 
 
 @dataclass(frozen=True)
 class CalibratedRoofline:
-    """``t = c0 + c1 flops/D + c2 bytes/D + c3 collective_s``, coefficients >= 0.
+    """``t = c0 + c1 flops/D + c2 bytes/D + c3 intra_s + c4 cross_s``, coefficients >= 0.
 
     ``c1`` is 1 / (effective FLOP/s per device), ``c2`` 1 / (effective bytes/s), ``c0``
-    the per-program launch and host cost, ``c3`` how much slower the fabric really is
-    than the cluster's alpha-beta figures.
+    the per-program launch and host cost, ``c3``/``c4`` how much slower the fabric
+    within / across hosts really is than the cluster's alpha-beta figures.
     """
 
-    coef: tuple[float, float, float, float]
+    coef: tuple[float, float, float, float, float]
     samples: int
 
     def __str__(self) -> str:
-        c0, c1, c2, c3 = self.coef
+        c0, c1, c2, c3, c4 = self.coef
         rate = f"{1 / c1 / 1e9:.3g} GFLOP/s" if c1 > 0 else "inf FLOP/s"
         bw = f"{1 / c2 / 1e9:.3g} GB/s" if c2 > 0 else "inf B/s"
         return (
             f"calibrated roofline ({self.samples} programs): launch {c0 * 1e6:.4g} us, "
-            f"{rate}, {bw} per device, collectives x{c3:.3g}"
+            f"{rate}, {bw} per device, collectives x{c3:.3g} within / x{c4:.3g} across hosts"
         )
 
     @staticmethod
@@ -219,19 +221,19 @@ class CalibratedRoofline:
         return float(np.dot(self.coef, sample.features()))
 
     def program_times(
-        self, plan: Plan, collective_s: Mapping[str, float] | None = None
+        self, plan: Plan, collective_s: Mapping[str, tuple[float, float]] | None = None
     ) -> dict[str, float]:
         """Predicted seconds of every program of ``plan`` (for ``simulate(program_times=)``)."""
         return {
             str(p.name): self.seconds(
-                sample_of(plan, p, (collective_s or {}).get(str(p.name), 0.0))
+                sample_of(plan, p, (collective_s or {}).get(str(p.name), (0.0, 0.0)))
             )
             for p in plan.programs
         }
 
 
 def sample_of(
-    plan: Plan, program: ProgramSpec, collective_s: float, seconds: float = 0.0
+    plan: Plan, program: ProgramSpec, collective_s: tuple[float, float], seconds: float = 0.0
 ) -> ProgramSample:
     """A :class:`ProgramSample` of one program of ``plan``."""
     return ProgramSample(
