@@ -35,6 +35,7 @@ from meshshard.refs import BufferKind, BufferRef, TransferRef
 from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.trace_record import Recorder, RecordingTransport, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
 
@@ -160,6 +161,23 @@ class StreamInterpreter:
         self.worker = stream.worker
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}
+        self._untimed = transport
+        self.recorder: Recorder | None = None
+        self._sync = False
+
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record every instruction's start and end (and communication completions)
+        from the next step on; :attr:`recorder` holds the last step's stamps.
+
+        ``sync`` (profiling) makes each ``RUN`` wait for its outputs, so its span is the
+        program's run time rather than its asynchronous dispatch.
+        """
+        self._sync = on and sync
+        if on:
+            self.recorder = Recorder(len(self.stream.instructions))
+            self.transport = RecordingTransport(self._untimed, self.recorder)
+        else:
+            self.recorder, self.transport = None, self._untimed
 
     def run(
         self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
@@ -167,11 +185,19 @@ class StreamInterpreter:
         """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
         pending_recv: dict[str, list] = {}
         pending_send: list = []
+        rec = self.recorder
+        if rec is not None:
+            rec.reset()
         for i, ins in enumerate(self.stream.instructions):
+            if rec is not None:
+                rec.current = i
+                rec.start[i] = clock_ns()
             try:
                 if isinstance(ins, Run):
                     prog = self.programs[ins.program]
                     outs = prog([buffers[name] for name in ins.inputs])
+                    if self._sync:
+                        jax.block_until_ready(outs)
                     for name, val in zip(ins.outputs, outs, strict=True):
                         buffers[name] = val
                 elif isinstance(ins, Load):
@@ -215,6 +241,8 @@ class StreamInterpreter:
                     )
             except Exception as exc:
                 raise MeshshardRuntimeError(self._where(i, exc)) from exc
+            if rec is not None:
+                rec.end[i] = clock_ns()
         return buffers
 
     def _collective(self, ins: Collective, buffers, pending_send, pending_recv) -> None:
