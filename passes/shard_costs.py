@@ -10,7 +10,7 @@ size for all-gather and reduce-scatter)::
 
     all-reduce      2 (p-1) alpha + 2 (p-1)/p n beta
     all-gather        (p-1) alpha +   (p-1)/p n beta      (reduce-scatter alike)
-    all-to-all        (p-1) alpha +   (p-1)/p n beta / p
+    all-to-all        (p-1) alpha +   (p-1)/p n beta      (each member sends n/p to each other)
 
 A collective over several axes at once is priced on the slowest of them with the
 product of their sizes (a ring through every device of the group).
@@ -109,7 +109,7 @@ class LogicalMesh:
         if kind in ("all-gather", "reduce-scatter"):
             return (p - 1) * alpha + frac * nbytes * beta
         if kind == "all-to-all":
-            return (p - 1) * alpha + frac * nbytes * beta / p
+            return (p - 1) * alpha + frac * nbytes * beta
         if kind == "collective-permute":
             return alpha + nbytes * beta
         raise ValueError(f"unknown collective kind {kind!r}")

@@ -66,6 +66,9 @@ __all__ = [
 #: Identity primitives whose outputs are their operands (markers, sharding pins).
 ALIAS_PRIMITIVES = frozenset({"pipeline_boundary", "meshshard_shard"})
 MEMORY_POINTS = 16
+#: Inputs held sharded save memory: between plans of equal time, the one holding fewer
+#: input bytes per device wins (priced at this fraction of reading them once).
+TIE_BREAK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ class _Problem:
     source: dict[int, tuple[int, int]]  # var id -> (node, output)
     mem_rows: list[np.ndarray]  # per point: bytes per (node, strategy), flattened
     notes: list[str]
+    scope: tuple = ()  # (jaxpr, equation indices, var ids): to recompute memory rows
+    ties: list[tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=list)
 
 
 def _flops(eqn) -> float:
@@ -221,7 +226,9 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
         shape = tuple(v.aval.shape)
         strat = [Strategy(str(to_spec(lay)), (lay,), ()) for lay in layouts(shape, mesh)]
         source[ids[v]] = (len(nodes), 0)
-        nodes.append(_Node(-1, (ids[v],), strat, np.zeros(len(strat)), ((shape, v.aval.dtype),)))
+        held = [local_bytes(shape, v.aval.dtype, st.outs[0], mesh) for st in strat]
+        tie = np.array(held) * TIE_BREAK / mesh.memory_bandwidth
+        nodes.append(_Node(-1, (ids[v],), strat, tie, ((shape, v.aval.dtype),)))
     edges: list[_Edge] = []
     for i in idx:
         eqn = jaxpr.eqns[i]
@@ -274,7 +281,14 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
                 f"produced by its equation on mesh {mesh}; pin a layout of its operand instead"
             )
         _restrict(nodes, edges, p, keep, mesh)
-    return _Problem(nodes, edges, source, _memory_rows(jaxpr, idx, nodes, source, ids, mesh), notes)
+    problem = _Problem(nodes, edges, source, [], notes, (jaxpr, idx, ids))
+    _refresh_memory(problem, mesh)
+    return problem
+
+
+def _refresh_memory(problem: _Problem, mesh: LogicalMesh) -> None:
+    jaxpr, idx, ids = problem.scope
+    problem.mem_rows = _memory_rows(jaxpr, idx, problem.nodes, problem.source, ids, mesh)
 
 
 def _restrict(nodes, edges, p, keep, mesh) -> None:
@@ -416,6 +430,13 @@ def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float
             ent = [(base + a * nb + b, 1.0) for a in range(na)]
             ent += [(offsets[e.dst] + j, -1.0) for j in np.flatnonzero(gb == b)]
             row(ent, 0.0, 0.0)
+    for (n1, k1), (n2, k2) in problem.ties:
+        lays1 = [st.outs[k1] for st in nodes[n1].strategies]
+        lays2 = [st.outs[k2] for st in nodes[n2].strategies]
+        for lay in set(lays1) | set(lays2):
+            ent = [(offsets[n1] + j, 1.0) for j, x in enumerate(lays1) if x == lay]
+            ent += [(offsets[n2] + j, -1.0) for j, x in enumerate(lays2) if x == lay]
+            row(ent, 0.0, 0.0)
     if budget is not None:
         for mem in problem.mem_rows:
             row([(j, float(v)) for j, v in enumerate(mem) if v], -np.inf, float(budget))
@@ -463,6 +484,11 @@ def _greedy(problem: _Problem) -> list[int]:
             for e in out_of.get(n, []):
                 total += e.matrix[:, choice[e.dst]]
             choice[n] = int(np.argmin(total))
+    for (n1, k1), (n2, k2) in problem.ties:  # the later side follows the earlier one
+        want = nodes[n1].strategies[choice[n1]].outs[k1]
+        ok = [j for j, s in enumerate(nodes[n2].strategies) if s.outs[k2] == want]
+        if ok:
+            choice[n2] = min(ok, key=lambda j: nodes[n2].cost[j])
     return choice
 
 
@@ -502,6 +528,7 @@ def solve_stage(
     pins: Mapping[int, Spec] | None = None,
     *,
     eqns: Sequence[int] | None = None,
+    tied: Sequence[tuple[int, int]] = (),
     time_limit: float = 10.0,
     mip_rel_gap: float = 1e-3,
 ) -> ShardingSolution:
@@ -509,12 +536,18 @@ def solve_stage(
 
     ``memory_budget``: bytes per device (default: ``cluster.device_memory``, none without
     a cluster).  ``pins``: var id -> spec the solution must give that value (as
-    ``meshshard.shard`` does inside the step).  Raises :class:`MeshshardInputError` when
+    ``meshshard.shard`` does inside the step).  ``tied``: pairs of var ids that must get
+    the same spec (a parameter and its updated value, which the next step reads).  Raises :class:`MeshshardInputError` when
     no plan fits the budget or a pin does not divide its value.
     """
     jaxpr = _jaxpr(jaxpr)
     problem = _build(jaxpr, mesh, eqns, {})
     _apply_pins(problem, pins or {}, jaxpr, mesh)
+    problem.ties = [
+        (problem.source[a], problem.source[b])
+        for a, b in tied
+        if a in problem.source and b in problem.source and problem.source[a] != problem.source[b]
+    ]
     if memory_budget is None and cluster is not None:
         memory_budget = cluster.device_memory
     need = _min_memory(problem)
@@ -565,6 +598,8 @@ def _apply_pins(problem: _Problem, pins: Mapping[int, Spec], jaxpr, mesh) -> Non
                 f"pins: %{vid} cannot be produced as {spec_str(tuple(spec))} on mesh {mesh}"
             )
         _restrict(problem.nodes, problem.edges, n, keep, mesh)
+    if pins:
+        _refresh_memory(problem, mesh)
 
 
 def estimate_stage_cost(

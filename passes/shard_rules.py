@@ -277,7 +277,7 @@ def _squeeze(eqn, mesh: LogicalMesh) -> list[Strategy]:
 
 
 ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
     copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
     is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
     reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
