@@ -6,11 +6,13 @@ PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b',
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshshard.errors import MeshshardInputError
 
 SCHEDULES = ("1f1b", "gpipe")
+#: How values are sharded inside each mesh (``passes/shard_plan.py``).
+SHARDING_MODES = ("data_parallel", "auto", "zero2", "zero3")
 #: Cross-mesh resharding strategies (see ``meshshard.resharding``).  ``broadcast`` is ours;
 #: the ``broadcast_*`` variants are the paper's baselines, kept for comparison.
 RESHARDING_STRATEGIES = (
@@ -57,6 +59,35 @@ class DataParallel:
 
 
 @dataclass(frozen=True)
+class ShardParallel(DataParallel):
+    """One mesh runs the whole step, every value sharded as the sharding ILP infers
+    (Alpa's ShardParallel): data, tensor or ZeRO-like parallelism, or a mix, per value.
+
+    Args:
+        mesh_shape: (hosts, devices per host); None takes the whole cluster.
+        num_micro_batches: gradient-accumulation micro-batches per step (default 1).
+        sharding: ``"auto"`` (default), or a fixed mode as in ``PipeshardParallel``.
+
+    >>> ShardParallel((2, 2))
+    ShardParallel(mesh_shape=(2, 2), num_micro_batches=1, sharding='auto')
+    """
+
+    sharding: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_sharding(self.sharding, "ShardParallel")
+
+
+def _check_sharding(mode, owner: str) -> None:
+    if mode not in SHARDING_MODES:
+        raise MeshshardInputError(
+            f"{owner}.sharding={mode!r} is not one of {SHARDING_MODES}; 'auto' infers a "
+            "spec for every value, the others fix a rule"
+        )
+
+
+@dataclass(frozen=True)
 class PipeshardParallel:
     """Pipeline stages on separate meshes, data parallel inside each mesh.
 
@@ -69,6 +100,9 @@ class PipeshardParallel:
         resharding: how tensors cross between meshes: ``"broadcast"`` (default; one
             broadcast per slice and destination host set, load balanced), ``"send_recv"``
             or ``"local_allgather"`` (baselines), or a ``broadcast_*`` baseline variant.
+        sharding: inside each mesh, ``"data_parallel"`` (default: the batch split, the
+            rest whole), ``"auto"`` (the sharding ILP chooses every value's spec),
+            ``"zero2"`` (optimizer state split) or ``"zero3"`` (parameters split too).
     """
 
     num_micro_batches: int
@@ -76,9 +110,11 @@ class PipeshardParallel:
     schedule: str = "1f1b"
     num_stages: int | None = None
     resharding: str = "broadcast"
+    sharding: str = field(default="data_parallel", repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        _check_sharding(self.sharding, "PipeshardParallel")
         if isinstance(self.stages, str):
             if self.stages != "uniform":
                 raise MeshshardInputError(
@@ -170,3 +206,8 @@ class FollowParallel:
 
 
 Method = DataParallel | PipeshardParallel | FollowParallel
+
+
+def sharding_mode(method) -> str:
+    """The method's sharding mode (``data_parallel`` for methods without one)."""
+    return getattr(method, "sharding", "data_parallel")

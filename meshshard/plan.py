@@ -144,6 +144,8 @@ class ProgramSpec:
     ``inputs``/``outputs`` are buffer groups; a group in both (``A{s}``) is an
     accumulator: the program returns input + this micro-batch's contribution.
     ``flops``/``bytes_accessed`` come from a cost analysis when one was run.
+    ``constraints``: (var id, spec) of values inside the program that inferred sharding
+    fixes (``with_sharding_constraint``); empty under plain data parallelism.
     References may be given as their tokens (``"s0.F"``, ``"P0"``).
     """
 
@@ -154,6 +156,7 @@ class ProgramSpec:
     outputs: tuple[BufferRef, ...]
     flops: float | None = None
     bytes_accessed: float | None = None
+    constraints: tuple[tuple[int, Spec], ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "name", ProgramRef.of(self.name))
@@ -162,6 +165,8 @@ class ProgramSpec:
 
     def __str__(self) -> str:
         cost = f"  {self.flops:.3g} flop" if self.flops is not None else ""
+        if self.constraints:
+            cost += f"  {len(self.constraints)} sharding constraints"
         return (
             f"{self.name}  mesh{self.mesh}  {len(self.eqns)} eqns  "
             f"({' '.join(map(str, self.inputs))}) -> ({' '.join(map(str, self.outputs))}){cost}"

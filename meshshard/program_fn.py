@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshshard.accumulate import combine, finish
-from meshshard.jaxpr_util import eval_eqns, is_literal, is_marker, read_var, var_ids
+from meshshard.jaxpr_util import (
+    bind_eqn,
+    eval_eqns,
+    is_dropvar,
+    is_literal,
+    is_marker,
+    read_var,
+    var_ids,
+)
 from meshshard.refs import BufferGroup, BufferKind
 
 ACC = BufferKind.ACCUMULATORS
@@ -26,6 +34,8 @@ def program_function(
     num_micro_batches: int,
     is_apply: bool,
     partials: dict | None = None,
+    constrain: Callable | None = None,
+    constrained: Sequence[int] = (),
 ) -> Callable:
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
@@ -34,7 +44,9 @@ def program_function(
     (added, or max/min), and the update program reads them finished (a mean divides by
     the number of micro-batches); the ``grad_end`` marker says which reduction each has.
     ``partials`` (var id -> (op, term var ids, literal terms)) are outputs computed as
-    this mesh's part of a cross-mesh all-reduce.
+    this mesh's part of a cross-mesh all-reduce.  ``constrain(var_id, value)`` is applied
+    to each value of ``constrained`` as it is computed (the runtime passes
+    ``with_sharding_constraint`` with the plan's inferred spec).
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -58,6 +70,18 @@ def program_function(
         for i, (op, terms, lits) in (partials or {}).items()
     }
 
+    ids = var_ids(jaxpr)
+    pinned = {by_id[i] for i in constrained} if constrain is not None else set()
+
+    def pin(i, eqn, env) -> bool:
+        if not any(o in pinned for o in eqn.outvars):
+            return False
+        outs = bind_eqn(eqn, [read_var(env, v) for v in eqn.invars])
+        for o, x in zip(eqn.outvars, outs, strict=True):
+            if not is_dropvar(o):
+                env[o] = constrain(ids[o], x) if o in pinned else x
+        return True
+
     def fn(*flat):
         env = dict(consts)
         env.update(literal_results)
@@ -73,7 +97,7 @@ def program_function(
                     env[v] = finish(reduce_of[v], x, m)
                 else:
                     acc_in[v] = x
-        eval_eqns(eqns, env)
+        eval_eqns(eqns, env, on_eqn=pin if pinned else None)
         outs = []
         for is_acc, vs in out_groups:
             for v in vs:

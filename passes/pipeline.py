@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
-from meshshard.methods import DataParallel, Method
+from meshshard.methods import DataParallel, Method, sharding_mode
 from meshshard.passes.annotate import annotate_costs
 from meshshard.passes.apply_programs import plan_reductions
 from meshshard.passes.checks import run_passes
@@ -25,6 +25,12 @@ from meshshard.passes.forward_only import (
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.schedules import make_schedule
+from meshshard.passes.shard_plan import (
+    infer_shardings,
+    program_constraints,
+    sharding_notes,
+    spec_lookup,
+)
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
@@ -74,13 +80,24 @@ def _stage_graph(st: CompileState) -> CompileState:
 
 
 def _shard(st: CompileState) -> CompileState:
-    return replace(st, buffers=build_buffers(st.traced, st.graph, st.meshes))
+    mode = sharding_mode(st.method)
+    shardings = infer_shardings(st.traced, st.graph, st.meshes, st.cluster, mode)
+    specs = spec_lookup(shardings)
+    return replace(
+        st, shardings=shardings, buffers=build_buffers(st.traced, st.graph, st.meshes, specs)
+    )
 
 
 def _transfers(st: CompileState) -> CompileState:
     strategy = getattr(st.method, "resharding", "broadcast")
     transfers = plan_transfers(
-        st.traced, st.graph, st.meshes, strategy=strategy, cluster=st.cluster, simulate=False
+        st.traced,
+        st.graph,
+        st.meshes,
+        strategy=strategy,
+        cluster=st.cluster,
+        simulate=False,
+        specs=spec_lookup(st.shardings or ()),
     )
     return replace(st, transfers=transfers)
 
@@ -109,10 +126,11 @@ def _assemble(st: CompileState) -> CompileState:
             eqns=p.eqns,
             inputs=tuple(g.ref for g in p.inputs),
             outputs=tuple(g.ref for g in p.outputs),
+            constraints=program_constraints(st.traced, st.shardings or (), p.stage, p.eqns),
         )
         for p in graph.programs
     )
-    notes = list(graph.notes)
+    notes = list(graph.notes) + sharding_notes(st.shardings or (), programs)
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)

@@ -47,9 +47,16 @@ def tensor_specs(traced: TracedStep) -> dict:
 
 
 def build_buffers(
-    traced: TracedStep, graph: StageGraph, meshes: tuple[MeshSpec, ...]
+    traced: TracedStep,
+    graph: StageGraph,
+    meshes: tuple[MeshSpec, ...],
+    specs: dict | None = None,
 ) -> tuple[BufferSpec, ...]:
-    """One BufferSpec per non-empty group of the stage graph, with a spec per array."""
+    """One BufferSpec per non-empty group of the stage graph, with a spec per array.
+
+    ``specs`` (mesh id -> var id -> spec, from sharding inference) overrides the
+    data-parallel rule for the values it names.
+    """
     info = tensor_specs(traced)
     mbs = micro_batch_sizes(traced)
     out = []
@@ -63,6 +70,8 @@ def build_buffers(
             label, shape, dtype = info[var]
             dep = var in graph.batch_dependent and per_mb
             spec = data_parallel_spec(shape, dep, mbs, mesh)
+            if specs and var in specs.get(mesh.id, {}):
+                spec = specs[mesh.id][var]
             tensors.append(TensorSpec(var, label, shape, dtype, spec))
         out.append(BufferSpec(group.ref, mesh.id, per_mb, tuple(tensors)))
     return tuple(out)

@@ -31,6 +31,7 @@ class CompileState:
     meshes: tuple[MeshSpec, ...] | None = None
     graph: StageGraph | None = None
     buffers: tuple[BufferSpec, ...] | None = None
+    shardings: tuple | None = None  # MeshSharding per mesh (passes/shard_plan.py)
     transfers: tuple[TransferSpec, ...] | None = None
     schedule: Schedule | None = None
     streams: tuple[WorkerStream, ...] | None = None

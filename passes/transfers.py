@@ -26,10 +26,13 @@ def plan_transfers(
     strategy: str,
     cluster: ClusterSpec,
     simulate: bool = False,
+    specs: dict | None = None,
 ) -> tuple[TransferSpec, ...]:
     """One TransferSpec per cross-stage edge of the stage graph.
 
     ``simulate`` also predicts each transfer's time on ``cluster`` (shown in the plan).
+    ``specs`` (mesh id -> var id -> spec, from sharding inference) overrides the
+    data-parallel rule on each side.
     """
     info = tensor_specs(traced)
     mbs = micro_batch_sizes(traced)
@@ -41,6 +44,9 @@ def plan_transfers(
         dep = e.var in graph.batch_dependent
         src_spec = data_parallel_spec(shape, dep, mbs, src)
         dst_spec = data_parallel_spec(shape, dep, mbs, dst)
+        if specs:
+            src_spec = specs.get(src.id, {}).get(e.var, src_spec)
+            dst_spec = specs.get(dst.id, {}).get(e.var, dst_spec)
         problem = resharding_problem(shape, dtype, src, src_spec, dst, dst_spec)
         planned = plan_resharding(problem, strategy, cluster, simulate=simulate)
         out.append(

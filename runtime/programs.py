@@ -85,6 +85,8 @@ def build_programs(
             plan.num_micro_batches,
             spec.name.phase is Phase.APPLY,
             partials=program_partials(plan.reductions, spec.outputs, mesh_id),
+            constrain=_constrainer(mesh, dict(spec.constraints)),
+            constrained=tuple(v for v, _ in spec.constraints),
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
@@ -105,6 +107,13 @@ def build_programs(
             tuple(len(_specs_for(plan, g, mesh_id)) for g in spec.outputs),
         )
     return out
+
+
+def _constrainer(mesh: Mesh, specs: dict) -> Callable | None:
+    """``with_sharding_constraint`` of a value to its inferred spec on ``mesh``."""
+    if not specs:
+        return None
+    return lambda var, x: jax.lax.with_sharding_constraint(x, sharding(mesh, specs[var]))
 
 
 def _flat_groups(plan: Plan, groups: Sequence[BufferRef], mesh_id: int) -> list[BufferRef]:

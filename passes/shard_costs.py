@@ -1,0 +1,122 @@
+"""Costs for sharding inference: a logical mesh with an alpha-beta model per axis.
+
+A :class:`LogicalMesh` names each mesh axis with its size and the latency (alpha,
+seconds) and inverse bandwidth (beta, seconds per byte) of the links a collective over
+that axis crosses: the intra-host fabric for ``device``, the NICs for ``host``
+(``ClusterSpec`` fields).  Collective times are the closed forms of the ring
+decompositions the simulator runs (:mod:`meshshard.sim.collectives`), with the same
+byte convention (``n`` = buffer size for all-reduce and all-to-all, the full gathered
+size for all-gather and reduce-scatter)::
+
+    all-reduce      2 (p-1) alpha + 2 (p-1)/p n beta
+    all-gather        (p-1) alpha +   (p-1)/p n beta      (reduce-scatter alike)
+    all-to-all        (p-1) alpha +   (p-1)/p n beta      (each member sends n/p to each other)
+
+A collective over several axes at once is priced on the slowest of them with the
+product of their sizes (a ring through every device of the group).
+
+    >>> from meshshard.cluster import ClusterSpec
+    >>> m = LogicalMesh.of((2, 4), ClusterSpec.preset("aws-p3.16xlarge"))
+    >>> m.axes, m.shape
+    (('host', 'device'), (2, 4))
+    >>> m.collective_time("all-reduce", ("device",), 0.0)
+    0.0
+    >>> m.collective_time("all-reduce", ("device",), 1e6) < m.collective_time("all-reduce", ("host",), 1e6)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshshard.cluster import ClusterSpec
+from meshshard.plan import MESH_AXES
+
+__all__ = ["LogicalMesh", "Comm"]
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One predicted collective: ``kind`` (HLO name) over mesh ``axes``, ``nbytes`` moved
+    in the simulator's convention, for value ``var`` (-1: none in particular)."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+    var: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{','.join(self.axes)}] {self.nbytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """Mesh axes (names, sizes) with per-axis alpha (s) and beta (s/byte) for collectives.
+
+    ``peak_flops`` (FLOP/s per device) and ``memory_bandwidth`` (bytes/s) price compute.
+    """
+
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    peak_flops: float = 1e12
+    memory_bandwidth: float = 1e11
+
+    def __post_init__(self) -> None:
+        n = len(self.axes)
+        if not (len(self.shape) == len(self.alpha) == len(self.beta) == n):
+            raise ValueError(
+                f"LogicalMesh needs one size, alpha and beta per axis {self.axes}, got "
+                f"shape={self.shape}, alpha={self.alpha}, beta={self.beta}"
+            )
+        if any(not isinstance(s, int) or s < 1 for s in self.shape):
+            raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape!r}")
+
+    @staticmethod
+    def of(shape: tuple[int, int], cluster: ClusterSpec, dtype: str = "float32") -> LogicalMesh:
+        """The (host, device) mesh of ``shape`` on ``cluster``: hosts talk through the NICs
+        (all of a host's NICs share its inter-host traffic), devices through the fabric."""
+        host_bw = cluster.nic_bandwidth * cluster.nics_per_host / cluster.oversubscription
+        return LogicalMesh(
+            axes=MESH_AXES,
+            shape=(int(shape[0]), int(shape[1])),
+            alpha=(cluster.nic_latency, cluster.intra_latency),
+            beta=(1.0 / host_bw, 1.0 / cluster.intra_bandwidth),
+            peak_flops=cluster.flops_for(dtype),
+            memory_bandwidth=cluster.memory_bandwidth,
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.shape)
+
+    def size(self, axes: tuple[str, ...]) -> int:
+        """Devices along ``axes`` together."""
+        return math.prod(self.shape[self.axes.index(a)] for a in axes)
+
+    def collective_time(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """Seconds for collective ``kind`` of ``nbytes`` over ``axes`` (ring closed forms)."""
+        p = self.size(axes)
+        if p <= 1 or nbytes <= 0:
+            return 0.0
+        alpha = max(self.alpha[self.axes.index(a)] for a in axes)
+        beta = max(self.beta[self.axes.index(a)] for a in axes)
+        frac = (p - 1) / p
+        if kind == "all-reduce":
+            return 2 * (p - 1) * alpha + 2 * frac * nbytes * beta
+        if kind in ("all-gather", "reduce-scatter"):
+            return (p - 1) * alpha + frac * nbytes * beta
+        if kind == "all-to-all":
+            return (p - 1) * alpha + frac * nbytes * beta
+        if kind == "collective-permute":
+            return alpha + nbytes * beta
+        raise ValueError(f"unknown collective kind {kind!r}")
+
+    def comm_time(self, comms) -> float:
+        """Total seconds of a sequence of :class:`Comm`."""
+        return sum(self.collective_time(c.kind, c.axes, c.nbytes) for c in comms)
+
+    def __str__(self) -> str:
+        return "x".join(f"{a}={s}" for a, s in zip(self.axes, self.shape, strict=True))

@@ -1,0 +1,623 @@
+"""Pass: sharding inference for one stage, as an integer linear program (Alpa's intra-op ILP).
+
+:func:`solve_stage` takes a stage's jaxpr and its logical mesh and chooses a layout for
+every value: each jaxpr input (parameters, optimizer state, batch) and each equation gets
+one strategy from the rule table (:mod:`meshshard.passes.shard_rules`); an operand that
+arrives in another layout than its consumer's strategy needs pays a resharding edge.
+Elementwise equations with one array operand (and pipeline markers, and
+``meshshard.shard`` pins) *follow* their operand: they share its decision variable,
+which keeps a GPT block at a few hundred ILP nodes.
+
+Objective (seconds): per strategy, compute divided by its split plus its collectives
+(alpha-beta per mesh axis, :mod:`meshshard.passes.shard_costs`); per edge, the
+resharding collectives.  Constraint: at up to 16 points of the program (those with the
+most live bytes when everything is replicated) the bytes one device holds of every
+live value (inputs live throughout) fit ``memory_budget``.  HiGHS
+(``scipy.optimize.milp``) solves it with a time limit; its gap is reported.  When it
+finds no solution in time a greedy pass decides instead and the solution says so.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from meshshard.cluster import ClusterSpec
+    >>> from meshshard.passes.shard_costs import LogicalMesh
+    >>> cluster = ClusterSpec()
+    >>> mesh = LogicalMesh.of((1, 2), cluster)
+    >>> closed = jax.make_jaxpr(lambda x, w: jnp.tanh(x @ w))(jnp.ones((64, 8)), jnp.ones((8, 8)))
+    >>> sol = solve_stage(closed, mesh, cluster)
+    >>> sol.specs[0], sol.specs[1]  # the batch splits, the small weight stays whole
+    (('device',), ())
+    >>> sol.fallback, sol.status
+    (False, 'optimal')
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import is_dropvar, is_literal, var_ids
+from meshshard.passes.shard_costs import Comm, LogicalMesh
+from meshshard.passes.shard_rules import (
+    ELEMENTWISE,
+    Layout,
+    Strategy,
+    from_spec,
+    layouts,
+    local_bytes,
+    reshard_comms,
+    strategies,
+    to_spec,
+)
+from meshshard.plan import Spec, spec_str
+
+__all__ = [
+    "ShardingSolution",
+    "StageCost",
+    "solve_stage",
+    "estimate_stage_cost",
+    "ALIAS_PRIMITIVES",
+]
+
+#: Identity primitives whose outputs are their operands (markers, sharding pins).
+ALIAS_PRIMITIVES = frozenset({"pipeline_boundary", "meshshard_shard"})
+MEMORY_POINTS = 16
+#: Inputs held sharded save memory: between plans of equal time, the one holding fewer
+#: input bytes per device wins (priced at this fraction of reading them once).
+TIE_BREAK = 1e-3
+
+
+@dataclass(frozen=True)
+class ShardingSolution:
+    """The layouts chosen for one stage and what the solver says about them.
+
+    ``specs``: var id (``var_ids`` of the jaxpr) -> spec of every value in scope.
+    ``comms``: (equation index, predicted collective) pairs: each strategy's own
+    collectives and the resharding of its operands, at the consuming equation.
+    ``objective``: predicted seconds (compute + communication) of one run.
+    ``ilp_size``: (nodes, variables, constraints).  ``gap``: HiGHS's relative MIP gap
+    (0 when optimal).  ``fallback``: greedy solution after the solver found none in time.
+    ``memory``: predicted peak bytes per device (at the sampled points).
+    """
+
+    specs: Mapping[int, Spec]
+    objective: float
+    comms: tuple[tuple[int, Comm], ...]
+    ilp_size: tuple[int, int, int]
+    solve_time: float
+    gap: float
+    fallback: bool
+    status: str
+    memory: float = 0.0
+    mesh: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def comms_of(self, eqns: Sequence[int]) -> tuple[Comm, ...]:
+        """Predicted collectives of a program made of equations ``eqns``."""
+        keep = set(eqns)
+        return tuple(c for e, c in self.comms if e in keep)
+
+    def summary(self) -> str:
+        """One line: ILP size, objective, solve time, gap, and the fallback when taken."""
+        nodes, nvars, ncons = self.ilp_size
+        how = "greedy fallback (solver found no plan in time)" if self.fallback else self.status
+        return (
+            f"sharding ILP on {self.mesh}: {nodes} nodes, {nvars} variables, {ncons} constraints; "
+            f"objective {self.objective * 1e3:.4g} ms, solved in {self.solve_time:.2f} s, "
+            f"gap {self.gap:.2%}, {how}; peak {self.memory / 2**20:.1f} MiB/device"
+        )
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A cheap estimate of one stage on a mesh: seconds (compute, communication), peak
+    bytes per device, and whether it fits the budget."""
+
+    seconds: float
+    compute: float
+    comm: float
+    memory: float
+    fits: bool
+
+
+@dataclass
+class _Node:
+    eqn: int  # -1 for a jaxpr input
+    outs: tuple[int, ...]  # var ids
+    strategies: list[Strategy]
+    cost: np.ndarray = None  # seconds per strategy
+    shapes: tuple = ()  # (shape, dtype) per output
+
+
+@dataclass
+class _Edge:
+    src: int
+    src_out: int
+    dst: int
+    dst_in: int
+    var: int
+    matrix: np.ndarray  # seconds, [src strategy, dst strategy]
+
+
+@dataclass
+class _Problem:
+    nodes: list[_Node]
+    edges: list[_Edge]
+    source: dict[int, tuple[int, int]]  # var id -> (node, output)
+    mem_rows: list[np.ndarray]  # per point: bytes per (node, strategy), flattened
+    notes: list[str]
+    scope: tuple = ()  # (jaxpr, equation indices, var ids): to recompute memory rows
+    ties: list[tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=list)
+
+
+def _flops(eqn) -> float:
+    if eqn.primitive.name != "dot_general":
+        return 0.0
+    (lc, _), _ = eqn.params["dimension_numbers"]
+    ls = eqn.invars[0].aval.shape
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(ls[d] for d in lc)
+
+
+def _strategy_cost(eqn, s: Strategy, mesh: LogicalMesh) -> float:
+    out_bytes = sum(
+        math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
+        for o in eqn.outvars
+        if hasattr(o.aval, "shape")
+    )
+    compute = _flops(eqn) / s.split / mesh.peak_flops
+    memory = out_bytes / s.split / mesh.memory_bandwidth
+    return compute + memory + mesh.comm_time(s.comms)
+
+
+def _is_follower(eqn) -> bool:
+    if eqn.primitive.name not in ELEMENTWISE or len(eqn.outvars) != 1:
+        return False
+    arrays = [v for v in eqn.invars if not is_literal(v) and v.aval.shape != ()]
+    return len(arrays) == 1 and arrays[0].aval.shape == eqn.outvars[0].aval.shape
+
+
+def _pin_layout(spec, shape, mesh: LogicalMesh, name: str) -> Layout:
+    layout = from_spec(tuple(spec), len(shape))
+    for d, axes in enumerate(layout):
+        bad = [a for a in axes if a not in mesh.axes]
+        if bad:
+            raise MeshshardInputError(
+                f"meshshard.shard pin {spec_str(tuple(spec))} on {name} (shape {shape}) names "
+                f"axis {bad[0]!r}, which mesh {mesh} lacks; use axes of {mesh.axes}"
+            )
+        if axes and shape[d] % mesh.size(axes) != 0:
+            fits = [spec_str(to_spec(lay)) for lay in layouts(shape, mesh)]
+            raise MeshshardInputError(
+                f"meshshard.shard pin {spec_str(tuple(spec))} on {name} (shape {shape}) splits "
+                f"dim {d} of size {shape[d]} over {mesh.size(axes)} devices of mesh {mesh}, "
+                f"which does not divide it; layouts that fit: {', '.join(fits)}"
+            )
+    return layout
+
+
+def _scope(jaxpr, eqns: Sequence[int] | None):
+    idx = list(range(len(jaxpr.eqns))) if eqns is None else sorted(eqns)
+    defined = {v for i in idx for v in jaxpr.eqns[i].outvars}
+    inputs, seen = [], set()
+    for i in idx:
+        for v in jaxpr.eqns[i].invars:
+            if not is_literal(v) and v not in defined and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+    if eqns is None:
+        inputs = [v for v in (*jaxpr.invars, *jaxpr.constvars)] + [
+            v for v in inputs if v not in set(jaxpr.invars) | set(jaxpr.constvars)
+        ]
+    return idx, inputs
+
+
+def _build(jaxpr, mesh, eqns, pins) -> _Problem:
+    ids = var_ids(jaxpr)
+    idx, inputs = _scope(jaxpr, eqns)
+    nodes: list[_Node] = []
+    source: dict[int, tuple[int, int]] = {}
+    pin_on: dict[tuple[int, int], Layout] = {}
+    notes: list[str] = []
+    for v in inputs:
+        shape = tuple(v.aval.shape)
+        strat = [Strategy(str(to_spec(lay)), (lay,), ()) for lay in layouts(shape, mesh)]
+        source[ids[v]] = (len(nodes), 0)
+        held = [local_bytes(shape, v.aval.dtype, st.outs[0], mesh) for st in strat]
+        tie = np.array(held) * TIE_BREAK / mesh.memory_bandwidth
+        nodes.append(_Node(-1, (ids[v],), strat, tie, ((shape, v.aval.dtype),)))
+    edges: list[_Edge] = []
+    for i in idx:
+        eqn = jaxpr.eqns[i]
+        name = eqn.primitive.name
+        if name in ALIAS_PRIMITIVES or _is_follower(eqn):
+            pairs = (
+                zip(eqn.invars, eqn.outvars, strict=True)
+                if name in ALIAS_PRIMITIVES
+                else [
+                    (
+                        next(v for v in eqn.invars if not is_literal(v) and v.aval.shape != ()),
+                        eqn.outvars[0],
+                    )
+                ]
+            )
+            for a, o in pairs:
+                if is_dropvar(o) or is_literal(a) or ids[a] not in source:
+                    continue
+                source[ids[o]] = source[ids[a]]
+                if name == "meshshard_shard":
+                    pin_on[source[ids[a]]] = _pin_layout(
+                        eqn.params["spec"], tuple(a.aval.shape), mesh, f"%{ids[o]}"
+                    )
+            continue
+        strat = strategies(eqn, mesh)
+        if strat[0].name == "replicated" and name not in ("iota",) and eqn.outvars:
+            notes.append(f"{name} runs replicated (no sharding rule)")
+        n = len(nodes)
+        outs = tuple(ids[o] for o in eqn.outvars if not is_dropvar(o))
+        shapes = tuple(
+            (tuple(o.aval.shape), o.aval.dtype) for o in eqn.outvars if not is_dropvar(o)
+        )
+        cost = np.array([_strategy_cost(eqn, s, mesh) for s in strat])
+        nodes.append(_Node(i, outs, strat, cost, shapes))
+        k = 0
+        for o in eqn.outvars:
+            if not is_dropvar(o):
+                source[ids[o]] = (n, k)
+                k += 1
+        for pos, v in enumerate(eqn.invars):
+            if is_literal(v) or ids.get(v) not in source:
+                continue
+            p, po = source[ids[v]]
+            edges.append(_edge(nodes, p, po, n, pos, ids[v], v, mesh))
+    for (p, po), lay in pin_on.items():
+        keep = [s for s in nodes[p].strategies if s.outs[po] == lay]
+        if not keep:
+            raise MeshshardInputError(
+                f"meshshard.shard pin {spec_str(to_spec(lay))} on %{nodes[p].outs[po]} cannot be "
+                f"produced by its equation on mesh {mesh}; pin a layout of its operand instead"
+            )
+        _restrict(nodes, edges, p, keep, mesh)
+    problem = _Problem(nodes, edges, source, [], notes, (jaxpr, idx, ids))
+    _refresh_memory(problem, mesh)
+    return problem
+
+
+def _refresh_memory(problem: _Problem, mesh: LogicalMesh) -> None:
+    jaxpr, idx, ids = problem.scope
+    problem.mem_rows = _memory_rows(jaxpr, idx, problem.nodes, problem.source, ids, mesh)
+
+
+def _restrict(nodes, edges, p, keep, mesh) -> None:
+    node = nodes[p]
+    pos = [node.strategies.index(s) for s in keep]
+    node.strategies = keep
+    node.cost = node.cost[pos]
+    for e in edges:
+        if e.src == p:
+            e.matrix = e.matrix[pos, :]
+        if e.dst == p:
+            e.matrix = e.matrix[:, pos]
+
+
+def _edge(nodes, p, po, n, pos, vid, v, mesh) -> _Edge:
+    shape, dtype = tuple(v.aval.shape), v.aval.dtype
+    src = [s.outs[po] for s in nodes[p].strategies]
+    dst = [s.ins[pos] for s in nodes[n].strategies]
+    cache: dict = {}
+    m = np.zeros((len(src), len(dst)))
+    for a, la in enumerate(src):
+        for b, lb in enumerate(dst):
+            if lb is None or la == lb:
+                continue
+            key = (la, lb)
+            if key not in cache:
+                cache[key] = mesh.comm_time(reshard_comms(shape, dtype, la, lb, mesh))
+            m[a, b] = cache[key]
+    return _Edge(p, po, n, pos, vid, m)
+
+
+def _memory_rows(jaxpr, idx, nodes, source, ids, mesh) -> list[np.ndarray]:
+    """Bytes per (node, strategy) live at the points with the most replicated bytes."""
+    offsets = np.cumsum([0] + [len(n.strategies) for n in nodes])
+    end = len(idx)
+    last = {}  # (node, out) -> last position used
+    first = {}
+    for t, i in enumerate(idx):
+        for v in jaxpr.eqns[i].invars:
+            if not is_literal(v) and ids.get(v) in source:
+                last[source[ids[v]]] = t
+    for n, node in enumerate(nodes):
+        for k in range(len(node.outs)):
+            first[(n, k)] = -1 if node.eqn < 0 else idx.index(node.eqn)
+            if node.eqn < 0:
+                last[(n, k)] = end  # inputs (parameters, state) stay resident
+    for v in jaxpr.outvars:
+        if not is_literal(v) and ids.get(v) in source:
+            last[source[ids[v]]] = end
+    full = {
+        key: math.prod(nodes[key[0]].shapes[key[1]][0])
+        * np.dtype(nodes[key[0]].shapes[key[1]][1]).itemsize
+        for key in first
+    }
+    live_at = np.zeros(end + 1)
+    for key, f in first.items():
+        live_at[max(f, 0) : last.get(key, f) + 1] += full[key]
+    points = np.argsort(-live_at, kind="stable")[:MEMORY_POINTS]
+    rows = []
+    for t in points:
+        row = np.zeros(offsets[-1])
+        for key, f in first.items():
+            if max(f, 0) <= t <= last.get(key, f):
+                n, k = key
+                shape, dtype = nodes[n].shapes[k]
+                for j, s in enumerate(nodes[n].strategies):
+                    row[offsets[n] + j] += local_bytes(shape, dtype, s.outs[k], mesh)
+        rows.append(row)
+    return rows
+
+
+def _min_memory(problem: _Problem) -> float:
+    offsets = np.cumsum([0] + [len(n.strategies) for n in problem.nodes])
+    worst = 0.0
+    for row in problem.mem_rows:
+        worst = max(
+            worst,
+            sum(row[offsets[i] : offsets[i + 1]].min() for i in range(len(problem.nodes))),
+        )
+    return worst
+
+
+def _groups(layouts_of: list) -> tuple[list, np.ndarray]:
+    """Distinct layouts and, per strategy, the index of its layout."""
+    distinct: list = []
+    which = np.zeros(len(layouts_of), dtype=int)
+    for j, lay in enumerate(layouts_of):
+        if lay not in distinct:
+            distinct.append(lay)
+        which[j] = distinct.index(lay)
+    return distinct, which
+
+
+def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float):
+    from scipy.optimize import LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    nodes = problem.nodes
+    offsets = np.cumsum([0] + [len(n.strategies) for n in nodes])
+    nx = int(offsets[-1])
+    c = np.concatenate([n.cost for n in nodes]).astype(float)
+    rows, cols, vals, lb, ub = [], [], [], [], []
+    extra_c: list[float] = []
+
+    def row(entries, lo, hi):
+        r = len(lb)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        lb.append(lo)
+        ub.append(hi)
+
+    for n in range(len(nodes)):
+        row([(offsets[n] + j, 1.0) for j in range(len(nodes[n].strategies))], 1.0, 1.0)
+    for e in problem.edges:
+        _, ga = _groups([s.outs[e.src_out] for s in nodes[e.src].strategies])
+        _, gb = _groups([s.ins[e.dst_in] for s in nodes[e.dst].strategies])
+        na, nb = ga.max() + 1, gb.max() + 1
+        red = np.zeros((na, nb))
+        for a in range(na):
+            for b in range(nb):
+                red[a, b] = e.matrix[np.argmax(ga == a), np.argmax(gb == b)]
+        if not red.any():
+            continue
+        if na == 1 or nb == 1:  # one side fixed: the cost is the other side's
+            if na == 1:
+                c[offsets[e.dst] : offsets[e.dst + 1]] += red[0, gb]
+            else:
+                c[offsets[e.src] : offsets[e.src + 1]] += red[ga, 0]
+            continue
+        base = nx + len(extra_c)
+        extra_c.extend(red.ravel())
+        for a in range(na):
+            ent = [(base + a * nb + b, 1.0) for b in range(nb)]
+            ent += [(offsets[e.src] + j, -1.0) for j in np.flatnonzero(ga == a)]
+            row(ent, 0.0, 0.0)
+        for b in range(nb):
+            ent = [(base + a * nb + b, 1.0) for a in range(na)]
+            ent += [(offsets[e.dst] + j, -1.0) for j in np.flatnonzero(gb == b)]
+            row(ent, 0.0, 0.0)
+    for (n1, k1), (n2, k2) in problem.ties:
+        lays1 = [st.outs[k1] for st in nodes[n1].strategies]
+        lays2 = [st.outs[k2] for st in nodes[n2].strategies]
+        for lay in set(lays1) | set(lays2):
+            ent = [(offsets[n1] + j, 1.0) for j, x in enumerate(lays1) if x == lay]
+            ent += [(offsets[n2] + j, -1.0) for j, x in enumerate(lays2) if x == lay]
+            row(ent, 0.0, 0.0)
+    if budget is not None:
+        for mem in problem.mem_rows:
+            row([(j, float(v)) for j, v in enumerate(mem) if v], -np.inf, float(budget))
+    nvar = nx + len(extra_c)
+    cost = np.concatenate([c, np.asarray(extra_c, float)])
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lb), nvar)).tocsr()
+    integrality = np.concatenate([np.ones(nx), np.zeros(len(extra_c))])
+    res = milp(
+        cost,
+        integrality=integrality,
+        bounds=(0, 1),
+        constraints=[LinearConstraint(a, lb, ub)],
+        options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False},
+    )
+    size = (len(nodes), nvar, len(lb))
+    if res.x is None:
+        return None, size, res
+    x = res.x[:nx]
+    choice = [int(np.argmax(x[offsets[n] : offsets[n + 1]])) for n in range(len(nodes))]
+    return choice, size, res
+
+
+def _greedy(problem: _Problem) -> list[int]:
+    """Equations in order, each the cheapest strategy given its operands' choices (an
+    undecided jaxpr input costs its best case); then each input the layout its
+    consumers' choices read most cheaply."""
+    nodes = problem.nodes
+    choice: list[int | None] = [None] * len(nodes)
+    into: dict[int, list[_Edge]] = {}
+    out_of: dict[int, list[_Edge]] = {}
+    for e in problem.edges:
+        into.setdefault(e.dst, []).append(e)
+        out_of.setdefault(e.src, []).append(e)
+    for n, node in enumerate(nodes):
+        if node.eqn < 0:
+            continue
+        total = node.cost.copy()
+        for e in into.get(n, []):
+            src = choice[e.src]
+            total += e.matrix.min(axis=0) if src is None else e.matrix[src]
+        choice[n] = int(np.argmin(total))
+    for n, node in enumerate(nodes):
+        if choice[n] is None:
+            total = node.cost.copy()
+            for e in out_of.get(n, []):
+                total += e.matrix[:, choice[e.dst]]
+            choice[n] = int(np.argmin(total))
+    for (n1, k1), (n2, k2) in problem.ties:  # the later side follows the earlier one
+        want = nodes[n1].strategies[choice[n1]].outs[k1]
+        ok = [j for j, s in enumerate(nodes[n2].strategies) if s.outs[k2] == want]
+        if ok:
+            choice[n2] = min(ok, key=lambda j: nodes[n2].cost[j])
+    return choice
+
+
+def _evaluate(problem: _Problem, choice, mesh: LogicalMesh):
+    """(objective seconds, per-equation comms, peak bytes) of a choice."""
+    nodes = problem.nodes
+    objective = sum(float(n.cost[j]) for n, j in zip(nodes, choice, strict=True))
+    comms: list[tuple[int, Comm]] = []
+    for n, j in zip(nodes, choice, strict=True):
+        for cm in n.strategies[j].comms:
+            comms.append((n.eqn, Comm(cm.kind, cm.axes, cm.nbytes, n.outs[0] if n.outs else -1)))
+    for e in problem.edges:
+        objective += float(e.matrix[choice[e.src], choice[e.dst]])
+        src = nodes[e.src].strategies[choice[e.src]].outs[e.src_out]
+        dst = nodes[e.dst].strategies[choice[e.dst]].ins[e.dst_in]
+        if dst is None or src == dst:
+            continue
+        shape, dtype = nodes[e.src].shapes[e.src_out]
+        for cm in reshard_comms(shape, dtype, src, dst, mesh):
+            comms.append((nodes[e.dst].eqn, Comm(cm.kind, cm.axes, cm.nbytes, e.var)))
+    offsets = np.cumsum([0] + [len(n.strategies) for n in nodes])
+    x = np.zeros(offsets[-1])
+    x[offsets[:-1] + np.asarray(choice, dtype=int)] = 1.0
+    memory = max((float(r @ x) for r in problem.mem_rows), default=0.0)
+    return objective, tuple(comms), memory
+
+
+def _jaxpr(jaxpr):
+    return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+def solve_stage(
+    jaxpr,
+    mesh: LogicalMesh,
+    cluster: ClusterSpec | None = None,
+    memory_budget: float | None = None,
+    pins: Mapping[int, Spec] | None = None,
+    *,
+    eqns: Sequence[int] | None = None,
+    tied: Sequence[tuple[int, int]] = (),
+    time_limit: float = 10.0,
+    mip_rel_gap: float = 1e-3,
+) -> ShardingSolution:
+    """Choose a spec for every value of ``jaxpr`` (or of its equations ``eqns``) on ``mesh``.
+
+    ``memory_budget``: bytes per device (default: ``cluster.device_memory``, none without
+    a cluster).  ``pins``: var id -> spec the solution must give that value (as
+    ``meshshard.shard`` does inside the step).  ``tied``: pairs of var ids that must get
+    the same spec (a parameter and its updated value, which the next step reads).  Raises :class:`MeshshardInputError` when
+    no plan fits the budget or a pin does not divide its value.
+    """
+    jaxpr = _jaxpr(jaxpr)
+    problem = _build(jaxpr, mesh, eqns, {})
+    _apply_pins(problem, pins or {}, jaxpr, mesh)
+    problem.ties = [
+        (problem.source[a], problem.source[b])
+        for a, b in tied
+        if a in problem.source and b in problem.source and problem.source[a] != problem.source[b]
+    ]
+    if memory_budget is None and cluster is not None:
+        memory_budget = cluster.device_memory
+    need = _min_memory(problem)
+    if memory_budget is not None and need > memory_budget:
+        raise MeshshardInputError(
+            f"memory_budget={memory_budget / 2**20:.1f} MiB per device: no sharding of this "
+            f"stage on mesh {mesh} fits; the most sharded plan needs {need / 2**20:.1f} MiB "
+            f"per device. Give the stage more devices (a larger mesh) or raise the budget"
+        )
+    t0 = time.perf_counter()
+    choice, size, res = _milp(problem, memory_budget, time_limit, mip_rel_gap)
+    elapsed = time.perf_counter() - t0
+    fallback = choice is None
+    if fallback:
+        choice = _greedy(problem)
+        status = f"greedy fallback ({res.message})"
+    else:
+        status = "optimal" if res.status == 0 else f"stopped: {res.message}"
+    gap = float(getattr(res, "mip_gap", 0.0) or 0.0) if not fallback else float("nan")
+    return _solution(problem, choice, mesh, size, elapsed, gap, fallback, status)
+
+
+def _solution(problem, choice, mesh, size, elapsed, gap, fallback, status) -> ShardingSolution:
+    objective, comms, memory = _evaluate(problem, choice, mesh)
+    specs = {
+        v: to_spec(problem.nodes[n].strategies[choice[n]].outs[k])
+        for v, (n, k) in problem.source.items()
+    }
+    notes = tuple(sorted(set(problem.notes)))
+    return ShardingSolution(
+        specs, objective, comms, size, elapsed, gap, fallback, status, memory, str(mesh), notes
+    )
+
+
+def _apply_pins(problem: _Problem, pins: Mapping[int, Spec], jaxpr, mesh) -> None:
+    by_id = {i: v for v, i in var_ids(jaxpr).items()}
+    for vid, spec in pins.items():
+        if vid not in problem.source:
+            raise MeshshardInputError(
+                f"pins: value %{vid} is not computed or read by this stage; pin a value of it"
+            )
+        n, k = problem.source[vid]
+        shape = tuple(by_id[vid].aval.shape)
+        lay = _pin_layout(spec, shape, mesh, f"%{vid}")
+        keep = [s for s in problem.nodes[n].strategies if s.outs[k] == lay]
+        if not keep:
+            raise MeshshardInputError(
+                f"pins: %{vid} cannot be produced as {spec_str(tuple(spec))} on mesh {mesh}"
+            )
+        _restrict(problem.nodes, problem.edges, n, keep, mesh)
+    if pins:
+        _refresh_memory(problem, mesh)
+
+
+def estimate_stage_cost(
+    jaxpr,
+    mesh: LogicalMesh,
+    cluster: ClusterSpec | None = None,
+    memory_budget: float | None = None,
+    *,
+    eqns: Sequence[int] | None = None,
+) -> StageCost:
+    """A cheap stage cost for searches over many (stage, mesh) pairs: the greedy plan's
+    predicted seconds (compute and communication apart) and peak bytes, no ILP."""
+    jaxpr = _jaxpr(jaxpr)
+    problem = _build(jaxpr, mesh, eqns, {})
+    choice = _greedy(problem)
+    objective, comms, memory = _evaluate(problem, choice, mesh)
+    comm = mesh.comm_time(c for _, c in comms)
+    if memory_budget is None and cluster is not None:
+        memory_budget = cluster.device_memory
+    fits = memory_budget is None or memory <= memory_budget
+    return StageCost(objective, objective - comm, comm, memory, fits)

@@ -1,0 +1,175 @@
+"""Pass: sharding specs for every mesh of a plan, by mode (``sharding=`` of a method).
+
+- ``data_parallel``: the batch split over the whole mesh, the rest whole (the rule of
+  :mod:`meshshard.passes.sharding`; no solver).
+- ``auto``: the sharding ILP (:func:`meshshard.passes.shard_ilp.solve_stage`) over the
+  equations of each mesh's programs (forward, backward and update), every value free.
+- ``zero2``: as ``auto`` with the batch pinned data parallel, parameters whole and the
+  optimizer state (state read only by the update) split over the mesh.
+- ``zero3``: ``zero2`` with the parameters split as well.
+
+A parameter and its updated value (input ``args[i].p``, output ``out[j].p`` of the same
+shape) are tied to one spec, since the next step reads the value this step writes.
+Values pinned with ``meshshard.shard`` keep their pin in every mode but
+``data_parallel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from meshshard.cluster import ClusterSpec
+from meshshard.jaxpr_util import is_literal, var_ids
+from meshshard.passes.shard_costs import LogicalMesh
+from meshshard.passes.shard_ilp import ShardingSolution, solve_stage
+from meshshard.passes.shard_rules import layouts, to_spec
+from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes
+from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.trace import TracedStep
+from meshshard.plan import MeshSpec, Spec
+from meshshard.refs import Phase
+
+__all__ = ["SHARDING_MODES", "MeshSharding", "infer_shardings", "tied_state"]
+
+SHARDING_MODES = ("data_parallel", "auto", "zero2", "zero3")
+TIME_LIMIT = 20.0
+
+
+@dataclass(frozen=True)
+class MeshSharding:
+    """The solution of one mesh: its programs' equations and the solver's answer."""
+
+    mesh: int
+    eqns: tuple[int, ...]
+    solution: ShardingSolution
+
+    @property
+    def specs(self) -> Mapping[int, Spec]:
+        return self.solution.specs
+
+
+def _leaf_key(path: str) -> str:
+    return path.split(".", 1)[1] if "." in path else path
+
+
+def tied_state(traced: TracedStep) -> tuple[tuple[int, int], ...]:
+    """(input var id, output var id) of each state leaf the step returns updated."""
+    jaxpr = traced.jaxpr
+    ids = var_ids(jaxpr)
+    by_key: dict = {}
+    for i, leaf in enumerate(traced.inputs):
+        if not leaf.is_batch:
+            by_key.setdefault((_leaf_key(leaf.path), leaf.shape, leaf.dtype), []).append(i)
+    pairs = []
+    for j, leaf in enumerate(traced.outputs):
+        got = by_key.get((_leaf_key(leaf.path), leaf.shape, leaf.dtype), [])
+        out = jaxpr.outvars[j]
+        if len(got) == 1 and not is_literal(out) and out in ids:
+            pairs.append((got[0], ids[out]))
+    return tuple(pairs)
+
+
+def _split_spec(shape, lmesh: LogicalMesh) -> Spec:
+    """The first layout splitting one dim over every axis of the mesh, else the most split."""
+    best = max(layouts(shape, lmesh), key=lambda lay: sum(len(a) for a in lay), default=())
+    return to_spec(best) if best else ()
+
+
+def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec]:
+    if mode == "auto":
+        return {}
+    mbs = micro_batch_sizes(traced)
+    fwd = set()
+    for p in graph.programs:
+        if p.name.phase in (Phase.FORWARD, Phase.BACKWARD):
+            fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars)
+    pins = {}
+    for leaf, info in enumerate(traced.inputs):
+        v = traced.jaxpr.invars[leaf]
+        if leaf not in scope_inputs or info.is_key:
+            continue
+        if info.is_batch:
+            pins[leaf] = data_parallel_spec(tuple(info.shape), True, mbs, mesh)
+        elif v in fwd:
+            pins[leaf] = _split_spec(info.shape, lmesh) if mode == "zero3" else ()
+        else:
+            pins[leaf] = _split_spec(info.shape, lmesh)
+    return pins
+
+
+def infer_shardings(
+    traced: TracedStep,
+    graph: StageGraph,
+    meshes: tuple[MeshSpec, ...],
+    cluster: ClusterSpec,
+    mode: str,
+) -> tuple[MeshSharding, ...]:
+    """One :class:`MeshSharding` per mesh (none for ``data_parallel``)."""
+    if mode == "data_parallel":
+        return ()
+    jaxpr = traced.jaxpr
+    ids = var_ids(jaxpr)
+    tied = tied_state(traced)
+    out = []
+    for mesh in meshes:
+        eqns = tuple(sorted({i for p in graph.programs if p.stage == mesh.id for i in p.eqns}))
+        if not eqns:
+            continue
+        lmesh = LogicalMesh.of(mesh.shape, cluster)
+        read = {ids[v] for i in eqns for v in jaxpr.eqns[i].invars if not is_literal(v)}
+        pins = _mode_pins(traced, graph, mesh, lmesh, mode, read)
+        sol = solve_stage(
+            jaxpr, lmesh, cluster, pins=pins, eqns=eqns, tied=tied, time_limit=TIME_LIMIT
+        )
+        out.append(MeshSharding(mesh.id, eqns, sol))
+    return tuple(out)
+
+
+def spec_lookup(shardings: tuple[MeshSharding, ...]) -> dict[int, Mapping[int, Spec]]:
+    """mesh id -> (var id -> spec), for the buffer and transfer passes."""
+    return {s.mesh: s.specs for s in shardings}
+
+
+def program_constraints(
+    traced: TracedStep, shardings: tuple[MeshSharding, ...], mesh: int, eqns
+) -> tuple[tuple[int, Spec], ...]:
+    """(var id, spec) of every value the program's equations compute, from its mesh's
+    solution (the runtime pins them with ``with_sharding_constraint``)."""
+    specs = spec_lookup(shardings).get(mesh)
+    if not specs:
+        return ()
+    ids = var_ids(traced.jaxpr)
+    out = []
+    for i in eqns:
+        for o in traced.jaxpr.eqns[i].outvars:
+            vid = ids.get(o)
+            if vid is not None and vid in specs and hasattr(o.aval, "shape"):
+                out.append((vid, specs[vid]))
+    return tuple(out)
+
+
+def _fmt_comm(comms) -> str:
+    if not comms:
+        return "no collectives"
+    by: dict = {}
+    for c in comms:
+        key = (c.kind, c.axes)
+        n, b = by.get(key, (0, 0.0))
+        by[key] = (n + 1, b + c.nbytes)
+    return ", ".join(
+        f"{k}[{','.join(a)}] x{n} {b / 1024:.1f} KiB" for (k, a), (n, b) in sorted(by.items())
+    )
+
+
+def sharding_notes(shardings: tuple[MeshSharding, ...], programs) -> list[str]:
+    """Plan notes: each mesh's ILP summary and each program's predicted collectives."""
+    out = []
+    for s in shardings:
+        out.append(f"mesh{s.mesh} {s.solution.summary()}")
+        out += [f"mesh{s.mesh} {n}" for n in s.solution.notes]
+        for p in programs:
+            if p.mesh == s.mesh:
+                comms = s.solution.comms_of(p.eqns)
+                out.append(f"{p.name} predicted comm: {_fmt_comm(comms)}")
+    return out

@@ -1,0 +1,372 @@
+"""Sharding strategies per primitive: the rule table of the sharding ILP.
+
+A *layout* says, per tensor dim, which mesh axes split it (``(('device',), ())`` = dim 0
+split over ``device``, dim 1 whole).  A :class:`Strategy` of an equation fixes the layout
+of each output, the layout each operand must arrive in, the collectives the equation then
+needs (a split contraction all-reduces its output) and how many devices share its work.
+``STRATEGY_RULES[primitive name]`` builds them; a primitive without a rule runs
+replicated (every operand whole, output whole), which is always correct.
+
+    >>> from meshshard.passes.shard_costs import LogicalMesh
+    >>> mesh = LogicalMesh(("host", "device"), (1, 2), (0.0, 0.0), (0.0, 0.0))
+    >>> layouts((4, 6), mesh)
+    (((), ()), (('device',), ()), ((), ('device',)))
+    >>> to_spec(((), ("host", "device"))), to_spec(((),))
+    ((None, ('host', 'device')), ())
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshshard.passes.shard_costs import Comm, LogicalMesh
+from meshshard.plan import Spec
+
+__all__ = [
+    "Layout",
+    "Strategy",
+    "STRATEGY_RULES",
+    "ELEMENTWISE",
+    "layouts",
+    "to_spec",
+    "from_spec",
+    "local_bytes",
+    "shards",
+    "strategies",
+    "reshard_comms",
+    "is_elementwise_call",
+]
+
+Layout = tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an equation: output layouts, required operand layouts (``None`` for
+    literals), the collectives it needs and the number of devices its work splits over."""
+
+    name: str
+    outs: tuple[Layout, ...]
+    ins: tuple[Layout | None, ...]
+    comms: tuple[Comm, ...] = ()
+    split: int = 1
+
+
+def to_spec(layout: Layout) -> Spec:
+    """A layout as plan spec data (``PartitionSpec`` entries), trailing whole dims dropped."""
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in layout]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def from_spec(spec: Spec, ndim: int) -> Layout:
+    """Inverse of :func:`to_spec` for a tensor of ``ndim`` dims."""
+    out = []
+    for i in range(ndim):
+        e = spec[i] if i < len(spec) else None
+        out.append(() if e is None else ((e,) if isinstance(e, str) else tuple(e)))
+    return tuple(out)
+
+
+def shards(layout: Layout, mesh: LogicalMesh) -> int:
+    """How many pieces a tensor of ``layout`` is cut into."""
+    return math.prod(mesh.size(a) for a in layout if a)
+
+
+def local_bytes(shape: Sequence[int], dtype, layout: Layout, mesh: LogicalMesh) -> float:
+    """Bytes one device holds of a tensor of ``shape``/``dtype`` in ``layout``."""
+    return math.prod(shape) * np.dtype(dtype).itemsize / shards(layout, mesh)
+
+
+def _split_axes(mesh: LogicalMesh) -> tuple[str, ...]:
+    return tuple(a for a, s in zip(mesh.axes, mesh.shape, strict=True) if s > 1)
+
+
+def _assignments(nroles: int, mesh: LogicalMesh):
+    """Every map from the mesh's split axes to a role in ``range(nroles)`` or None."""
+    axes = _split_axes(mesh)
+    for choice in itertools.product([None, *range(nroles)], repeat=len(axes)):
+        groups: dict[int, tuple[str, ...]] = {}
+        for a, r in zip(axes, choice, strict=True):
+            if r is not None:
+                groups[r] = groups.get(r, ()) + (a,)
+        yield groups
+
+
+def layouts(shape: Sequence[int], mesh: LogicalMesh) -> tuple[Layout, ...]:
+    """Every layout of ``shape`` on ``mesh`` whose splits divide their dims (replicated first)."""
+    out = []
+    for groups in _assignments(len(shape), mesh):
+        if all(shape[d] % mesh.size(a) == 0 for d, a in groups.items()):
+            out.append(tuple(groups.get(d, ()) for d in range(len(shape))))
+    return tuple(out)
+
+
+def _shape(v) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _whole(v) -> Layout:
+    return tuple(() for _ in _shape(v))
+
+
+def _replicated(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    ins = tuple(None if _is_literal(v) else _whole(v) for v in eqn.invars)
+    return [Strategy("replicated", tuple(_whole(o) for o in eqn.outvars), ins)]
+
+
+def _is_literal(v) -> bool:
+    return not hasattr(v, "count") and hasattr(v, "val")
+
+
+def _elementwise(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    out_shape = _shape(eqn.outvars[0])
+    if any(_shape(o) != out_shape for o in eqn.outvars):
+        return _replicated(eqn, mesh)
+    ins_shapes = [_shape(v) for v in eqn.invars]
+    if any(s not in ((), out_shape) for s in ins_shapes):
+        return _replicated(eqn, mesh)
+    out = []
+    for lay in layouts(out_shape, mesh):
+        ins = tuple(
+            None if _is_literal(v) else (lay if s == out_shape else ())
+            for v, s in zip(eqn.invars, ins_shapes, strict=True)
+        )
+        out.append(
+            Strategy(_name(lay), tuple(lay for _ in eqn.outvars), ins, (), shards(lay, mesh))
+        )
+    return out
+
+
+def _name(layout: Layout) -> str:
+    return str(to_spec(layout))
+
+
+def _dot_general(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    # roles: batch pairs, contracting pairs, lhs free dims, rhs free dims
+    roles = (
+        [("b", ls[a], (a,), (b,)) for a, b in zip(lb, rb, strict=True)]
+        + [("c", ls[a], (a,), (b,)) for a, b in zip(lc, rc, strict=True)]
+        + [("l", ls[a], (a,), ()) for a in lf]
+        + [("r", rs[b], (), (b,)) for b in rf]
+    )
+    out_shape = _shape(eqn.outvars[0])
+    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    out = []
+    for groups in _assignments(len(roles), mesh):
+        if any(roles[r][1] % mesh.size(a) for r, a in groups.items()):
+            continue
+        lhs, rhs = [()] * len(ls), [()] * len(rs)
+        reduce_axes: tuple[str, ...] = ()
+        for r, axes in groups.items():
+            kind, _, la, ra = roles[r]
+            for d in la:
+                lhs[d] = axes
+            for d in ra:
+                rhs[d] = axes
+            if kind == "c":
+                reduce_axes += axes
+        by_kind = {k: [groups.get(i, ()) for i, x in enumerate(roles) if x[0] == k] for k in "blr"}
+        out_lay = tuple(by_kind["b"] + by_kind["l"] + by_kind["r"])
+        reduce_axes = tuple(a for a in mesh.axes if a in reduce_axes)
+        comms = ()
+        if reduce_axes:
+            nbytes = math.prod(out_shape) * itemsize / shards(out_lay, mesh)
+            comms = (Comm("all-reduce", reduce_axes, nbytes),)
+        split = math.prod(mesh.size(a) for a in groups.values())
+        name = f"lhs{_name(tuple(lhs))} rhs{_name(tuple(rhs))}"
+        out.append(Strategy(name, (out_lay,), (tuple(lhs), tuple(rhs)), comms, split))
+    return out
+
+
+def _broadcast_in_dim(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    out_shape = tuple(eqn.params["shape"])
+    in_shape = _shape(eqn.invars[0])
+    dims = eqn.params["broadcast_dimensions"]
+    out = []
+    for lay in layouts(out_shape, mesh):
+        ins = [tuple(lay[d] if in_shape[i] == out_shape[d] else () for i, d in enumerate(dims))]
+        ins += [None if _is_literal(v) else _whole(v) for v in eqn.invars[1:]]
+        out.append(Strategy(_name(lay), (lay,), tuple(ins), (), 1))
+    return out
+
+
+def _reduce(eqn, mesh: LogicalMesh, *, combinable: bool = True) -> list[Strategy]:
+    axes = tuple(eqn.params["axes"])
+    in_shape = _shape(eqn.invars[0])
+    out_shape = _shape(eqn.outvars[0])
+    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    out = []
+    for lay in layouts(in_shape, mesh):
+        red = tuple(a for d in axes for a in lay[d])
+        if red and not combinable:
+            continue
+        out_lay = tuple(x for d, x in enumerate(lay) if d not in axes)
+        comms = ()
+        if red:
+            nbytes = math.prod(out_shape) * itemsize / shards(out_lay, mesh)
+            comms = (Comm("all-reduce", tuple(a for a in mesh.axes if a in red), nbytes),)
+        outs = tuple(out_lay for _ in eqn.outvars)
+        out.append(Strategy(_name(lay), outs, (lay,), comms, shards(lay, mesh)))
+    return out
+
+
+def _argreduce(eqn, mesh):
+    return _reduce(eqn, mesh, combinable=False)
+
+
+def _transpose(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    perm = eqn.params["permutation"]
+    out = []
+    for lay in layouts(_shape(eqn.invars[0]), mesh):
+        out_lay = tuple(lay[p] for p in perm)
+        out.append(Strategy(_name(lay), (out_lay,), (lay,), (), 1))
+    return out
+
+
+def _prefix(shape: Sequence[int]) -> list[int]:
+    return [math.prod(shape[:i]) for i in range(len(shape))]
+
+
+def _reshape(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """A split dim survives a reshape when it leads the same group of elements on both
+    sides (equal products of the dims before it) and its split divides both sizes."""
+    if eqn.params.get("dimensions") is not None:
+        return _replicated(eqn, mesh)
+    ins_shape, out_shape = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    pin, pout = _prefix(ins_shape), _prefix(out_shape)
+    out = []
+    for lay in layouts(ins_shape, mesh):
+        out_lay = [()] * len(out_shape)
+        ok = True
+        for d, axes in enumerate(lay):
+            if not axes:
+                continue
+            n = mesh.size(axes)
+            match = [
+                j
+                for j in range(len(out_shape))
+                if pout[j] == pin[d] and out_shape[j] % n == 0 and out_shape[j] > 1
+            ]
+            if not match:
+                ok = False
+                break
+            out_lay[match[0]] = axes
+        if ok:
+            out.append(Strategy(_name(lay), (tuple(out_lay),), (lay,), (), 1))
+    return out
+
+
+def _squeeze(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    drop = set(eqn.params["dimensions"])
+    out = []
+    for lay in layouts(_shape(eqn.invars[0]), mesh):
+        out_lay = tuple(x for d, x in enumerate(lay) if d not in drop)
+        out.append(Strategy(_name(lay), (out_lay,), (lay,), (), 1))
+    return out
+
+
+ELEMENTWISE = frozenset(
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real
+    reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh xor
+    random_bits random_wrap random_unwrap""".split()
+) - {"random_bits", "random_wrap", "random_unwrap"}
+
+
+def is_elementwise_call(eqn) -> bool:
+    """True for a ``custom_jvp_call``/``custom_vjp_call``/``checkpoint`` whose body only
+    holds elementwise equations on one shape (``jax.nn.relu``, ``gelu``): it shards like
+    an elementwise equation, so it is not run replicated."""
+    sub = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr", eqn.params.get("fun_jaxpr")))
+    if sub is None:
+        return False
+    sub = getattr(sub, "jaxpr", sub)
+    shape = _shape(eqn.outvars[0]) if eqn.outvars else None
+    for e in sub.eqns:
+        if e.primitive.name in ELEMENTWISE or e.primitive.name == "broadcast_in_dim":
+            if any(_shape(o) not in ((), shape) for o in e.outvars):
+                return False
+            if e.primitive.name == "broadcast_in_dim" and _shape(e.invars[0]) != ():
+                return False
+        elif e.primitive.name in CALLS:
+            if not is_elementwise_call(e):
+                return False
+        else:
+            return False
+    return True
+
+
+CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint"})
+
+
+def _call(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    return _elementwise(eqn, mesh) if is_elementwise_call(eqn) else _replicated(eqn, mesh)
+
+
+Rule = Callable[..., list[Strategy]]
+
+#: primitive name -> rule(eqn, mesh) -> strategies.  Others run replicated.
+STRATEGY_RULES: dict[str, Rule] = {
+    **{p: _elementwise for p in ELEMENTWISE},
+    **{p: _call for p in CALLS},
+    "dot_general": _dot_general,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reduce_sum": _reduce,
+    "reduce_max": _reduce,
+    "reduce_min": _reduce,
+    "reduce_and": _reduce,
+    "reduce_or": _reduce,
+    "argmax": _argreduce,
+    "argmin": _argreduce,
+    "reduce_prod": _argreduce,
+    "transpose": _transpose,
+    "reshape": _reshape,
+    "squeeze": _squeeze,
+}
+
+
+def strategies(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """The strategies of ``eqn`` on ``mesh`` (replicated when no rule applies)."""
+    rule = STRATEGY_RULES.get(eqn.primitive.name)
+    got = rule(eqn, mesh) if rule is not None else []
+    return got or _replicated(eqn, mesh)
+
+
+def reshard_comms(
+    shape: Sequence[int], dtype, src: Layout, dst: Layout, mesh: LogicalMesh
+) -> tuple[Comm, ...]:
+    """Collectives that turn a tensor in layout ``src`` into layout ``dst``.
+
+    Per mesh axis: kept on the same dim, nothing; dropped, an all-gather; newly added,
+    a local slice (free); moved to another dim, an all-to-all.  Bytes follow the
+    simulator convention, on the tensor as held just before that axis is handled.
+    """
+    if src == dst:
+        return ()
+    full = math.prod(shape) * np.dtype(dtype).itemsize
+    where_src = {a: d for d, axes in enumerate(src) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
+    gather = tuple(a for a in mesh.axes if a in where_src and a not in where_dst)
+    move = tuple(
+        a for a in mesh.axes if a in where_src and a in where_dst and where_src[a] != where_dst[a]
+    )
+    out = []
+    if move:
+        out.append(Comm("all-to-all", move, full / shards(src, mesh)))
+    if gather:
+        kept = math.prod(mesh.size((a,)) for a in where_src if a not in gather)
+        out.append(Comm("all-gather", gather, full / kept))
+    return tuple(out)

@@ -1,0 +1,119 @@
+"""Sharding ILP: tiny programs whose optimal plan is known, pins, budgets, and errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.passes.shard_costs import LogicalMesh
+from meshshard.passes.shard_ilp import estimate_stage_cost, solve_stage
+from meshshard.passes.shard_rules import layouts, reshard_comms
+
+CLUSTER = ClusterSpec()
+MESH = LogicalMesh.of((1, 4), CLUSTER)
+
+
+def _mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def _sgd_step(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.mean(_mlp(x, w1, w2) ** 2)
+
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+def _adam_like(w, m, v, g):
+    m2 = 0.9 * m + 0.1 * g
+    v2 = 0.99 * v + 0.01 * g * g
+    return w - 0.01 * m2 / (jnp.sqrt(v2) + 1e-8), m2, v2
+
+
+def _outs(closed):
+    from meshshard.jaxpr_util import var_ids
+
+    ids = var_ids(closed.jaxpr)
+    return [ids[v] for v in closed.jaxpr.outvars]
+
+
+def test_tensor_parallel_wins_when_the_batch_cannot_split():
+    # 2 rows on 4 devices: only splitting the 4096-wide hidden dim shares the work
+    closed = jax.make_jaxpr(_mlp)(
+        jnp.ones((2, 1024)), jnp.ones((1024, 4096)), jnp.ones((4096, 1024))
+    )
+    sol = solve_stage(closed, MESH, CLUSTER)
+    assert sol.status == "optimal" and not sol.fallback and sol.gap <= 1e-3
+    assert sol.specs[0] == ()  # x whole
+    assert "device" in sol.specs[1][-1]  # w1 split along the hidden dim
+    assert sol.specs[2] and sol.specs[2] != ()  # w2 split too
+    kinds = {c.kind for _, c in sol.comms}
+    assert kinds <= {"all-gather", "all-reduce"} and kinds
+
+
+def test_data_parallel_wins_for_a_large_batch_and_small_weights():
+    closed = jax.make_jaxpr(_sgd_step)(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((8192, 64)))
+    w1n, w2n = _outs(closed)
+    sol = solve_stage(closed, MESH, CLUSTER, tied=[(0, w1n), (1, w2n)])
+    assert sol.specs[0] == () and sol.specs[1] == ()  # weights replicated
+    assert sol.specs[2] == ("device",)  # the batch split
+    assert sol.specs[w1n] == () and sol.specs[w2n] == ()
+    grads = [c for _, c in sol.comms if c.kind == "all-reduce" and c.nbytes == 64 * 64 * 4]
+    assert len(grads) == 2  # one all-reduce per weight gradient
+    assert not [c for _, c in sol.comms if c.kind in ("all-gather", "all-to-all")]
+
+
+def test_memory_budget_forces_sharded_optimizer_state():
+    a = jnp.ones((1024, 1024))  # 4 MiB each; w, m, v, g and the new w, m, v: 28 MiB whole
+    closed = jax.make_jaxpr(_adam_like)(a, a, a, a)
+    wn, mn, vn = _outs(closed)
+    tied = [(0, wn), (1, mn), (2, vn)]
+    roomy = solve_stage(closed, MESH, CLUSTER, memory_budget=1 << 40, tied=tied)
+    tight = solve_stage(closed, MESH, CLUSTER, memory_budget=12 * 2**20, tied=tied)
+    assert tight.memory <= 12 * 2**20 < 28 * 2**20
+    assert tight.specs[1] != () and tight.specs[2] != ()  # optimizer state sharded
+    assert tight.specs[1] == tight.specs[mn] and tight.specs[2] == tight.specs[vn]
+    assert roomy.objective <= tight.objective + 1e-12
+
+
+def test_a_budget_no_plan_fits_names_the_budget_mesh_and_need():
+    a = jnp.ones((1024, 1024))
+    closed = jax.make_jaxpr(_adam_like)(a, a, a, a)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"memory_budget=1\.0 MiB per device: no sharding of this stage on mesh "
+        r"host=1xdevice=4 fits; the most sharded plan needs \d+\.\d MiB",
+    ):
+        solve_stage(closed, MESH, CLUSTER, memory_budget=2**20)
+
+
+def test_pins_are_respected_and_bad_pins_named():
+    closed = jax.make_jaxpr(_mlp)(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((64, 64)))
+    sol = solve_stage(closed, MESH, CLUSTER, pins={1: (None, "device")})
+    assert sol.specs[1] == (None, "device")
+    odd = jax.make_jaxpr(_mlp)(jnp.ones((6, 64)), jnp.ones((64, 64)), jnp.ones((64, 64)))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"pin P\('device'\) on %0 \(shape \(6, 64\)\) splits dim 0 of size 6 over 4 "
+        r"devices of mesh host=1xdevice=4, which does not divide it; layouts that fit: P\(\)",
+    ):
+        solve_stage(odd, MESH, CLUSTER, pins={0: ("device",)})
+
+
+def test_greedy_estimate_is_a_feasible_upper_bound():
+    closed = jax.make_jaxpr(_sgd_step)(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((8192, 64)))
+    est = estimate_stage_cost(closed, MESH, CLUSTER)
+    sol = solve_stage(closed, MESH, CLUSTER)
+    assert est.fits and est.seconds >= sol.objective - 1e-12
+    assert est.seconds == pytest.approx(est.compute + est.comm)
+
+
+def test_reshard_comms_and_layouts():
+    mesh = LogicalMesh.of((2, 2), CLUSTER)
+    assert len(layouts((4, 4), mesh)) == 9
+    assert reshard_comms((8, 8), "float32", (("host",), ()), ((), ()), mesh)[0].kind == "all-gather"
+    (move,) = reshard_comms((8, 8), "float32", (("host",), ()), ((), ("host",)), mesh)
+    assert move.kind == "all-to-all" and move.nbytes == 8 * 8 * 4 / 2
+    assert reshard_comms((8, 8), "float32", ((), ()), (("device",), ()), mesh) == ()
