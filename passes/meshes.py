@@ -86,3 +86,33 @@ def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tupl
         meshes.append(MeshSpec(i, (h, d), tuple(range(next_host, next_host + h))))
         next_host += h
     return tuple(meshes)
+
+
+def submesh_choices(cluster: ClusterSpec, whole_hosts: bool = False) -> tuple[tuple[int, int], ...]:
+    """Alpa's submesh shapes: ``(1, 2^k)`` inside one host, then ``(h, D)`` for whole hosts.
+
+    Stage meshes of these shapes tile the cluster whenever their device counts add up to
+    it (powers of two pack into hosts).  ``whole_hosts`` keeps only ``(h, D)``.
+
+    >>> submesh_choices(ClusterSpec(num_hosts=2, devices_per_host=4))
+    ((1, 1), (1, 2), (1, 4), (2, 4))
+    """
+    d = cluster.devices_per_host
+    small = [] if whole_hosts else [(1, 1 << k) for k in range(d.bit_length()) if (1 << k) < d]
+    return tuple(small + [(h, d) for h in range(1, cluster.num_hosts + 1)])
+
+
+def logical_shapes(submesh: tuple[int, int], devices_per_host: int) -> tuple[tuple[int, int], ...]:
+    """Logical ``(dp, tp)`` views of a physical submesh, tensor parallelism inside a host.
+
+    A ``(1, 4)`` submesh can run as 4-way data parallel, 2 x 2, or 4-way tensor parallel;
+    ``tp`` divides the submesh's devices per host (and so never crosses a host).
+
+    >>> logical_shapes((1, 4), 8)
+    ((4, 1), (2, 2), (1, 4))
+    >>> logical_shapes((2, 8), 8)
+    ((16, 1), (8, 2), (4, 4), (2, 8))
+    """
+    h, d = submesh
+    del devices_per_host  # tp <= d <= devices_per_host by construction
+    return tuple((h * d // tp, tp) for tp in range(1, d + 1) if d % tp == 0)
