@@ -23,6 +23,10 @@ def stage_layout(
         shape = method.mesh_shape or (cluster.num_hosts, cluster.devices_per_host)
         return (tuple(range(num_layers)),), allocate_meshes([shape], cluster)
     assert isinstance(method, PipeshardParallel)
+    if method.stages == "auto":
+        raise MeshshardInputError(
+            "stages='auto' needs the traced step's layer costs: use auto_layout(...)"
+        )
     if method.stages == "uniform":
         s = method.num_stages or min(cluster.num_hosts, num_layers)
         _check_stage_count(s, num_layers)
@@ -36,6 +40,27 @@ def stage_layout(
         shapes = list(method.stages)
         _check_stage_count(len(shapes), num_layers)
     return group_layers(num_layers, len(shapes)), allocate_meshes(shapes, cluster)
+
+
+def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple:
+    """``stages="auto"``: the stage DP's layer groups and meshes, and the DP's plan.
+
+    The runtime runs one mesh per host-actor and data parallelism inside a mesh, so the
+    DP chooses among whole-host submeshes ``(h, D)`` (or the method's ``submeshes``) with
+    the data-parallel view only.
+    """
+    from meshshard.passes.stage_cost import AnalyticCost
+    from meshshard.passes.stage_dp import stage_dp
+
+    cost = AnalyticCost(stats, cluster)
+    plan = stage_dp(
+        cost,
+        method.num_micro_batches,
+        choices=method.submeshes or submesh_choices(cluster, whole_hosts=True),
+        views="data_parallel",
+    )
+    groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
+    return groups, allocate_meshes([st.submesh for st in plan.stages], cluster), plan
 
 
 def follow_layout(method: FollowParallel, num_layers: int):

@@ -281,3 +281,44 @@ class AnalyticCost:
         state = self.total("param_count", lo, hi) * state_per_param / tp
         acts = self.total("act_bytes", lo, hi) * o.act_scale / n
         return StageCost(t, allreduce, state, acts)
+
+
+def step_layer_stats(traced, slicing) -> tuple[LayerStats, ...]:
+    """Per-layer :class:`LayerStats` of a traced train step sliced into layers: FLOPs of
+    each layer's forward and backward equations, the parameters its forward reads, the
+    activations its forward keeps and the values crossing the boundary after it."""
+    from meshshard.jaxpr_util import is_marker
+    from meshshard.passes.slicing import BWD, FWD
+
+    jaxpr = traced.jaxpr
+    state = {v for v, info in zip(jaxpr.invars, traced.inputs, strict=False) if not info.is_batch}
+    params = {i for i, v in enumerate(jaxpr.invars) if v in state}
+    derived = _param_derived(jaxpr, params)
+    tp = _tp_groups(jaxpr, params)
+    crossing = {
+        e.params["index"]: sum(aval_nbytes(v.aval) for v in e.invars if not hasattr(v, "val"))
+        for e in jaxpr.eqns
+        if is_marker(e, "fwd")
+    }
+    out = []
+    for layer in range(slicing.num_layers):
+        f_idx, b_idx = slicing.eqns(layer, FWD), slicing.eqns(layer, BWD)
+        f_eqns = [jaxpr.eqns[i] for i in f_idx]
+        read = {v for e in f_eqns for v in e.invars if not hasattr(v, "val") and v in state}
+        count = sum(int(np.prod(v.aval.shape, dtype=np.int64)) for v in read)
+        out.append(
+            LayerStats(
+                flops_fwd=sum(eqn_flops(e) for e in f_eqns),
+                flops_bwd=sum(eqn_flops(jaxpr.eqns[i]) for i in b_idx),
+                bytes_fwd=float(
+                    sum(aval_nbytes(v.aval) for e in f_eqns for v in (*e.invars, *e.outvars))
+                ),
+                param_count=count,
+                param_bytes=sum(aval_nbytes(v.aval) for v in read),
+                act_bytes=_saved(f_eqns, derived),
+                out_bytes=int(crossing.get(layer, 0)),
+                tp_fwd_bytes=sum(nb for i, (k, nb) in tp.items() if i in f_idx and k == "row"),
+                tp_bwd_bytes=sum(nb for i, (k, nb) in tp.items() if i in f_idx and k == "col"),
+            )
+        )
+    return tuple(out)

@@ -182,9 +182,12 @@ class _Tables:
     views: tuple[tuple[tuple[int, int], ...], ...]
 
 
-def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int) -> _Tables:
+def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: str) -> _Tables:
     big_l, k = len(cost.layers), len(choices)
-    views = tuple(logical_shapes(c, cost.cluster.devices_per_host) for c in choices)
+    views = tuple(
+        logical_shapes(c, cost.cluster.devices_per_host) if how == "all" else ((c[0] * c[1], 1),)
+        for c in choices
+    )
     v_max = max(len(v) for v in views)
     shape = (big_l, big_l + 1, k, v_max)
     t, st, ac = (np.full(shape, np.inf) for _ in range(3))
@@ -280,11 +283,13 @@ def stage_dp(
     choices: Sequence[tuple[int, int]] | None = None,
     max_stages: int | None = None,
     tolerance: float = 5e-3,
+    views: str = "all",
 ) -> StagePlan:
     """The best stage plan for ``cost``'s layers on its cluster (module docstring).
 
-    ``choices``: submesh shapes allowed (default :func:`submesh_choices`); ``tolerance``:
-    the ``t_max`` grid's ratio minus one.  Raises :class:`MeshshardInputError` when no
+    ``choices``: submesh shapes allowed (default :func:`submesh_choices`); ``views``:
+    ``"all"`` logical ``(dp, tp)`` views of each, or ``"data_parallel"`` only (what the
+    runtime runs today); ``tolerance``: the ``t_max`` grid's ratio minus one.  Raises :class:`MeshshardInputError` when no
     split of the layers fits device memory, naming the smallest need found.
     """
     cluster, m_b = cost.cluster, num_micro_batches
@@ -293,10 +298,18 @@ def stage_dp(
     big_l = len(cost.layers)
     max_stages = min(max_stages or big_l, big_l, n_dev)
     sizes = np.array([h * d for h, d in choices])
-    tab = _tables(cost, choices, m_b, max_stages)
+    if views not in ("all", "data_parallel"):
+        raise ValueError(f"views must be 'all' or 'data_parallel', got {views!r}")
+    tab = _tables(cost, choices, m_b, max_stages, views)
     cands = _candidates(tab, 1 + tolerance)
     if not cands.size:
         _raise_no_fit(cost, choices, m_b)
+    if not _can_tile(sizes, n_dev, max_stages):
+        raise MeshshardInputError(
+            f"the submesh shapes {list(choices)} cannot tile the {n_dev} devices of {cluster} "
+            f"with at most {max_stages} stages (one per layer at most; the model has "
+            f"{big_l} layers); allow other submesh shapes, or more layers"
+        )
     lo = _first_feasible(tab, sizes, n_dev, cands, max_stages)
     if lo is None:
         _raise_no_fit(cost, choices, m_b)
@@ -313,6 +326,14 @@ def stage_dp(
                     best = plan
     note = f"stage DP: {big_l} layers, {len(choices)} submesh shapes, {sweeps} t_max sweeps"
     return StagePlan(**{**best.__dict__, "name": "auto", "notes": (note,)})
+
+
+def _can_tile(sizes, n_dev: int, max_stages: int) -> bool:
+    """Whether at most ``max_stages`` submeshes of these sizes add up to ``n_dev`` devices."""
+    reach = {0}
+    for _ in range(max_stages):
+        reach |= {r + int(z) for r in reach for z in sizes if r + z <= n_dev}
+    return n_dev in reach
 
 
 def _feasible(tab, sizes, n_dev: int, t_max: float, max_stages: int) -> bool:
