@@ -107,3 +107,23 @@ def test_method_errors_name_the_argument():
         MeshshardInputError, match=r"submeshes=\[\(1, 2\)\] lists the shapes stages='auto' may"
     ):
         PipeshardParallel(num_micro_batches=1, submeshes=[(1, 2)])
+
+
+def test_step_layer_stats_of_the_mlp():
+    """Per layer of the 4-layer MLP (hidden 16, micro-batch 4 of 16 rows): the kernel and
+    bias it reads, the 4x16 float32 activation crossing each boundary, and a backward
+    with more FLOPs than the forward (two matmuls per forward matmul)."""
+    from examples import mlp
+    from meshshard.passes.slicing import slice_layers
+    from meshshard.passes.stage_cost import step_layer_stats
+    from meshshard.passes.trace import trace_step
+
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(model, batch["x"])
+    traced = trace_step(mlp.train_step, (state, batch), batch_argnums=(1,), num_micro_batches=4)
+    stats = step_layer_stats(traced, slice_layers(traced.jaxpr))
+    assert [s.param_count for s in stats] == [8 * 16 + 16, 16 * 16 + 16, 16 * 16 + 16, 16 * 4 + 4]
+    assert [s.out_bytes for s in stats] == [4 * 16 * 4] * 3 + [0]
+    assert [s.flops_fwd >= 2 * 4 * 8 * 16 for s in stats[:1]] == [True]
+    assert all(s.flops_bwd > s.flops_fwd for s in stats)
