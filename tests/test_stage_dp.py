@@ -114,3 +114,25 @@ def test_a_model_too_large_for_any_split_names_sizes_and_cluster():
         r"device .* of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device holds 14.4 GiB",
     ):
         stage_dp(cost, 4)
+
+
+def test_auto_plans_tile_the_cluster_with_mixed_submeshes():
+    """Whatever shapes the DP picks, they pack onto the hosts (Alpa's tiling claim)."""
+    from meshshard.passes.meshes import place_submeshes
+
+    cluster = ClusterSpec.preset("aws-p3.16xlarge", num_hosts=2)
+    for seed in (0,):
+        cost = AnalyticCost(_random_layers(seed, 4), cluster, OPTS)
+        plan = stage_dp(cost, 8)
+        spots = place_submeshes(list(plan.submeshes), cluster)
+        used = {
+            (h, off + k)
+            for (hosts, off), (_, d) in zip(spots, plan.submeshes, strict=True)
+            for h in hosts
+            for k in range(d)
+        }
+        assert len(used) == cluster.num_devices
+    with pytest.raises(MeshshardInputError, match=r"leave devices .* unused \(8 free\)"):
+        place_submeshes([(1, 8)], cluster)
+    with pytest.raises(MeshshardInputError, match=r"do not tile .*: no room for \(1, 4\)"):
+        place_submeshes([(2, 8), (1, 4)], cluster)
