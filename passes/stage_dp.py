@@ -356,16 +356,27 @@ def _first_feasible(tab, sizes, n_dev: int, cands: np.ndarray, max_stages: int) 
 
 
 def _raise_no_fit(cost: AnalyticCost, choices, m_b: int):
-    c = cost.cluster
-    whole = cost(0, len(cost.layers), (c.num_hosts, c.devices_per_host), (1, c.devices_per_host))
-    per_dev = whole.state_bytes / c.num_hosts
+    """Name the need, the budget and what would fit (the state over every device, and
+    the smallest per-device need of one layer on the largest submesh)."""
+    c, big_l = cost.cluster, len(cost.layers)
+    usable = c.device_memory * cost.options.memory_fraction
+    state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param
+    need_devices = math.ceil(state / usable)
+    largest = max(choices, key=lambda sh: sh[0] * sh[1])
+    smallest = min(
+        cost(lo, lo + 1, largest, v).memory(1)
+        for lo in range(big_l)
+        for v in logical_shapes(largest, c.devices_per_host)
+    )
     raise MeshshardInputError(
-        f"no stage plan fits device memory: the model's parameter state alone needs "
-        f"{whole.state_bytes * c.devices_per_host / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} "
-        f"bytes/parameter), at best {per_dev / 2**30:.3g} GiB per device when split over all "
-        f"{c.num_devices} devices of {c}, and a device holds "
-        f"{c.device_memory * cost.options.memory_fraction / 2**30:.3g} GiB usable; use more or "
-        "larger devices, fewer micro-batches in flight, or a smaller model"
+        f"no stage plan fits device memory: the model's parameter state needs "
+        f"{state / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} bytes/parameter), at best "
+        f"{state / c.num_devices / 2**30:.3g} GiB per device over all {c.num_devices} devices "
+        f"of {c}, and a device holds {usable / 2**30:.3g} GiB usable (memory_fraction "
+        f"{cost.options.memory_fraction:g}); even one layer on a {largest} submesh needs "
+        f"{smallest / 2**30:.3g} GiB per device. The state alone needs at least "
+        f"{need_devices} such devices: use more or larger devices, fewer micro-batches in "
+        "flight, or a smaller model"
     )
 
 

@@ -111,7 +111,8 @@ def test_a_model_too_large_for_any_split_names_sizes_and_cluster():
     with pytest.raises(
         MeshshardInputError,
         match=r"no stage plan fits device memory: .* needs 238 GiB .* at best 29.8 GiB per "
-        r"device .* of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device holds 14.4 GiB",
+        r"device over all 8 devices of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device "
+        r"holds 14.4 GiB usable .* at least 17 such devices",
     ):
         stage_dp(cost, 4)
 
