@@ -70,10 +70,11 @@ class StageCost:
     allreduce_s: float
     state_bytes: float
     act_bytes: float
+    transient_bytes: float = 0.0  # held once, whatever is in flight (a recomputed layer)
 
     def memory(self, in_flight: int) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches' activations held."""
-        return self.state_bytes + in_flight * self.act_bytes
+        return self.state_bytes + self.transient_bytes + in_flight * self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class CostOptions:
         act_scale: traced activation bytes x this (0.5: traced in float32, run in fp16).
         memory_fraction: share of device memory a plan may use.
         zero: shard the optimizer state over data-parallel replicas (ZeRO-1/2) too.
+        remat: recompute each layer in the backward pass (Megatron's full activation
+            recomputation): a micro-batch in flight keeps only each layer's input, one
+            layer's activations are live at a time, and the forward runs twice.
     """
 
     compute_dtype: str = "float32"
@@ -94,6 +98,7 @@ class CostOptions:
     act_scale: float = 1.0
     memory_fraction: float = 0.9
     zero: bool = False
+    remat: bool = False
 
 
 def _param_derived(jaxpr, params: Collection[int]) -> set:
@@ -264,7 +269,8 @@ class AnalyticCost:
         c, o = self.cluster, self.options
         dp, tp = logical
         n = dp * tp
-        flops = self.total("flops_fwd", lo, hi) + self.total("flops_bwd", lo, hi)
+        flops = self.total("flops_fwd", lo, hi) * (2 if o.remat else 1)
+        flops += self.total("flops_bwd", lo, hi)
         compute = flops / n / c.flops_for(o.compute_dtype)
         memory_traffic = 3 * self.total("bytes_fwd", lo, hi) * o.act_scale / n / c.memory_bandwidth
         t = max(compute, memory_traffic) + 2 * c.launch_overhead
@@ -279,8 +285,12 @@ class AnalyticCost:
         if o.zero and dp > 1:  # optimizer state (all but weight + gradient) over dp
             state_per_param = 4 + (o.bytes_per_param - 4) / dp
         state = self.total("param_count", lo, hi) * state_per_param / tp
-        acts = self.total("act_bytes", lo, hi) * o.act_scale / n
-        return StageCost(t, allreduce, state, acts)
+        if not o.remat:
+            acts = self.total("act_bytes", lo, hi) * o.act_scale / n
+            return StageCost(t, allreduce, state, acts)
+        inputs = sum(self.layers[i - 1].out_bytes for i in range(max(lo, 1), hi))
+        biggest = max(self.layers[i].act_bytes for i in range(lo, hi))
+        return StageCost(t, allreduce, state, inputs * o.act_scale / n, biggest * o.act_scale / n)
 
 
 def step_layer_stats(traced, slicing) -> tuple[LayerStats, ...]:

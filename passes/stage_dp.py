@@ -197,7 +197,8 @@ def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: s
                 for vi, view in enumerate(views[mi]):
                     c = cost(lo, hi, sub, view)
                     t[lo, hi, mi, vi] = c.seconds + c.allreduce_s / m_batches
-                    st[lo, hi, mi, vi], ac[lo, hi, mi, vi] = c.state_bytes, c.act_bytes
+                    st[lo, hi, mi, vi] = c.state_bytes + c.transient_bytes
+                    ac[lo, hi, mi, vi] = c.act_bytes
     cap = cost.cluster.device_memory * cost.options.memory_fraction
     sec = np.full((max_stages + 1, big_l, big_l + 1, k), np.inf)
     view = np.zeros((max_stages + 1, big_l, big_l + 1, k), dtype=np.int64)
@@ -423,7 +424,7 @@ def zero3_plan(cost: AnalyticCost, num_micro_batches: int) -> StagePlan:
     half = cost.dp_allreduce_s(params, whole, n) / 2
     per_mb = base.seconds + 3 * half
     state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param / n
-    peak = state + base.act_bytes
+    peak = state + base.act_bytes + base.transient_bytes
     stage = Stage(0, big_l, whole, (n, 1))
     total = num_micro_batches * per_mb
     return StagePlan((stage,), total, (per_mb,), (0.0,), (peak,), "zero3")
