@@ -137,3 +137,18 @@ def test_auto_plans_tile_the_cluster_with_mixed_submeshes():
         place_submeshes([(1, 8)], cluster)
     with pytest.raises(MeshshardInputError, match=r"do not tile .*: no room for \(1, 4\)"):
         place_submeshes([(2, 8), (1, 4)], cluster)
+
+
+def test_remat_keeps_layer_inputs_and_runs_the_forward_twice():
+    from dataclasses import replace
+
+    layers = [_layer(1e13, 10**8, 2**24, act=2**28)] * 4
+    plain = AnalyticCost(layers, CLUSTER, OPTS)(0, 4, (1, 4), (4, 1))
+    remat = AnalyticCost(layers, CLUSTER, replace(OPTS, remat=True))(0, 4, (1, 4), (4, 1))
+    # per micro-batch in flight: the inputs of layers 1..3 (fp16, over 4 devices)
+    assert remat.act_bytes == 3 * 2**24 * 0.5 / 4
+    assert remat.transient_bytes == 2**28 * 0.5 / 4  # one layer's activations
+    assert plain.act_bytes == 4 * 2**28 * 0.5 / 4
+    assert remat.memory(4) < plain.memory(4)
+    # compute-bound: 4 passes' worth of FLOPs instead of 3
+    assert remat.seconds == pytest.approx(plain.seconds * 4 / 3, rel=0.01)
