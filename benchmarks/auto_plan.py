@@ -10,10 +10,12 @@ allocated), cut into layers (the example's pipeline boundaries, one per block; t
 :mod:`meshshard.passes.stage_dp`.  Every plan is scored by the same model
 (:mod:`meshshard.passes.stage_cost`, resharding from our planner): the auto plan, every
 valid grid plan ``dp x tp x pp`` (1F1B, tp inside a host, uniform stages, those that fit
-memory), pure data parallelism and ZeRO-3.  Mixed precision is assumed (fp16 compute at
+memory), pure data parallelism and ZeRO-3.  When no plan fits without it, every plan
+of that row (auto and grid alike) recomputes activations (Megatron's full recompute).  Mixed precision is assumed (fp16 compute at
 the device's fp16 peak, 16 bytes of state per parameter, activations at 2 bytes).
 ``compile_s`` is the whole automatic plan's wall time on this machine: tracing, layer
-statistics (and clustering), the stage DP with its resharding plans.
+statistics (and clustering), the stage DP with its resharding plans; ``compile_cpu_s``
+its CPU time (the machine is shared, so wall time includes waiting for a core).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,6 +35,7 @@ import optax  # noqa: E402
 
 from examples import gpt  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
+from meshshard.errors import MeshshardInputError  # noqa: E402
 from meshshard.jaxpr_util import is_marker  # noqa: E402
 from meshshard.passes.layer_cluster import cluster_layers  # noqa: E402
 from meshshard.passes.stage_cost import AnalyticCost, CostOptions, layer_stats  # noqa: E402
@@ -70,13 +74,20 @@ def marker_cuts(jaxpr) -> tuple[int, ...]:
 def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
     cluster = ClusterSpec.preset(preset, num_hosts=hosts)
     opts = CostOptions(compute_dtype="float16", act_scale=0.5)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     jaxpr, params = trace_gpt(model)
+    trace_s = time.perf_counter() - t0
     n_blocks = MODELS[model][1]
     cuts = cluster_layers(jaxpr, n_blocks) if auto_layers else marker_cuts(jaxpr)
-    cost = AnalyticCost(layer_stats(jaxpr, cuts, params), cluster, opts)
-    auto = stage_dp(cost, MICRO)
+    stats = layer_stats(jaxpr, cuts, params)
+    cost = AnalyticCost(stats, cluster, opts)
+    try:
+        auto = stage_dp(cost, MICRO)
+    except MeshshardInputError:  # nothing fits: every plan recomputes activations
+        cost = AnalyticCost(stats, cluster, replace(opts, remat=True))
+        auto = stage_dp(cost, MICRO)
     compile_s = time.perf_counter() - t0
+    compile_cpu_s = time.process_time() - c0
     grid = [p for p in grid_plans(cost, MICRO) if fits(p, cost)]
     best = min(grid, key=lambda p: p.seconds) if grid else None
     dp = next((p for p in grid if p.name.endswith("tp1 pp1")), None)
@@ -86,6 +97,7 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
         "model": model,
         "cluster": f"{preset} x{hosts}",
         "layers": "auto" if auto_layers else "markers",
+        "remat": cost.options.remat,
         "auto_s": auto.seconds,
         "auto_plan": [str(s) for s in auto.stages],
         "best_grid": best.name if best else None,
@@ -95,6 +107,8 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
         "zero3_s": z3.seconds if z3_fits else None,
         "ratio_vs_grid": auto.seconds / best.seconds if best else None,
         "compile_s": compile_s,
+        "compile_cpu_s": compile_cpu_s,
+        "trace_s": trace_s,
         "notes": list(auto.notes),
     }
 
@@ -111,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
-    head = f"{'model':>5} {'cluster':>18} {'layers':>7} {'auto s':>8} {'grid s':>8} {'auto/grid':>9} {'DP s':>8} {'ZeRO3 s':>8} {'compile':>7}  best grid / auto plan"
+    head = f"{'model':>5} {'cluster':>18} {'layers':>7} {'remat':>5} {'auto s':>8} {'grid s':>8} {'auto/grid':>9} {'DP s':>8} {'ZeRO3 s':>8} {'compile':>7} {'cpu':>6}  best grid / auto plan"
     print(head)
     for model in args.models.split(","):
         for spec in args.clusters.split(","):
@@ -120,9 +134,9 @@ def main(argv=None) -> int:
                 r = run_case(model, preset, int(hosts), auto_layers)
                 rows.append(r)
                 print(
-                    f"{r['model']:>5} {r['cluster']:>18} {r['layers']:>7} {_fmt(r['auto_s'])} "
+                    f"{r['model']:>5} {r['cluster']:>18} {r['layers']:>7} {str(r['remat']):>5} {_fmt(r['auto_s'])} "
                     f"{_fmt(r['best_grid_s']):>8} {_fmt(r['ratio_vs_grid'], spec='.4f'):>9} "
-                    f"{_fmt(r['pure_dp_s']):>8} {_fmt(r['zero3_s']):>8} {r['compile_s']:7.2f}  "
+                    f"{_fmt(r['pure_dp_s']):>8} {_fmt(r['zero3_s']):>8} {r['compile_s']:7.2f} {r['compile_cpu_s']:6.2f}  "
                     f"{r['best_grid']} / {'; '.join(r['auto_plan'])}",
                     flush=True,
                 )

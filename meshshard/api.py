@@ -109,7 +109,7 @@ class ParallelizedFunction:
 
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
-        fn, args = physical_call(self.fn, args)
+        fn, args = physical_call(_layered(self.fn, self.method), args)
         plan, _ = plan_step(
             fn,
             _abstract(args, self.batch_argnums),
@@ -154,7 +154,7 @@ class ParallelizedFunction:
         from meshshard.runtime.executable import Executable
 
         cluster = require_cluster()
-        fn, args = physical_call(self.fn, args)  # typed keys travel as raw data
+        fn, args = physical_call(_layered(self.fn, self.method), args)  # keys as raw data
         abstract = _abstract(args, self.batch_argnums)
         key = (
             jax.tree.structure(abstract),
@@ -284,3 +284,13 @@ def plan_needs_index(plan: Plan) -> bool:
     from meshshard.passes.random_draws import INDEX_PATH
 
     return bool(plan.inputs) and plan.inputs[-1].path == INDEX_PATH
+
+
+def _layered(fn: Callable, method: Method) -> Callable:
+    """``fn`` with automatic layer clustering when the method asks for it (``layers=``)."""
+    layers = getattr(method, "layers", None)
+    if layers is None:
+        return fn
+    from meshshard.autodiff import AutoLayers
+
+    return AutoLayers(fn, layers)

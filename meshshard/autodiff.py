@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from meshshard.metrics import check_reduction
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
 
-__all__ = ["grad", "value_and_grad"]
+__all__ = ["grad", "value_and_grad", "AutoLayers"]
 
 
 def value_and_grad(
@@ -142,8 +143,17 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
     ]
     live = _live_across(jaxpr, marker_pos)
     index_of = {pos: k for k, pos in enumerate(marker_pos)}
+    cuts = _auto_cuts(jaxpr, len(marker_pos))
+    cut_live = _live_across(jaxpr, list(cuts), before=True)
+    cut_index = {p: (k, cut_live[p]) for k, p in enumerate(cuts)}
 
     def on_eqn(i, eqn, env):
+        if i in cut_index:  # an automatic boundary before equation i
+            k, crossing = cut_index[i]
+            crossing = [v for v in crossing if _differentiable(v)]
+            vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=k)
+            env.update(zip(crossing, vals, strict=True))
+            return False  # then evaluate equation i itself
         if i not in index_of:
             return False
         for src, dst in zip(eqn.invars, eqn.outvars, strict=True):  # explicit-value form
@@ -165,8 +175,50 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
     return layered
 
 
-def _live_across(jaxpr, positions: list[int]) -> dict[int, list]:
-    """For each marker position, the values defined before it and used after it."""
+#: The ``layers=`` setting of the method being compiled (see :class:`AutoLayers`).
+_AUTO_LAYERS: ContextVar[str | int | None] = ContextVar("meshshard_auto_layers", default=None)
+
+
+class AutoLayers:
+    """``fn`` with automatic layer clustering on: every ``meshshard.grad`` traced inside it
+    cuts its loss into ``layers`` layers (:mod:`meshshard.passes.layer_cluster`).
+
+    The compiler wraps a step this way for ``PipeshardParallel(layers=...)``; the workers
+    trace the same wrapped function, so they cut at the same places.
+    """
+
+    def __init__(self, fn: Callable, layers: str | int):
+        self.fn = fn
+        self.layers = layers
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        token = _AUTO_LAYERS.set(self.layers)
+        try:
+            return self.fn(*args)
+        finally:
+            _AUTO_LAYERS.reset(token)
+
+
+def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
+    """Cut positions for ``layers=`` (none when the setting is off)."""
+    layers = _AUTO_LAYERS.get()
+    if layers is None:
+        return ()
+    if num_markers:
+        raise MeshshardInputError(
+            f"PipeshardParallel(layers={layers!r}) cuts the loss into layers automatically, "
+            f"but the loss already calls mark_pipeline_boundary() {num_markers} times; drop "
+            "layers= to use the markers, or remove the markers"
+        )
+    from meshshard.passes.layer_cluster import cluster_layers
+
+    return cluster_layers(jaxpr, layers)
+
+
+def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:
+    """For each marker position, the values defined before it and used after it (with
+    ``before``: for a cut before equation ``p``, also those equation ``p`` reads)."""
     if not positions:
         return {}
     defined_at: dict = {}
@@ -183,7 +235,8 @@ def _live_across(jaxpr, positions: list[int]) -> dict[int, list]:
             last_use[v] = n
     out = {}
     for p in positions:
-        out[p] = [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) > p]
+        after = p - 1 if before else p
+        out[p] = [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) > after]
     return out
 
 

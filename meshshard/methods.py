@@ -6,7 +6,7 @@ PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b',
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from meshshard.errors import MeshshardInputError
 
@@ -93,8 +93,10 @@ class PipeshardParallel:
 
     Args:
         num_micro_batches: micro-batches per step; the batch must divide by it.
-        stages: ``"uniform"`` (``num_stages`` equal meshes, default one per host) or a list
-            of mesh shapes ``(hosts, devices_per_host)``, one per stage, in order.
+        stages: ``"uniform"`` (``num_stages`` equal meshes, default one per host), ``"auto"``
+            (layers -> stages -> meshes chosen by the stage DP on the cost model,
+            :mod:`meshshard.passes.stage_dp`) or a list of mesh shapes
+            ``(hosts, devices_per_host)``, one per stage, in order.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
         num_stages: with ``stages="uniform"``, how many stages (default: one per host).
         resharding: how tensors cross between meshes: ``"broadcast"`` (default; one
@@ -103,6 +105,12 @@ class PipeshardParallel:
         sharding: inside each mesh, ``"data_parallel"`` (default: the batch split, the
             rest whole), ``"auto"`` (the sharding ILP chooses every value's spec),
             ``"zero2"`` (optimizer state split) or ``"zero3"`` (parameters split too).
+        layers: for a loss without ``mark_pipeline_boundary()`` calls, cut it into this
+            many layers automatically (``"auto"``: one per matmul, at most 16), balancing
+            FLOPs and minimising the bytes crossing each cut
+            (:mod:`meshshard.passes.layer_cluster`); None (default) uses the markers.
+        submeshes: with ``stages="auto"``, the mesh shapes the stage DP may give a stage
+            (Alpa's manually specified submeshes); default: whole hosts ``(h, D)``.
     """
 
     num_micro_batches: int
@@ -111,15 +119,39 @@ class PipeshardParallel:
     num_stages: int | None = None
     resharding: str = "broadcast"
     sharding: str = field(default="data_parallel", repr=False)
+    layers: str | int | None = None
+    submeshes: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
         _check_sharding(self.sharding, "PipeshardParallel")
+        if self.submeshes is not None:
+            if self.stages != "auto" or not self.submeshes:
+                raise MeshshardInputError(
+                    f"PipeshardParallel.submeshes={self.submeshes!r} lists the shapes "
+                    "stages='auto' may choose from: pass a non-empty list with stages='auto'"
+                )
+            subs = tuple(
+                _check_shape(s, f"PipeshardParallel.submeshes[{i}]")
+                for i, s in enumerate(self.submeshes)
+            )
+            object.__setattr__(self, "submeshes", subs)
+        if self.layers is not None and self.layers != "auto":
+            if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers < 1:
+                raise MeshshardInputError(
+                    f"PipeshardParallel.layers={self.layers!r}: pass 'auto', a positive int "
+                    "number of layers, or None to use mark_pipeline_boundary() markers"
+                )
         if isinstance(self.stages, str):
-            if self.stages != "uniform":
+            if self.stages not in ("uniform", "auto"):
                 raise MeshshardInputError(
                     f"PipeshardParallel.stages={self.stages!r} is not understood; pass "
-                    "'uniform' or a list of mesh shapes such as [(1, 2), (1, 2)]"
+                    "'uniform', 'auto' or a list of mesh shapes such as [(1, 2), (1, 2)]"
+                )
+            if self.stages == "auto" and self.num_stages is not None:
+                raise MeshshardInputError(
+                    f"PipeshardParallel(stages='auto', num_stages={self.num_stages}): the stage "
+                    "DP chooses the number of stages; drop num_stages or use stages='uniform'"
                 )
         else:
             if not isinstance(self.stages, tuple | list) or not self.stages:
@@ -150,6 +182,16 @@ class PipeshardParallel:
             raise MeshshardInputError(
                 f"PipeshardParallel.num_stages must be a positive int, got {self.num_stages!r}"
             )
+
+    def __repr__(self) -> str:
+        # fields added later show only when set, so existing plans print as before
+        quiet = {"layers": None, "submeshes": None, "sharding": "data_parallel"}
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if not (f.name in quiet and getattr(self, f.name) == quiet[f.name])
+        ]
+        return f"PipeshardParallel({', '.join(parts)})"
 
 
 def _check_micro_batches(m, owner: str) -> None:

@@ -23,6 +23,10 @@ def stage_layout(
         shape = method.mesh_shape or (cluster.num_hosts, cluster.devices_per_host)
         return (tuple(range(num_layers)),), allocate_meshes([shape], cluster)
     assert isinstance(method, PipeshardParallel)
+    if method.stages == "auto":
+        raise MeshshardInputError(
+            "stages='auto' needs the traced step's layer costs: use auto_layout(...)"
+        )
     if method.stages == "uniform":
         s = method.num_stages or min(cluster.num_hosts, num_layers)
         _check_stage_count(s, num_layers)
@@ -36,6 +40,27 @@ def stage_layout(
         shapes = list(method.stages)
         _check_stage_count(len(shapes), num_layers)
     return group_layers(num_layers, len(shapes)), allocate_meshes(shapes, cluster)
+
+
+def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple:
+    """``stages="auto"``: the stage DP's layer groups and meshes, and the DP's plan.
+
+    The runtime runs one mesh per host-actor and data parallelism inside a mesh, so the
+    DP chooses among whole-host submeshes ``(h, D)`` (or the method's ``submeshes``) with
+    the data-parallel view only.
+    """
+    from meshshard.passes.stage_cost import AnalyticCost
+    from meshshard.passes.stage_dp import stage_dp
+
+    cost = AnalyticCost(stats, cluster)
+    plan = stage_dp(
+        cost,
+        method.num_micro_batches,
+        choices=method.submeshes or submesh_choices(cluster, whole_hosts=True),
+        views="data_parallel",
+    )
+    groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
+    return groups, allocate_meshes([st.submesh for st in plan.stages], cluster), plan
 
 
 def follow_layout(method: FollowParallel, num_layers: int):
@@ -116,3 +141,49 @@ def logical_shapes(submesh: tuple[int, int], devices_per_host: int) -> tuple[tup
     h, d = submesh
     del devices_per_host  # tp <= d <= devices_per_host by construction
     return tuple((h * d // tp, tp) for tp in range(1, d + 1) if d % tp == 0)
+
+
+def place_submeshes(
+    shapes: list[tuple[int, int]], cluster: ClusterSpec
+) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Where each stage's submesh sits: ``(hosts, first device)`` per shape, in order.
+
+    Whole-host shapes ``(h, D)`` take consecutive free hosts; a ``(1, d)`` shape takes the
+    first host with ``d`` free devices at an offset that is a multiple of ``d`` (power-of-
+    two sizes, placed largest first, always pack).  This is the tiling the stage DP
+    assumes; an error says when shapes cannot tile the cluster.
+
+    >>> c = ClusterSpec(num_hosts=2, devices_per_host=8)
+    >>> place_submeshes([(1, 4), (1, 2), (1, 2), (1, 8)], c)
+    (((1,), 0), ((1,), 4), ((1,), 6), ((0,), 0))
+    """
+    d_host = cluster.devices_per_host
+    free = [d_host] * cluster.num_hosts  # devices left per host (filled from offset 0 up)
+    order = sorted(range(len(shapes)), key=lambda i: -shapes[i][0] * shapes[i][1])
+    placed: dict[int, tuple[tuple[int, ...], int]] = {}
+    for i in order:
+        h, d = shapes[i]
+        if d == d_host:
+            hosts = [k for k in range(cluster.num_hosts) if free[k] == d_host][:h]
+            if len(hosts) == h:
+                for k in hosts:
+                    free[k] = 0
+                placed[i] = (tuple(hosts), 0)
+                continue
+        elif h == 1 and d < d_host:
+            k = next((k for k in range(cluster.num_hosts) if free[k] >= d), None)
+            if k is not None:
+                placed[i] = ((k,), d_host - free[k])
+                free[k] -= d
+                continue
+        raise MeshshardInputError(
+            f"the submeshes {list(shapes)} do not tile {cluster}: no room for {shapes[i]} "
+            "(a submesh is (1, d) inside one host or (h, devices_per_host) of whole hosts, "
+            "and all of them together must use every device once)"
+        )
+    if any(free):
+        raise MeshshardInputError(
+            f"the submeshes {list(shapes)} leave devices of {cluster} unused "
+            f"({sum(free)} free); their device counts must add up to {cluster.num_devices}"
+        )
+    return tuple(placed[i] for i in range(len(shapes)))

@@ -22,7 +22,7 @@ from meshshard.passes.forward_only import (
     is_forward_only,
     slice_forward,
 )
-from meshshard.passes.meshes import stage_layout
+from meshshard.passes.meshes import auto_layout, stage_layout
 from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.schedules import make_schedule
 from meshshard.passes.shard_plan import (
@@ -33,6 +33,7 @@ from meshshard.passes.shard_plan import (
 )
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
+from meshshard.passes.stage_cost import step_layer_stats
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.state import CompileState, Pass
 from meshshard.passes.trace import TracedStep, trace_step
@@ -67,6 +68,11 @@ def _slice(st: CompileState) -> CompileState:
 
 
 def _layout(st: CompileState) -> CompileState:
+    if getattr(st.method, "stages", None) == "auto":
+        stats = step_layer_stats(st.traced, st.slicing)
+        groups, meshes, dp = auto_layout(st.method, st.cluster, stats)
+        notes = tuple(str(dp).splitlines())
+        return replace(st, layer_groups=groups, meshes=meshes, layout_notes=notes)
     groups, meshes = stage_layout(st.method, st.cluster, st.slicing.num_layers)
     return replace(st, layer_groups=groups, meshes=meshes)
 
@@ -130,7 +136,7 @@ def _assemble(st: CompileState) -> CompileState:
         )
         for p in graph.programs
     )
-    notes = list(graph.notes) + sharding_notes(st.shardings or (), programs)
+    notes = list(st.layout_notes) + list(graph.notes) + sharding_notes(st.shardings or (), programs)
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)

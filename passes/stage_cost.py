@@ -70,10 +70,11 @@ class StageCost:
     allreduce_s: float
     state_bytes: float
     act_bytes: float
+    transient_bytes: float = 0.0  # held once, whatever is in flight (a recomputed layer)
 
     def memory(self, in_flight: int) -> float:
         """Peak bytes per device with ``in_flight`` micro-batches' activations held."""
-        return self.state_bytes + in_flight * self.act_bytes
+        return self.state_bytes + self.transient_bytes + in_flight * self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class CostOptions:
         act_scale: traced activation bytes x this (0.5: traced in float32, run in fp16).
         memory_fraction: share of device memory a plan may use.
         zero: shard the optimizer state over data-parallel replicas (ZeRO-1/2) too.
+        remat: recompute each layer in the backward pass (Megatron's full activation
+            recomputation): a micro-batch in flight keeps only each layer's input, one
+            layer's activations are live at a time, and the forward runs twice.
     """
 
     compute_dtype: str = "float32"
@@ -94,6 +98,7 @@ class CostOptions:
     act_scale: float = 1.0
     memory_fraction: float = 0.9
     zero: bool = False
+    remat: bool = False
 
 
 def _param_derived(jaxpr, params: Collection[int]) -> set:
@@ -264,7 +269,8 @@ class AnalyticCost:
         c, o = self.cluster, self.options
         dp, tp = logical
         n = dp * tp
-        flops = self.total("flops_fwd", lo, hi) + self.total("flops_bwd", lo, hi)
+        flops = self.total("flops_fwd", lo, hi) * (2 if o.remat else 1)
+        flops += self.total("flops_bwd", lo, hi)
         compute = flops / n / c.flops_for(o.compute_dtype)
         memory_traffic = 3 * self.total("bytes_fwd", lo, hi) * o.act_scale / n / c.memory_bandwidth
         t = max(compute, memory_traffic) + 2 * c.launch_overhead
@@ -279,5 +285,50 @@ class AnalyticCost:
         if o.zero and dp > 1:  # optimizer state (all but weight + gradient) over dp
             state_per_param = 4 + (o.bytes_per_param - 4) / dp
         state = self.total("param_count", lo, hi) * state_per_param / tp
-        acts = self.total("act_bytes", lo, hi) * o.act_scale / n
-        return StageCost(t, allreduce, state, acts)
+        if not o.remat:
+            acts = self.total("act_bytes", lo, hi) * o.act_scale / n
+            return StageCost(t, allreduce, state, acts)
+        inputs = sum(self.layers[i - 1].out_bytes for i in range(max(lo, 1), hi))
+        biggest = max(self.layers[i].act_bytes for i in range(lo, hi))
+        return StageCost(t, allreduce, state, inputs * o.act_scale / n, biggest * o.act_scale / n)
+
+
+def step_layer_stats(traced, slicing) -> tuple[LayerStats, ...]:
+    """Per-layer :class:`LayerStats` of a traced train step sliced into layers: FLOPs of
+    each layer's forward and backward equations, the parameters its forward reads, the
+    activations its forward keeps and the values crossing the boundary after it."""
+    from meshshard.jaxpr_util import is_marker
+    from meshshard.passes.slicing import BWD, FWD
+
+    jaxpr = traced.jaxpr
+    state = {v for v, info in zip(jaxpr.invars, traced.inputs, strict=False) if not info.is_batch}
+    params = {i for i, v in enumerate(jaxpr.invars) if v in state}
+    derived = _param_derived(jaxpr, params)
+    tp = _tp_groups(jaxpr, params)
+    crossing = {
+        e.params["index"]: sum(aval_nbytes(v.aval) for v in e.invars if not hasattr(v, "val"))
+        for e in jaxpr.eqns
+        if is_marker(e, "fwd")
+    }
+    out = []
+    for layer in range(slicing.num_layers):
+        f_idx, b_idx = slicing.eqns(layer, FWD), slicing.eqns(layer, BWD)
+        f_eqns = [jaxpr.eqns[i] for i in f_idx]
+        read = {v for e in f_eqns for v in e.invars if not hasattr(v, "val") and v in state}
+        count = sum(int(np.prod(v.aval.shape, dtype=np.int64)) for v in read)
+        out.append(
+            LayerStats(
+                flops_fwd=sum(eqn_flops(e) for e in f_eqns),
+                flops_bwd=sum(eqn_flops(jaxpr.eqns[i]) for i in b_idx),
+                bytes_fwd=float(
+                    sum(aval_nbytes(v.aval) for e in f_eqns for v in (*e.invars, *e.outvars))
+                ),
+                param_count=count,
+                param_bytes=sum(aval_nbytes(v.aval) for v in read),
+                act_bytes=_saved(f_eqns, derived),
+                out_bytes=int(crossing.get(layer, 0)),
+                tp_fwd_bytes=sum(nb for i, (k, nb) in tp.items() if i in f_idx and k == "row"),
+                tp_bwd_bytes=sum(nb for i, (k, nb) in tp.items() if i in f_idx and k == "col"),
+            )
+        )
+    return tuple(out)

@@ -182,9 +182,12 @@ class _Tables:
     views: tuple[tuple[tuple[int, int], ...], ...]
 
 
-def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int) -> _Tables:
+def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: str) -> _Tables:
     big_l, k = len(cost.layers), len(choices)
-    views = tuple(logical_shapes(c, cost.cluster.devices_per_host) for c in choices)
+    views = tuple(
+        logical_shapes(c, cost.cluster.devices_per_host) if how == "all" else ((c[0] * c[1], 1),)
+        for c in choices
+    )
     v_max = max(len(v) for v in views)
     shape = (big_l, big_l + 1, k, v_max)
     t, st, ac = (np.full(shape, np.inf) for _ in range(3))
@@ -194,7 +197,8 @@ def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int) -> _Ta
                 for vi, view in enumerate(views[mi]):
                     c = cost(lo, hi, sub, view)
                     t[lo, hi, mi, vi] = c.seconds + c.allreduce_s / m_batches
-                    st[lo, hi, mi, vi], ac[lo, hi, mi, vi] = c.state_bytes, c.act_bytes
+                    st[lo, hi, mi, vi] = c.state_bytes + c.transient_bytes
+                    ac[lo, hi, mi, vi] = c.act_bytes
     cap = cost.cluster.device_memory * cost.options.memory_fraction
     sec = np.full((max_stages + 1, big_l, big_l + 1, k), np.inf)
     view = np.zeros((max_stages + 1, big_l, big_l + 1, k), dtype=np.int64)
@@ -280,11 +284,13 @@ def stage_dp(
     choices: Sequence[tuple[int, int]] | None = None,
     max_stages: int | None = None,
     tolerance: float = 5e-3,
+    views: str = "all",
 ) -> StagePlan:
     """The best stage plan for ``cost``'s layers on its cluster (module docstring).
 
-    ``choices``: submesh shapes allowed (default :func:`submesh_choices`); ``tolerance``:
-    the ``t_max`` grid's ratio minus one.  Raises :class:`MeshshardInputError` when no
+    ``choices``: submesh shapes allowed (default :func:`submesh_choices`); ``views``:
+    ``"all"`` logical ``(dp, tp)`` views of each, or ``"data_parallel"`` only (what the
+    runtime runs today); ``tolerance``: the ``t_max`` grid's ratio minus one.  Raises :class:`MeshshardInputError` when no
     split of the layers fits device memory, naming the smallest need found.
     """
     cluster, m_b = cost.cluster, num_micro_batches
@@ -293,10 +299,18 @@ def stage_dp(
     big_l = len(cost.layers)
     max_stages = min(max_stages or big_l, big_l, n_dev)
     sizes = np.array([h * d for h, d in choices])
-    tab = _tables(cost, choices, m_b, max_stages)
+    if views not in ("all", "data_parallel"):
+        raise ValueError(f"views must be 'all' or 'data_parallel', got {views!r}")
+    tab = _tables(cost, choices, m_b, max_stages, views)
     cands = _candidates(tab, 1 + tolerance)
     if not cands.size:
         _raise_no_fit(cost, choices, m_b)
+    if not _can_tile(sizes, n_dev, max_stages):
+        raise MeshshardInputError(
+            f"the submesh shapes {list(choices)} cannot tile the {n_dev} devices of {cluster} "
+            f"with at most {max_stages} stages (one per layer at most; the model has "
+            f"{big_l} layers); allow other submesh shapes, or more layers"
+        )
     lo = _first_feasible(tab, sizes, n_dev, cands, max_stages)
     if lo is None:
         _raise_no_fit(cost, choices, m_b)
@@ -313,6 +327,14 @@ def stage_dp(
                     best = plan
     note = f"stage DP: {big_l} layers, {len(choices)} submesh shapes, {sweeps} t_max sweeps"
     return StagePlan(**{**best.__dict__, "name": "auto", "notes": (note,)})
+
+
+def _can_tile(sizes, n_dev: int, max_stages: int) -> bool:
+    """Whether at most ``max_stages`` submeshes of these sizes add up to ``n_dev`` devices."""
+    reach = {0}
+    for _ in range(max_stages):
+        reach |= {r + int(z) for r in reach for z in sizes if r + z <= n_dev}
+    return n_dev in reach
 
 
 def _feasible(tab, sizes, n_dev: int, t_max: float, max_stages: int) -> bool:
@@ -335,16 +357,27 @@ def _first_feasible(tab, sizes, n_dev: int, cands: np.ndarray, max_stages: int) 
 
 
 def _raise_no_fit(cost: AnalyticCost, choices, m_b: int):
-    c = cost.cluster
-    whole = cost(0, len(cost.layers), (c.num_hosts, c.devices_per_host), (1, c.devices_per_host))
-    per_dev = whole.state_bytes / c.num_hosts
+    """Name the need, the budget and what would fit (the state over every device, and
+    the smallest per-device need of one layer on the largest submesh)."""
+    c, big_l = cost.cluster, len(cost.layers)
+    usable = c.device_memory * cost.options.memory_fraction
+    state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param
+    need_devices = math.ceil(state / usable)
+    largest = max(choices, key=lambda sh: sh[0] * sh[1])
+    smallest = min(
+        cost(lo, lo + 1, largest, v).memory(1)
+        for lo in range(big_l)
+        for v in logical_shapes(largest, c.devices_per_host)
+    )
     raise MeshshardInputError(
-        f"no stage plan fits device memory: the model's parameter state alone needs "
-        f"{whole.state_bytes * c.devices_per_host / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} "
-        f"bytes/parameter), at best {per_dev / 2**30:.3g} GiB per device when split over all "
-        f"{c.num_devices} devices of {c}, and a device holds "
-        f"{c.device_memory * cost.options.memory_fraction / 2**30:.3g} GiB usable; use more or "
-        "larger devices, fewer micro-batches in flight, or a smaller model"
+        f"no stage plan fits device memory: the model's parameter state needs "
+        f"{state / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} bytes/parameter), at best "
+        f"{state / c.num_devices / 2**30:.3g} GiB per device over all {c.num_devices} devices "
+        f"of {c}, and a device holds {usable / 2**30:.3g} GiB usable (memory_fraction "
+        f"{cost.options.memory_fraction:g}); even one layer on a {largest} submesh needs "
+        f"{smallest / 2**30:.3g} GiB per device. The state alone needs at least "
+        f"{need_devices} such devices: use more or larger devices, fewer micro-batches in "
+        "flight, or a smaller model"
     )
 
 
@@ -391,7 +424,7 @@ def zero3_plan(cost: AnalyticCost, num_micro_batches: int) -> StagePlan:
     half = cost.dp_allreduce_s(params, whole, n) / 2
     per_mb = base.seconds + 3 * half
     state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param / n
-    peak = state + base.act_bytes
+    peak = state + base.act_bytes + base.transient_bytes
     stage = Stage(0, big_l, whole, (n, 1))
     total = num_micro_batches * per_mb
     return StagePlan((stage,), total, (per_mb,), (0.0,), (peak,), "zero3")

@@ -36,6 +36,7 @@ class CompileState:
     schedule: Schedule | None = None
     streams: tuple[WorkerStream, ...] | None = None
     plan: Plan | None = None
+    layout_notes: tuple[str, ...] = ()  # what the stage layout decided and why (plan notes)
 
     def __str__(self) -> str:
         done = [

@@ -140,8 +140,8 @@ def test_jax_grad_instead_of_meshshard_grad(setup):
             r"stages\[0\] must be a mesh shape",
         ),
         (
-            lambda: PipeshardParallel(num_micro_batches=2, stages="auto"),
-            r"stages='auto' is not understood",
+            lambda: PipeshardParallel(num_micro_batches=2, stages="best"),
+            r"stages='best' is not understood; pass 'uniform', 'auto' or a list",
         ),
         (
             lambda: PipeshardParallel(num_micro_batches=2, schedule="zb"),

@@ -111,6 +111,44 @@ def test_a_model_too_large_for_any_split_names_sizes_and_cluster():
     with pytest.raises(
         MeshshardInputError,
         match=r"no stage plan fits device memory: .* needs 238 GiB .* at best 29.8 GiB per "
-        r"device .* of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device holds 14.4 GiB",
+        r"device over all 8 devices of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device "
+        r"holds 14.4 GiB usable .* at least 17 such devices",
     ):
         stage_dp(cost, 4)
+
+
+def test_auto_plans_tile_the_cluster_with_mixed_submeshes():
+    """Whatever shapes the DP picks, they pack onto the hosts (Alpa's tiling claim)."""
+    from meshshard.passes.meshes import place_submeshes
+
+    cluster = ClusterSpec.preset("aws-p3.16xlarge", num_hosts=2)
+    for seed in (0,):
+        cost = AnalyticCost(_random_layers(seed, 4), cluster, OPTS)
+        plan = stage_dp(cost, 8)
+        spots = place_submeshes(list(plan.submeshes), cluster)
+        used = {
+            (h, off + k)
+            for (hosts, off), (_, d) in zip(spots, plan.submeshes, strict=True)
+            for h in hosts
+            for k in range(d)
+        }
+        assert len(used) == cluster.num_devices
+    with pytest.raises(MeshshardInputError, match=r"leave devices .* unused \(8 free\)"):
+        place_submeshes([(1, 8)], cluster)
+    with pytest.raises(MeshshardInputError, match=r"do not tile .*: no room for \(1, 4\)"):
+        place_submeshes([(2, 8), (1, 4)], cluster)
+
+
+def test_remat_keeps_layer_inputs_and_runs_the_forward_twice():
+    from dataclasses import replace
+
+    layers = [_layer(1e13, 10**8, 2**24, act=2**28)] * 4
+    plain = AnalyticCost(layers, CLUSTER, OPTS)(0, 4, (1, 4), (4, 1))
+    remat = AnalyticCost(layers, CLUSTER, replace(OPTS, remat=True))(0, 4, (1, 4), (4, 1))
+    # per micro-batch in flight: the inputs of layers 1..3 (fp16, over 4 devices)
+    assert remat.act_bytes == 3 * 2**24 * 0.5 / 4
+    assert remat.transient_bytes == 2**28 * 0.5 / 4  # one layer's activations
+    assert plain.act_bytes == 4 * 2**28 * 0.5 / 4
+    assert remat.memory(4) < plain.memory(4)
+    # compute-bound: 4 passes' worth of FLOPs instead of 3
+    assert remat.seconds == pytest.approx(plain.seconds * 4 / 3, rel=0.01)
