@@ -111,12 +111,17 @@ def memory_profile(
         written: set[BufferRef] = set()
         for r in recs:
             ins = r.instruction
-            for b in ins.reads:
-                if b not in alive and b not in written and b not in ins.writes:
-                    alive[b] = 0.0
-                    written.add(b)
-                    events.append((0.0, -1, 1, b))
-                readers_end[b] = max(readers_end.get(b, 0.0), r.end)
+            reads = ins.reads
+            if reads:
+                writes = ins.writes
+                for b in reads:
+                    # ``alive`` only holds written buffers: one membership test suffices
+                    if b not in written and b not in writes:
+                        alive[b] = 0.0
+                        written.add(b)
+                        events.append((0.0, -1, 1, b))
+                    end_b = readers_end.get(b, 0.0)
+                    readers_end[b] = r.end if r.end > end_b else end_b
             if isinstance(ins, Free):
                 b = ins.buffer
                 if b in alive:
