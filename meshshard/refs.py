@@ -96,6 +96,10 @@ def _opt(text: str | None) -> int | None:
     return int(text) if text is not None else None
 
 
+_INTERNED: dict[tuple, BufferRef] = {}
+"""Every :class:`BufferRef` made in this process, by its fields (a few thousand per plan)."""
+
+
 def _cache_key(ref, key: tuple) -> None:
     """Store a reference's identity tuple and its hash once (refs key hot dicts)."""
     object.__setattr__(ref, "_key", key)
@@ -165,8 +169,18 @@ class BufferRef(_Keyed):
     virtual: int | None = None
     version: int | None = None
 
+    def __new__(cls, kind, owner, mb=None, virtual=None, version=None):
+        # interned: equal references are one object, so the hot dicts the simulator and
+        # the verifier key by them find theirs by identity without calling ``__eq__``
+        key = (kind, owner, mb, virtual, version, type(kind), type(owner), type(mb))
+        ref = _INTERNED.get(key)
+        if ref is None or ref.__class__ is not cls:
+            ref = _INTERNED[key] = object.__new__(cls)
+        return ref
+
     def __post_init__(self) -> None:
-        _cache_key(self, (self.kind, self.owner, self.mb, self.virtual, self.version))
+        if "_key" not in self.__dict__:
+            _cache_key(self, (self.kind, self.owner, self.mb, self.virtual, self.version))
 
     def __str__(self) -> str:
         v = f"v{self.virtual}" if self.virtual is not None else ""

@@ -93,8 +93,9 @@ def busy_seconds(nbytes: int, hosts: int, cluster: ClusterSpec, chunk: int = 0) 
 def _scatter_busy(m: Message, cluster: ClusterSpec) -> list[float]:
     """A point-to-point message whose receiving host fans it out: its chunks cross the
     NIC, and the landing device copies each chunk's share on to the other devices in
-    parallel through its fabric port (:mod:`~meshshard.sim.fanout`); both sides are
-    busy until the last copy is done, as in the simulator."""
+    parallel through its fabric port (:mod:`~meshshard.sim.fanout`).  Both sides are
+    busy for the NIC part; the third entry is when the copies are done (the receiving
+    host's data is ready then, but its next message need not wait)."""
     shares = device_shares(m, 0)
     landing = shares[0][0] if shares else 0
     others = sum(b for d, b in shares if d != landing)
@@ -102,13 +103,12 @@ def _scatter_busy(m: Message, cluster: ClusterSpec) -> list[float]:
     n = max(1, min(_MAX_CHUNKS, math.ceil(m.nbytes / size))) if m.nbytes > 0 else 1
     nic = cluster.nic_latency + m.nbytes / cluster.nic_bandwidth
     if others <= 0:
-        return [nic, nic]
+        return [nic, nic, nic]
     edges = [
         (cluster.nic_latency, m.nbytes / n / cluster.nic_bandwidth, 0),
         (cluster.intra_latency, others / n / cluster.intra_bandwidth, 1),
     ]
-    done = _last_chunk_done(edges, n)
-    return [done, done]  # the simulator completes the send with the fan-out
+    return [nic, nic, _last_chunk_done(edges, n)]
 
 
 def message_busy(m: Message, cluster: ClusterSpec) -> list[float]:
@@ -148,12 +148,18 @@ def estimate_makespan(
 ) -> float:
     """Seconds until the last host finishes, in the serial host model (module docstring)."""
     clock: dict[int, float] = {}
+    ready: dict[int, float] = {}  # when a host's in-host copies after its messages are done
     for i in execution_order(messages):
         m = messages[i]
         members = (m.src,) + tuple(m.receivers)
         start = max(clock.get(h, 0.0) for h in members)
-        for h, took in zip(members, message_busy(m, cluster), strict=True):
+        busy = message_busy(m, cluster)
+        for h, took in zip(members, busy, strict=False):
             clock[h] = start + took
+        if len(busy) > len(members):
+            ready[m.dst] = max(ready.get(m.dst, 0.0), start + busy[-1])
+    for h, t in ready.items():
+        clock[h] = max(clock[h], t)
     for g in gathers:
         clock[g.host] = clock.get(g.host, 0.0) + (
             g.missing / cluster.intra_bandwidth + (len(g.devices) - 1) * cluster.intra_latency

@@ -141,6 +141,7 @@ class _Op:
         "dur",
         "comm_start",
         "comm_end",
+        "copying",
     )
 
     def __init__(self, oid, worker, index, ins, rule):
@@ -162,6 +163,7 @@ class _Op:
         self.dur = 0.0
         self.comm_start = _INF
         self.comm_end = _INF
+        self.copying = False  # a completed receive whose in-host copies still run
 
 
 class _Queue:
@@ -469,7 +471,7 @@ class _Engine:
         deps, ops = op.deps, self.ops
         while op.dep_i < len(deps):
             d = deps[op.dep_i]
-            if ops[d].state != DONE:
+            if ops[d].state != DONE or ops[d].copying:
                 if op.registered != d:
                     op.registered = d
                     self.waiters.setdefault(d, []).append(op)
@@ -519,11 +521,16 @@ class _Engine:
         op.end = self.now
         if op.start == _INF:
             op.start = self.now
+        self._wake(op)
+        self._schedule_pump(op.queue)
+
+    def _wake(self, op: _Op) -> None:
+        """Let the ops waiting on ``op`` check their dependencies again."""
         waiting = self.waiters.pop(op.id, None)
         if waiting:
             for other in waiting:
+                other.registered = -1
                 self._schedule_pump(other.queue)
-        self._schedule_pump(op.queue)
 
     # --- point to point --------------------------------------------------------------
     def arrive_p2p(self, op: _Op) -> None:
@@ -568,7 +575,11 @@ class _Engine:
 
     def _start_fanout(self, pair: _P2P) -> None:
         """A message several devices of its receiving host need: chunks to the first, each
-        copied on to the other devices that need them (:mod:`~meshshard.sim.fanout`)."""
+        copied on to the other devices that need them (:mod:`~meshshard.sim.fanout`).
+        The send and the receive complete when the NIC part is done (the runtime places
+        blocks on the devices when it waits for the buffer, not on its transport), so
+        both workers' next communication may start; the buffer's ``WAIT`` also waits
+        for the copies."""
         src, dst = pair.send.worker, pair.send.ins.peer
         d = scatter_fanout(
             (src, pair.devices[0]),
@@ -586,6 +597,8 @@ class _Engine:
             for dep in s.deps:
                 succ[dep].append(i)
         left = [len(steps)]
+        nic = [sum(1 for st in steps if st.dst == (dst, pair.devices[1]))]
+        arrived = [0]
         pair.send.comm_start = pair.recv.comm_start = self.now
 
         def launch(i: int) -> None:
@@ -605,8 +618,14 @@ class _Engine:
                 remaining[j] -= 1
                 if remaining[j] == 0:
                     launch(j)
-            if left[0] == 0:
-                self._p2p_done(pair)
+            if steps[i].dst == (dst, pair.devices[1]):
+                arrived[0] += 1
+                if arrived[0] == nic[0]:  # the NIC part is done: both sides move on
+                    pair.recv.copying = left[0] > 0
+                    self._p2p_done(pair)
+            if left[0] == 0 and pair.recv.copying:
+                pair.recv.copying = False  # the copies are done: its WAIT may complete
+                self._wake(pair.recv)
 
         for i, n in enumerate(remaining):
             if n == 0:

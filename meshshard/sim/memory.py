@@ -74,6 +74,44 @@ def bytes_per_device(plan: Plan, buffer: BufferRef, worker: int) -> float | None
     return float(sum(t.nbytes / _shards(t.spec, mesh) for t in spec.tensors))
 
 
+def _buffer_events(recs: Sequence[OpRecord], end: float) -> list[tuple[float, int, int, BufferRef]]:
+    """``(time, index, +1/-1, buffer)`` of every allocation and release on one worker: a
+    buffer is held from its first write (or from 0 when read before any write) until
+    its ``FREE`` and the end of its last in-flight reader, else until ``end``."""
+    alive: dict[BufferRef, float] = {}  # buffer -> alloc time
+    readers_end: dict[BufferRef, float] = {}  # latest end of an in-flight reader (sends)
+    events: list[tuple[float, int, int, BufferRef]] = []  # (time, index, +1/-1, buffer)
+    written: set[BufferRef] = set()
+    for r in recs:
+        ins = r.instruction
+        reads = ins.reads
+        if reads:
+            writes = ins.writes
+            for b in reads:
+                # ``alive`` only holds written buffers: one membership test suffices
+                if b not in written and b not in writes:
+                    alive[b] = 0.0
+                    written.add(b)
+                    events.append((0.0, -1, 1, b))
+                end_b = readers_end.get(b, 0.0)
+                readers_end[b] = r.end if r.end > end_b else end_b
+        if isinstance(ins, Free):
+            b = ins.buffer
+            if b in alive:
+                t = max(r.start, readers_end.get(b, 0.0))
+                events.append((t, r.index, -1, b))
+                del alive[b]
+            continue
+        for b in ins.writes:
+            if b not in alive:
+                alive[b] = r.start
+                written.add(b)
+                events.append((r.start, r.index, 1, b))
+    for b in alive:
+        events.append((end, len(recs), -1, b))
+    return events
+
+
 def memory_profile(
     plan: Plan, records: Sequence[Sequence[OpRecord]], end: float
 ) -> tuple[
@@ -105,32 +143,7 @@ def memory_profile(
         if not recs:
             continue
         w = recs[0].worker
-        alive: dict[BufferRef, float] = {}  # buffer -> alloc time
-        readers_end: dict[BufferRef, float] = {}  # latest end of an in-flight reader (sends)
-        events: list[tuple[float, int, int, BufferRef]] = []  # (time, index, +1/-1, buffer)
-        written: set[BufferRef] = set()
-        for r in recs:
-            ins = r.instruction
-            for b in ins.reads:
-                if b not in alive and b not in written and b not in ins.writes:
-                    alive[b] = 0.0
-                    written.add(b)
-                    events.append((0.0, -1, 1, b))
-                readers_end[b] = max(readers_end.get(b, 0.0), r.end)
-            if isinstance(ins, Free):
-                b = ins.buffer
-                if b in alive:
-                    t = max(r.start, readers_end.get(b, 0.0))
-                    events.append((t, r.index, -1, b))
-                    del alive[b]
-                continue
-            for b in ins.writes:
-                if b not in alive:
-                    alive[b] = r.start
-                    written.add(b)
-                    events.append((r.start, r.index, 1, b))
-        for b in alive:
-            events.append((end, len(recs), -1, b))
+        events = _buffer_events(recs, end)
         # at one instant, stream order decides (a FREE before the next RUN releases first)
         # ties (one instant, one instruction, one direction) leave the peak unchanged
         events.sort(key=lambda e: (e[0], e[1], e[2]))
