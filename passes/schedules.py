@@ -198,6 +198,22 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int, **options)
     return SCHEDULE_GENERATORS[name](num_stages, num_micro_batches, **options)
 
 
+#: Schedules the compiler can emit and run end to end today (the rest are generated,
+#: verified and simulated on synthetic plans).
+RUNNABLE = ("gpipe", "1f1b", "eager_1f1b", "inference")
+
+
+def check_runnable(name: str, graph) -> None:
+    """Refuse, naming the choice, a schedule the emitter cannot yet run for ``graph``."""
+    if name not in RUNNABLE:
+        from meshshard.errors import MeshshardInputError
+
+        raise MeshshardInputError(
+            f"PipeshardParallel.schedule={name!r} is generated and simulated but not yet "
+            f"emitted for real steps; use one of {RUNNABLE[:3]}"
+        )
+
+
 def dependencies(task: Task, num_logical: int, num_stages: int, split: bool) -> list[Key]:
     """The tasks ``task`` waits for, as (logical stage, kind, micro-batch) keys.
 

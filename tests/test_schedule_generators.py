@@ -146,3 +146,17 @@ def test_verifier_catches_a_wrong_and_a_retired_weight_version():
         re.search(r"F4~1 on stage 0 at tick \d+ reads version 1, not live then", p)
         for p in problems
     )
+
+
+def test_virtual_stages_is_checked_against_the_schedule():
+    from meshshard import PipeshardParallel
+    from meshshard.errors import MeshshardInputError
+
+    with pytest.raises(
+        MeshshardInputError, match=r"virtual_stages=2 needs schedule='interleaved_1f1b'"
+    ):
+        PipeshardParallel(num_micro_batches=4, virtual_stages=2)
+    with pytest.raises(MeshshardInputError, match=r"virtual_stages must be a positive int, got 0"):
+        PipeshardParallel(num_micro_batches=4, schedule="interleaved_1f1b", virtual_stages=0)
+    m = PipeshardParallel(num_micro_batches=4, schedule="interleaved_1f1b", virtual_stages=2)
+    assert m.virtual_stages == 2
