@@ -6,11 +6,11 @@ PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b',
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshshard.errors import MeshshardInputError
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "eager_1f1b", "interleaved_1f1b", "zb_h1", "2bw")
 #: Cross-mesh resharding strategies (see ``meshshard.resharding``).  ``broadcast`` is ours;
 #: the ``broadcast_*`` variants are the paper's baselines, kept for comparison.
 RESHARDING_STRATEGIES = (
@@ -64,11 +64,16 @@ class PipeshardParallel:
         num_micro_batches: micro-batches per step; the batch must divide by it.
         stages: ``"uniform"`` (``num_stages`` equal meshes, default one per host) or a list
             of mesh shapes ``(hosts, devices_per_host)``, one per stage, in order.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"eager_1f1b"`` (warm-up
+            ``2(S-i)-1`` forwards so sends overlap compute), ``"interleaved_1f1b"`` (with
+            ``virtual_stages``), ``"zb_h1"`` (backward split into B and W) or ``"2bw"``
+            (PipeDream-2BW; see :func:`meshshard.passes.schedules.two_bw`).
         num_stages: with ``stages="uniform"``, how many stages (default: one per host).
         resharding: how tensors cross between meshes: ``"broadcast"`` (default; one
             broadcast per slice and destination host set, load balanced), ``"send_recv"``
             or ``"local_allgather"`` (baselines), or a ``broadcast_*`` baseline variant.
+        virtual_stages: model chunks per mesh with ``schedule="interleaved_1f1b"``
+            (default 1; the plan's schedule grid shows the chunks, the repr does not).
     """
 
     num_micro_batches: int
@@ -76,6 +81,7 @@ class PipeshardParallel:
     schedule: str = "1f1b"
     num_stages: int | None = None
     resharding: str = "broadcast"
+    virtual_stages: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
@@ -108,12 +114,25 @@ class PipeshardParallel:
             raise MeshshardInputError(
                 f"PipeshardParallel.resharding={self.resharding!r} is not one of {RESHARDING_STRATEGIES}"
             )
+        _check_virtual_stages(self.virtual_stages, self.schedule)
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
             raise MeshshardInputError(
                 f"PipeshardParallel.num_stages must be a positive int, got {self.num_stages!r}"
             )
+
+
+def _check_virtual_stages(v, schedule: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise MeshshardInputError(
+            f"PipeshardParallel.virtual_stages must be a positive int, got {v!r}"
+        )
+    if v > 1 and schedule != "interleaved_1f1b":
+        raise MeshshardInputError(
+            f"PipeshardParallel.virtual_stages={v} needs schedule='interleaved_1f1b' "
+            f"(got schedule={schedule!r}); drop virtual_stages or change the schedule"
+        )
 
 
 def _check_micro_batches(m, owner: str) -> None:

@@ -24,7 +24,7 @@ from meshshard.passes.forward_only import (
 )
 from meshshard.passes.meshes import stage_layout
 from meshshard.passes.reductions import reduction_notes
-from meshshard.passes.schedules import make_schedule
+from meshshard.passes.schedules import check_runnable, make_schedule
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
@@ -86,6 +86,7 @@ def _transfers(st: CompileState) -> CompileState:
 def _schedule(st: CompileState) -> CompileState:
     name = "1f1b" if isinstance(st.method, DataParallel) else st.method.schedule
     name = "inference" if st.graph.apply_phases == 0 else name  # forward-only
+    check_runnable(name, st.graph)
     return replace(
         st, schedule=make_schedule(name, st.graph.num_stages, st.traced.num_micro_batches)
     )
