@@ -38,6 +38,7 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
 
@@ -177,6 +178,9 @@ class StreamInterpreter:
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
+        self._untimed = transport
+        self.recorder: Recorder | None = None
+        self._sync = False
 
     def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
         """Switch overlapped execution and timeline recording for the next steps."""
@@ -185,17 +189,39 @@ class StreamInterpreter:
         if timeline is not None:
             self.timeline = timeline
 
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record every instruction's start and end (and communication completions)
+        from the next step on; :attr:`recorder` holds the last step's stamps.
+
+        ``sync`` (profiling) makes each ``RUN`` wait for its outputs, so its span is the
+        program's run time rather than its asynchronous dispatch.
+        """
+        self._sync = on and sync
+        if on:
+            self.recorder = Recorder(len(self.stream.instructions))
+            self.transport = RecordingTransport(self._untimed, self.recorder)
+        else:
+            self.recorder, self.transport = None, self._untimed
+
     def run(
         self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
     ) -> dict[BufferRef, tuple]:
         """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
         step = _Step(self, buffers, load)
+        rec = self.recorder
+        if rec is not None:
+            rec.reset()
         try:
             for i, ins in enumerate(self.stream.instructions):
+                if rec is not None:
+                    rec.current = i
+                    rec.start[i] = clock_ns()
                 try:
                     step.do(i, ins)
                 except Exception as exc:
                     raise MeshshardRuntimeError(self._where(i, exc)) from exc
+                if rec is not None:
+                    rec.end[i] = clock_ns()
             step.finish()
         finally:
             step.close()
@@ -280,7 +306,10 @@ class _Step:
 
         def at_i():
             try:
-                return fn()
+                handle = fn()
+                if type(handle) is _TimedHandle:
+                    handle.index = i  # issued here, not at the recorder's current index
+                return handle
             except Exception as exc:
                 raise MeshshardRuntimeError(interp._where(i, exc)) from exc
 
@@ -322,6 +351,8 @@ class _Step:
         inputs = [self.value(name) for name in ins.inputs]
         t0 = time.perf_counter_ns() if self.tl is not None else 0
         outs = self.interp.programs[ins.program](inputs)
+        if self.interp._sync:
+            jax.block_until_ready(outs)
         for name, val in zip(ins.outputs, outs, strict=True):
             self.buffers[name] = val
         if self.tl is not None:

@@ -48,6 +48,7 @@ class Worker:
         self.store: dict[int, jax.Array] = {} if store is None else store
         self.plan: Plan | None = None
         self.interp: StreamInterpreter | None = None
+        self.last_trace = None  # the last step's WorkerTrace while recording
 
     # --- compile -----------------------------------------------------------------
     def compile(
@@ -117,6 +118,8 @@ class Worker:
             return tuple(arrays)
 
         buffers = self.interp.run(buffers, load)
+        if self.interp.recorder is not None:
+            self.last_trace = self.interp.recorder.snapshot(self.worker)
         result = {}
         for (group, idx), key in out_keys.items():
             arr = buffers[group][idx]
@@ -128,6 +131,14 @@ class Worker:
         for key in free:
             self.store.pop(key, None)
         return result
+
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record each step's per-instruction timeline (``last_trace``) from now on;
+        ``sync``: each RUN waits for its outputs (profiling program times)."""
+        if self.interp is None:
+            raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
+        self.interp.record(on, sync)
+        self.last_trace = None
 
     def _state_array(self, value, tensor) -> jax.Array:
         if isinstance(value, StoreKey):
