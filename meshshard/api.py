@@ -31,6 +31,7 @@ class ParallelizedFunction:
         method: Method | None,
         donate_argnums: Sequence[int],
         batch_argnums: Sequence[int],
+        _one_2bw_variant: bool = False,
     ):
         if method is None:
             method = DataParallel()  # the whole cluster as one data-parallel mesh
@@ -47,6 +48,16 @@ class ParallelizedFunction:
         self._lowered: Plan | None = None
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
+        self._two_bw = None
+        if getattr(method, "schedule", None) == "2bw" and not _one_2bw_variant:
+            from meshshard.two_bw import TwoBWStep
+
+            self._two_bw = TwoBWStep(
+                lambda f, b: ParallelizedFunction(f, method, (), b, _one_2bw_variant=True),
+                fn,
+                batch_argnums,
+                donate_argnums,
+            )
 
     def lower(self, *args, cluster: ClusterSpec | None = None, costs: bool = True) -> Plan:
         """The plan for these arguments on ``cluster`` (default: the running cluster, else
@@ -73,6 +84,8 @@ class ParallelizedFunction:
         return plan
 
     def __call__(self, *args):
+        if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
+            return self._two_bw(*args)
         exe = self._executable_for(args)
         _, args = physical_call(self.fn, args)  # typed keys travel as raw data
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
@@ -151,6 +164,8 @@ class ParallelizedFunction:
     def plan(self) -> Plan | None:
         """The plan of the most recent compilation, else of the last ``lower`` (None
         before either)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.plan
         if not self._executables:
             return self._lowered
         return list(self._executables.values())[-1].plan
@@ -158,6 +173,8 @@ class ParallelizedFunction:
     @property
     def executable(self):
         """The most recent compiled executable (None before the first call)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.executable
         return list(self._executables.values())[-1] if self._executables else None
 
 
