@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
-from meshshard.passes.schedule_verify import stream_problems
+from meshshard.passes.schedule_verify import problems_with_grid, stream_problems
 from meshshard.passes.state import CompileState, Pass, PassCheckError
 from meshshard.plan import Plan, Schedule
 from meshshard.refs import BufferKind, TransferRef
-from meshshard.verify import verify, verify_schedule
+from meshshard.verify import verify
 
 __all__ = ["checks_enabled", "state_problems", "run_passes"]
 
@@ -47,7 +47,7 @@ def state_problems(state: CompileState) -> list[str]:
     problems = _slicing_problems(state) + _mesh_problems(state) + _graph_problems(state)
     problems += _buffer_problems(state) + _transfer_problems(state)
     if state.schedule is not None:
-        problems += verify_schedule(state.schedule)
+        problems += problems_with_grid(state.schedule)
     if state.plan is not None:
         problems += verify(state.plan) + stream_problems(state.plan)
     elif state.streams is not None:
