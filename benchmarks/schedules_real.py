@@ -134,6 +134,7 @@ def run(stage_counts, micro_batches: int, steps: int, warmup: int, record: int) 
                 n = sum(len(s.instructions) for s in step.plan.streams)
                 for overlap in (True, False):
                     r = measure(step, state0, steps, warmup, record, overlap)
+                    print(f"S={stages} {schedule} overlap={overlap}: {r}", flush=True)
                     rows.append(
                         dict(stages=stages, schedule=schedule, overlap=overlap, instructions=n, **r)
                     )
