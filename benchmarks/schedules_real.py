@@ -97,13 +97,15 @@ def measure(step, state0, steps: int, warmup: int, record: int, overlap: bool) -
     for i in range(record):
         one(warmup + steps + i)
         tls = {w: t for w, t in backend.runtime_options().items() if t is not None}
+        if not tls:  # the step ran elsewhere (2bw alternates two compiled variants)
+            continue
         f, h = overlap_stats(tls)
         flights.append(f)
         hiddens.append(h)
         busy.append(max(t.busy_ns() for t in tls.values()))
     backend.runtime_options(timeline=False)
     out = dict(step_s=statistics.median(walls), driver_s=statistics.median(drivers))
-    if record:
+    if busy:
         out.update(
             comm_s=statistics.median(flights) / 1e9,
             overlapped=sum(hiddens) / sum(flights) if sum(flights) else 0.0,
@@ -133,7 +135,11 @@ def run(stage_counts, micro_batches: int, steps: int, warmup: int, record: int) 
                     continue
                 n = sum(len(s.instructions) for s in step.plan.streams)
                 for overlap in (True, False):
-                    r = measure(step, state0, steps, warmup, record, overlap)
+                    try:
+                        r = measure(step, state0, steps, warmup, record, overlap)
+                    except Exception as exc:  # keep the other rows
+                        rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
+                        break
                     print(f"S={stages} {schedule} overlap={overlap}: {r}", flush=True)
                     rows.append(
                         dict(stages=stages, schedule=schedule, overlap=overlap, instructions=n, **r)
@@ -169,7 +175,8 @@ def print_table(rows) -> None:
         print(
             f"{r['stages']:>2} {r['schedule']:<18} {rt:<10} {r['step_s'] * 1e3:>8.1f} "
             f"{r.get('vs_1f1b', float('nan')):>7.2f}x {r['driver_s'] * 1e3:>9.2f} "
-            f"{r['busy_s'] * 1e3:>8.1f} {r['comm_s'] * 1e3:>8.2f} {r['overlapped']:>10.1%}"
+            f"{r.get('busy_s', 0) * 1e3:>8.1f} {r.get('comm_s', 0) * 1e3:>8.2f} "
+            f"{r.get('overlapped', 0):>10.1%}"
         )
 
 
