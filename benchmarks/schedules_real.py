@@ -114,7 +114,9 @@ def measure(step, state0, steps: int, warmup: int, record: int, overlap: bool) -
     return out
 
 
-def run(stage_counts, micro_batches: int, steps: int, warmup: int, record: int) -> list[dict]:
+def run(
+    stage_counts, micro_batches: int, steps: int, warmup: int, record: int, only=None
+) -> list[dict]:
     """Every schedule x stage count x runtime; rows in measurement order."""
     import meshshard
     from examples import gpt
@@ -125,7 +127,7 @@ def run(stage_counts, micro_batches: int, steps: int, warmup: int, record: int) 
     try:
         state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
         for stages in stage_counts:
-            for schedule in SCHEDULES:
+            for schedule in only or SCHEDULES:
                 try:
                     method = _meshshard_method(schedule, stages, micro_batches)
                     step = meshshard.parallelize(gpt.train_step, method=method)
@@ -187,9 +189,12 @@ def main(argv=None) -> int:
     ap.add_argument("--record", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--schedules", nargs="+", default=None, help="default: every schedule")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = run(args.stages, args.micro_batches, args.steps, args.warmup, args.record)
+    rows = run(
+        args.stages, args.micro_batches, args.steps, args.warmup, args.record, args.schedules
+    )
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
