@@ -63,7 +63,11 @@ class ParallelizedFunction:
             self.record(trace)
         functools.update_wrapper(self, fn)
         self._two_bw = None
-        if getattr(method, "schedule", None) == "2bw" and not _one_2bw_variant:
+        if (
+            isinstance(method, PipeshardParallel)
+            and method.schedule == "2bw"
+            and not _one_2bw_variant
+        ):
             from meshshard.two_bw import TwoBWStep
 
             self._two_bw = TwoBWStep(
