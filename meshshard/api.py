@@ -35,6 +35,7 @@ class ParallelizedFunction:
         donate_argnums: Sequence[int],
         batch_argnums: Sequence[int],
         trace: str | None = None,
+        _one_2bw_variant: bool = False,
     ):
         if trace is not None and not isinstance(trace, str | os.PathLike):
             raise MeshshardInputError(
@@ -61,6 +62,20 @@ class ParallelizedFunction:
         if trace is not None:
             self.record(trace)
         functools.update_wrapper(self, fn)
+        self._two_bw = None
+        if (
+            isinstance(method, PipeshardParallel)
+            and method.schedule == "2bw"
+            and not _one_2bw_variant
+        ):
+            from meshshard.two_bw import TwoBWStep
+
+            self._two_bw = TwoBWStep(
+                lambda f, b: ParallelizedFunction(f, method, (), b, _one_2bw_variant=True),
+                fn,
+                batch_argnums,
+                donate_argnums,
+            )
 
     def record(self, trace: str | os.PathLike | None) -> None:
         """Record every later call's measured timeline for ``trace`` (a path; None stops
@@ -133,6 +148,8 @@ class ParallelizedFunction:
         return profile_step(self, args, steps, ProfileCache(cache_dir))
 
     def __call__(self, *args):
+        if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
+            return self._two_bw(*args)
         exe = self._executable_for(args)
         _, args = physical_call(self.fn, args)  # typed keys travel as raw data
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
@@ -215,6 +232,8 @@ class ParallelizedFunction:
     def plan(self) -> Plan | None:
         """The plan of the most recent compilation, else of the last ``lower`` (None
         before either)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.plan
         if not self._executables:
             return self._lowered
         return list(self._executables.values())[-1].plan
@@ -222,6 +241,8 @@ class ParallelizedFunction:
     @property
     def executable(self):
         """The most recent compiled executable (None before the first call)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.executable
         return list(self._executables.values())[-1] if self._executables else None
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from meshshard.errors import MeshshardInputError
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "eager_1f1b", "interleaved_1f1b", "zb_h1", "2bw")
 #: How values are sharded inside each mesh (``passes/shard_plan.py``).
 SHARDING_MODES = ("data_parallel", "auto", "zero2", "zero3")
 #: Cross-mesh resharding strategies (see ``meshshard.resharding``).  ``broadcast`` is ours;
@@ -97,7 +97,10 @@ class PipeshardParallel:
             (layers -> stages -> meshes chosen by the stage DP on the cost model,
             :mod:`meshshard.passes.stage_dp`) or a list of mesh shapes
             ``(hosts, devices_per_host)``, one per stage, in order.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"eager_1f1b"`` (warm-up
+            ``2(S-i)-1`` forwards so sends overlap compute), ``"interleaved_1f1b"`` (with
+            ``virtual_stages``), ``"zb_h1"`` (backward split into B and W) or ``"2bw"``
+            (PipeDream-2BW; see :func:`meshshard.passes.schedules.two_bw`).
         num_stages: with ``stages="uniform"``, how many stages (default: one per host).
         resharding: how tensors cross between meshes: ``"broadcast"`` (default; one
             broadcast per slice and destination host set, load balanced), ``"send_recv"``
@@ -111,6 +114,8 @@ class PipeshardParallel:
             (:mod:`meshshard.passes.layer_cluster`); None (default) uses the markers.
         submeshes: with ``stages="auto"``, the mesh shapes the stage DP may give a stage
             (Alpa's manually specified submeshes); default: whole hosts ``(h, D)``.
+        virtual_stages: model chunks per mesh with ``schedule="interleaved_1f1b"``
+            (default 1; the plan's schedule grid shows the chunks, the repr does not).
     """
 
     num_micro_batches: int
@@ -121,6 +126,7 @@ class PipeshardParallel:
     sharding: str = field(default="data_parallel", repr=False)
     layers: str | int | None = None
     submeshes: tuple[tuple[int, int], ...] | None = None
+    virtual_stages: int = field(default=1, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
@@ -176,6 +182,7 @@ class PipeshardParallel:
             raise MeshshardInputError(
                 f"PipeshardParallel.resharding={self.resharding!r} is not one of {RESHARDING_STRATEGIES}"
             )
+        _check_virtual_stages(self.virtual_stages, self.schedule)
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
@@ -185,13 +192,30 @@ class PipeshardParallel:
 
     def __repr__(self) -> str:
         # fields added later show only when set, so existing plans print as before
-        quiet = {"layers": None, "submeshes": None, "sharding": "data_parallel"}
+        quiet = {
+            "layers": None,
+            "submeshes": None,
+            "sharding": "data_parallel",
+            "virtual_stages": 1,
+        }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"
             for f in fields(self)
             if not (f.name in quiet and getattr(self, f.name) == quiet[f.name])
         ]
         return f"PipeshardParallel({', '.join(parts)})"
+
+
+def _check_virtual_stages(v, schedule: str) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise MeshshardInputError(
+            f"PipeshardParallel.virtual_stages must be a positive int, got {v!r}"
+        )
+    if v > 1 and schedule != "interleaved_1f1b":
+        raise MeshshardInputError(
+            f"PipeshardParallel.virtual_stages={v} needs schedule='interleaved_1f1b' "
+            f"(got schedule={schedule!r}); drop virtual_stages or change the schedule"
+        )
 
 
 def _check_micro_batches(m, owner: str) -> None:

@@ -8,6 +8,7 @@ instruction stream; ``Plan.from_json(plan.to_json()) == plan``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -348,15 +349,18 @@ class ReductionSpec:
 
 @dataclass(frozen=True)
 class Task:
-    """One cell of a schedule: stage ``stage`` runs its forward (F) or backward (B) on ``mb``.
+    """One cell of a schedule: mesh ``stage`` runs a forward (F), backward (B) or
+    weight-gradient (W) task on micro-batch ``mb``.
 
-    ``virtual`` is the virtual-stage slot of interleaved schedules (empty today).
+    ``virtual`` is the model chunk of interleaved schedules (logical stage
+    ``virtual * S + stage``); ``version`` is the weight version a 2BW task reads.
     """
 
     stage: int
     mb: int
     kind: TaskKind
     virtual: int | None = None
+    version: int | None = None
 
     def __post_init__(self) -> None:
         _set(self, "kind", TaskKind(self.kind))
@@ -366,28 +370,46 @@ class Task:
         """The program this task runs."""
         return ProgramRef(self.kind.phase, self.stage, self.virtual)
 
+    def logical(self, num_stages: int) -> int:
+        """The logical pipeline stage of this task among ``num_stages`` meshes."""
+        return self.stage + num_stages * (self.virtual or 0)
+
     def __str__(self) -> str:
         v = f"v{self.virtual}" if self.virtual is not None else ""
-        return f"{self.kind.value}{self.mb}{v}"
+        ver = f"~{self.version}" if self.version is not None else ""
+        return f"{self.kind.value}{self.mb}{v}{ver}"
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule as a grid: ``ticks[t][s]`` is stage ``s``'s task at tick ``t``."""
+    """A pipeline schedule as a grid: ``ticks[t][s]`` is mesh ``s``'s task at tick ``t``.
+
+    ``virtual_stages`` model chunks run on each mesh (interleaved schedules);
+    ``activation_bound[s]`` is the most micro-batch activations (per chunk) mesh ``s``
+    may hold at once, as the generator states it (empty: not stated).  A schedule over
+    several ``steps`` without flushes (2BW) numbers micro-batches across steps: task
+    ``mb`` is micro-batch ``mb % num_micro_batches`` of step ``mb // num_micro_batches``.
+    """
 
     name: str
     num_stages: int
     num_micro_batches: int
     ticks: tuple[tuple[Task | None, ...], ...]
+    virtual_stages: int = 1
+    activation_bound: tuple[int, ...] = ()
+    steps: int = 1
 
     def __str__(self) -> str:
         lines = [
             f"{self.name}: {self.num_stages} stages x {self.num_micro_batches} micro-batches, "
             f"{len(self.ticks)} ticks"
         ]
-        lines.append("  tick " + " ".join(f"{'s' + str(s):>4}" for s in range(self.num_stages)))
+        width = max([4] + [len(str(c)) for row in self.ticks for c in row if c])
+        lines.append(
+            "  tick " + " ".join(f"{'s' + str(s):>{width}}" for s in range(self.num_stages))
+        )
         for t, row in enumerate(self.ticks):
-            cells = " ".join(f"{(str(c) if c else '.'):>4}" for c in row)
+            cells = " ".join(f"{(str(c) if c else '.'):>{width}}" for c in row)
             lines.append(f"  {t:>4} {cells}")
         return "\n".join(lines)
 
@@ -500,11 +522,15 @@ class Plan:
 
     def buffer(self, ref: BufferRef | str) -> BufferSpec:
         """The buffer group of ``ref`` (its micro-batch, if any, is ignored)."""
-        group = BufferRef.of(ref).group
-        for b in self.buffers:
-            if b.name == group:
-                return b
-        raise KeyError(f"plan has no buffer {str(ref)!r}")
+        found = self._buffer_index.get(BufferRef.of(ref).group)
+        if found is None:
+            raise KeyError(f"plan has no buffer {str(ref)!r}")
+        return found
+
+    @functools.cached_property
+    def _buffer_index(self) -> dict[BufferRef, BufferSpec]:
+        # the driver looks buffers up for every output of every step: a dict, not a scan
+        return {b.name: b for b in self.buffers}
 
     def transfer(self, ref: TransferRef | BufferRef | str) -> TransferSpec:
         """The transfer ``ref`` (``t3``, or a buffer ``t3@k`` of it)."""

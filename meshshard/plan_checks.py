@@ -95,10 +95,12 @@ def _micro_batch_problems(plan) -> list[str]:
             used.update(
                 k for b in (*ins.reads, *ins.writes) if (k := getattr(b, "mb", None)) is not None
             )
-        if used and max(used) >= m:
+        steps = plan.schedule.steps  # a flush-free schedule numbers micro-batches across steps
+        if used and max(used) >= m * steps:
+            per = f" x {steps} steps" if steps > 1 else ""
             problems.append(
                 f"w{stream.worker}: the stream uses micro-batch {max(used)} but "
-                f"num_micro_batches is {m}"
+                f"num_micro_batches is {m}{per}"
             )
     return problems
 

@@ -14,7 +14,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Collective, Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
 from meshshard.plan import Plan, Schedule
 from meshshard.plan_checks import header_problems
-from meshshard.refs import BufferKind, BufferRef, TaskKind
+from meshshard.refs import BufferKind, BufferRef
 
 
 def verify(plan: Plan, cluster: ClusterSpec | None = None) -> list[str]:
@@ -81,58 +81,17 @@ def verify(plan: Plan, cluster: ClusterSpec | None = None) -> list[str]:
 
 
 def verify_schedule(schedule: Schedule) -> list[str]:
-    """Each (stage, micro-batch, F/B) once, in dependency order, one task per stage per tick."""
-    problems = []
-    when: dict[tuple[int, str, int], int] = {}
-    for t, row in enumerate(schedule.ticks):
-        if len(row) != schedule.num_stages:
-            problems.append(f"tick {t} has {len(row)} cells for {schedule.num_stages} stages")
-        for s, task in enumerate(row):
-            if task is None:
-                continue
-            if task.stage != s:
-                problems.append(f"tick {t}: task {task} sits in stage {s}'s column")
-            key = (task.stage, task.kind, task.mb)
-            if key in when:
-                problems.append(f"task {_task(key)} scheduled twice")
-            when[key] = t
-    S, M = schedule.num_stages, schedule.num_micro_batches
-    for s in range(S):
-        for m in range(M):
-            kinds = (TaskKind.F,) if schedule.name == "inference" else (TaskKind.F, TaskKind.B)
-            for kind in kinds:
-                if (s, kind, m) not in when:
-                    problems.append(f"task {_task((s, kind, m))} never scheduled")
-    for (s, kind, m), t in when.items():
-        deps = []
-        if kind is TaskKind.F and s > 0:
-            deps.append((s - 1, TaskKind.F, m))
-        if kind is TaskKind.B:
-            deps.append((s, TaskKind.F, m))
-            if s < S - 1:
-                deps.append((s + 1, TaskKind.B, m))
-        for d in deps:
-            if d in when and when[d] >= t:
-                problems.append(
-                    f"task {_task((s, kind, m))} at tick {t} runs before its dependency {_task(d)}"
-                )
-    return problems
+    """Each task once, in dependency order, one task per stage per tick, activations
+    within the schedule's bound, weight versions consistent
+    (:func:`meshshard.passes.schedule_verify.schedule_problems`)."""
+    from meshshard.passes.schedule_verify import schedule_problems
 
-
-def _task(key: tuple[int, TaskKind, int]) -> str:
-    """A task key as text: stage 1's backward of micro-batch 2 is ``s1.B2``."""
-    s, kind, m = key
-    return f"s{s}.{kind.value}{m}"
+    return [str(p) for p in schedule_problems(schedule)]
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran and backward has not."""
-    peak = [0] * schedule.num_stages
-    live = [0] * schedule.num_stages
-    for row in schedule.ticks:
-        for s, task in enumerate(row):
-            if task is None:
-                continue
-            live[s] += 1 if task.kind is TaskKind.F else -1
-            peak[s] = max(peak[s], live[s])
-    return peak
+    """Per stage, the most micro-batches whose forward ran and whose last backward task
+    (W when split, else B) has not (:func:`~meshshard.passes.schedule_verify.activation_peaks`)."""
+    from meshshard.passes.schedule_verify import activation_peaks
+
+    return activation_peaks(schedule)

@@ -557,6 +557,7 @@ class RayBackend:
             for w in plan.workers
         }
         times = self.cluster._call(refs, f"compiling plan {self.plan_id}")
+        self.workers = tuple(plan.workers)
         self.generation = self.cluster.generation
         return times
 
@@ -584,6 +585,12 @@ class RayBackend:
             if trace is not None:
                 self.last_traces[w] = trace
         return results
+
+    def runtime_options(self, **opts) -> dict:
+        """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
+        read); returns each worker's last recorded timeline."""
+        refs = {w: self._actor(w).runtime_options.remote(self.plan_id, opts) for w in self.workers}
+        return self.cluster._call(refs, "runtime options")
 
     def set_trace(self, workers, on: bool, sync: bool = False) -> None:
         """Make ``workers`` record (or stop recording) their per-instruction timelines;

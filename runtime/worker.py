@@ -72,13 +72,19 @@ class Worker:
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.shape)
-        programs = build_programs(traced, plan, mesh_spec.id, self.mesh)
+        # interleaved 1F1B: logical meshes that view this same mesh run here too
+        views = {
+            m.id for m in plan.meshes if (m.hosts, m.shape) == (mesh_spec.hosts, mesh_spec.shape)
+        }
+        programs = {}
+        for mesh_id in sorted(views):
+            programs.update(build_programs(traced, plan, mesh_id, self.mesh))
         stream = next(s for s in plan.streams if s.worker == self.worker)
         self.plan = plan
         self.traced = traced
         self.mesh_spec = mesh_spec
         self.interp = StreamInterpreter(stream, plan, programs, self.mesh, self.transport)
-        self._groups = {b.name: b for b in plan.buffers if b.mesh == mesh_spec.id}
+        self._groups = {b.name: b for b in plan.buffers if b.mesh in views}
         self._leaf_slot = {}
         for i in plan.inputs:
             for g, idx in i.slots:

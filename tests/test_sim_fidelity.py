@@ -58,17 +58,14 @@ def test_host_fields_are_checked(field, value, match):
         ClusterSpec(**{field: value})
 
 
-@pytest.mark.slow
-def test_simulation_with_measured_times_reproduces_a_recorded_interleaving(threads_cluster):
-    """Record a 2-stage 1F1B run (every RUN waits for its outputs), feed its program and
-    host times to the simulator: the simulated order of programs across the two
-    workers is the recorded one (median over 4 recorded steps; pairs closer than half a
-    program are not judged)."""
+def check_recorded_interleaving(step, args) -> None:
+    """Record 4 steps of a compiled 2-stage ``step`` (every RUN waiting for its outputs)
+    and feed their program and host times to the simulator: the simulated order of
+    programs across the two workers is the recorded one (each RUN's median over the 4
+    steps; pairs closer than half a program are not judged).  Run by
+    tests/test_trace_record.py on the step its bench test compiled (one compile)."""
     import statistics
 
-    import meshshard
-    from examples import mlp
-    from meshshard import PipeshardParallel
     from meshshard.runtime.trace_record import TraceLog
     from meshshard.sim.fidelity import (
         opcode_overheads,
@@ -77,24 +74,18 @@ def test_simulation_with_measured_times_reproduces_a_recorded_interleaving(threa
         run_spans,
     )
 
-    model = mlp.MLP(num_layers=4, hidden=256)
-    batch = mlp.make_batch(batch_size=256)
-    state = mlp.make_state(model, batch["x"])
-    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="1f1b")
-    step = meshshard.parallelize(mlp.train_step, method=method)
-    step(state, batch)
     exe = step.executable
     log = TraceLog("unused.json", keep=4)
     exe.record(log, sync=True)
     for _ in range(4):
-        step(state, batch)
+        step(*args)
+    exe.record(None)
     times = program_times(log.steps)
     cluster = replace(exe.plan.cluster, opcode_overheads=opcode_overheads(log.steps))
     sim = simulate(exe.plan, cluster, program_times=times)
     simulated = {
         (int(s.track[1:]), s.name): (s.start, s.end) for s in sim.spans if s.category == "run"
     }
-    # each RUN's median start and end over the recorded steps, from its step's first RUN
     per_step = [run_spans(log.steps, n) for n in range(len(log.steps))]
     measured = {
         k: tuple(
@@ -103,7 +94,8 @@ def test_simulation_with_measured_times_reproduces_a_recorded_interleaving(threa
         )
         for k in per_step[0]
     }
-    assert set(simulated) == set(measured) and len(measured) == 2 * (2 * 4 + 1)
+    m = exe.plan.num_micro_batches
+    assert set(simulated) == set(measured) and len(measured) == 2 * (2 * m + 1)
     margin = statistics.median(times.values()) / 2
     assert order_disagreements(simulated, measured, margin) == []
     # the check has teeth: a model with the second stage 5x slower orders differently

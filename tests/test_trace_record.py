@@ -21,8 +21,9 @@ from meshshard.runtime.trace_record import (
     span_name,
 )
 from meshshard.runtime.transport import QueueTransport
+from tests.test_sim_fidelity import check_recorded_interleaving
 
-METHOD = dict(num_micro_batches=2, stages=[(1, 2), (1, 2)], schedule="1f1b")
+METHOD = dict(num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="1f1b")
 
 
 def _run(tmp_path, steps=3):
@@ -95,25 +96,31 @@ def test_trace_must_be_a_path():
 
 
 @pytest.mark.slow
-def test_threads_bench_trace_has_one_span_per_instruction(tmp_path):
-    """``meshshard bench``'s runner on threads: the recorded timed steps, nothing else."""
+def test_threads_bench_trace_and_simulated_interleaving(threads_cluster, tmp_path):
+    """``meshshard bench``'s runner on threads records the timed steps, one span per
+    instruction; then the simulator, given the step's measured program times,
+    reproduces its recorded interleaving (tests/test_sim_fidelity.py; one compile)."""
     script = tmp_path / "step.py"
     script.write_text(
         "import meshshard\nfrom examples import mlp\n"
         "def setup():\n"
-        "    model = mlp.MLP(num_layers=4)\n"
-        "    batch = mlp.make_batch(batch_size=16)\n"
+        "    model = mlp.MLP(num_layers=4, hidden=256)\n"
+        "    batch = mlp.make_batch(batch_size=256)\n"
         "    state = mlp.make_state(model, batch['x'])\n"
         f"    method = meshshard.PipeshardParallel(**{METHOD!r})\n"
         "    return meshshard.parallelize(mlp.train_step, method=method), (state, batch)\n"
     )
     out = tmp_path / "bench.json"
-    result, step = run_script(str(script), steps=3, warmup=1, trace=str(out), backend="threads")
+    result, step = run_script(str(script), steps=3, warmup=1, trace=str(out))
     assert len(result.times) == 3
     trace = json.loads(out.read_text())
     assert trace["otherData"]["steps"] == 3
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, DRIVER_PID}
     _check_trace(step, trace, steps=3)
+    step.record(None)
+    model = mlp.MLP(num_layers=4, hidden=256)
+    batch = mlp.make_batch(batch_size=256)
+    check_recorded_interleaving(step, (mlp.make_state(model, batch["x"]), batch))
 
 
 @pytest.mark.ray
