@@ -33,8 +33,8 @@ from meshshard.passes.shard_plan import (
 )
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
-from meshshard.passes.stage_cost import step_layer_stats
 from meshshard.passes.split_backward import split_backward
+from meshshard.passes.stage_cost import step_layer_stats
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.state import CompileState, Pass
 from meshshard.passes.trace import TracedStep, trace_step
