@@ -232,12 +232,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default="fidelity_trace.json")
     ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
+    ap.add_argument("--select", default=None, help="comma-separated plan indices to run")
     ap.add_argument("--overhead-plan", default=PLANS[1][0])
     args = ap.parse_args(argv)
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="meshshard-fidelity-")
     plans = PLANS[: args.only] if args.only else PLANS
+    if args.select:
+        plans = [PLANS[int(i)] for i in args.select.split(",")]
     meshshard.init()
     records = []
     try:

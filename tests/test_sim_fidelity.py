@@ -74,7 +74,7 @@ def check_recorded_interleaving(step, args) -> None:
         run_spans,
     )
 
-    exe = step.executable
+    exe = step._executable_for(args)  # the compiled version these arguments run
     log = TraceLog("unused.json", keep=4)
     exe.record(log, sync=True)
     for _ in range(4):
