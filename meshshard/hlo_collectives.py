@@ -314,3 +314,36 @@ def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
     for x in collectives:
         total[x.kind] += x.nbytes
     return {k: total[k] for k in KINDS if k in total}
+
+
+def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
+    """Compile each program of mesh ``mesh_id`` the way the runtime does and parse its
+    collectives: program token -> tuple of :class:`Collective`.
+
+    ``devices`` are the mesh's devices, host-major (any ``len == mesh size`` list of
+    local devices works: the programs are only compiled, never run).
+    """
+    import jax
+
+    from meshshard.jaxpr_util import var_ids
+    from meshshard.runtime.programs import (
+        _specs_for,
+        build_programs,
+        group_contents,
+        make_mesh,
+        sharding,
+    )
+
+    shape = next(m.shape for m in plan.meshes if m.id == mesh_id)
+    mesh = make_mesh(devices, shape)
+    by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
+    out = {}
+    for name, prog in build_programs(traced, plan, mesh_id, mesh).items():
+        args = []
+        for g in prog.input_groups:
+            vids = group_contents(plan, g).vars
+            for vid, spec in zip(vids, _specs_for(plan, g, mesh_id), strict=True):
+                aval = by_id[vid].aval
+                args.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding(mesh, spec)))
+        out[str(name)] = collectives_of(prog.fn.lower(*args).compile())
+    return out
