@@ -203,7 +203,8 @@ def _pin_layout(spec, shape, mesh: LogicalMesh, name: str) -> Layout:
                 f"dim {d} of size {shape[d]} over {mesh.size(axes)} devices of mesh {mesh}, "
                 f"which does not divide it; layouts that fit: {', '.join(fits)}"
             )
-    return layout
+    # axes of size 1 split nothing: the layouts the rules enumerate leave them out
+    return tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in layout)
 
 
 def _scope(jaxpr, eqns: Sequence[int] | None):

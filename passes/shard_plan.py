@@ -83,7 +83,7 @@ def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec
     fwd = set()
     for p in graph.programs:
         if p.name.phase in (Phase.FORWARD, Phase.BACKWARD):
-            fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars)
+            fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars if not is_literal(v))
     pins = {}
     for leaf, info in enumerate(traced.inputs):
         v = traced.jaxpr.invars[leaf]
