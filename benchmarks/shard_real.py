@@ -112,8 +112,10 @@ def main(argv=None) -> int:
         env=env,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if child.returncode:
+        sys.stderr.write(child.stderr)
+        return child.returncode
     counts = json.loads(child.stdout.strip().splitlines()[-1])
     times = timings(args.steps, m)
     base = times["DataParallel (2,2)"]["step_s"]
