@@ -188,6 +188,8 @@ def parse_replica_groups(text: str | None, num_devices: int) -> tuple[tuple[int,
         ((0, 2), (1, 3))
         >>> parse_replica_groups("mesh['axis_0'=2,'axis_1'=2] {'axis_0'}", 4)
         ((0, 2), (1, 3))
+        >>> parse_replica_groups("mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'a'}", 4)
+        ((0, 1), (2, 3))
     """
     if text is None or text.strip() in ("", "{}"):
         return (tuple(range(num_devices)),)
@@ -211,17 +213,30 @@ def parse_replica_groups(text: str | None, num_devices: int) -> tuple[tuple[int,
     raise ValueError(f"unknown replica-group form {text!r}")
 
 
+def _device_ids(text: str | None, n: int) -> np.ndarray:
+    """Device id at each mesh position: ``[2,2]T(1,0)`` (iota, transposed) or a list."""
+    if not text:
+        return np.arange(n)
+    m = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text.strip())
+    if m is not None:
+        ids = np.arange(n).reshape([int(x) for x in m.group(1).split(",")])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in re.findall(r"\d+", text)])
+
+
 def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
-    m = re.fullmatch(r"mesh\[(.*?)\]\s*\{(.*)\}", text)
+    m = re.fullmatch(r"mesh\[(.*?)\](?:\s*,\s*device_ids=\((.*?)\))?\s*\{(.*)\}", text)
     if m is None:
         raise ValueError(f"unknown mesh replica-group form {text!r}")
     axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
     names = [a for a, _ in axes]
     sizes = [int(s) for _, s in axes]
-    chosen = re.findall(r"'([^']+)'", m.group(2))
+    chosen = re.findall(r"'([^']+)'", m.group(3))
     if any(c not in names for c in chosen):
         raise ValueError(f"mesh replica groups name an axis the mesh lacks: {text!r}")
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    ids = _device_ids(m.group(2), math.prod(sizes)).reshape(sizes)
     keep = [i for i, n in enumerate(names) if n not in chosen]
     along = [names.index(c) for c in chosen]
     ids = ids.transpose(keep + along).reshape(-1, math.prod(sizes[i] for i in along))
@@ -314,3 +329,38 @@ def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
     for x in collectives:
         total[x.kind] += x.nbytes
     return {k: total[k] for k in KINDS if k in total}
+
+
+def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
+    """Compile each program of mesh ``mesh_id`` the way the runtime does and parse its
+    collectives: program token -> tuple of :class:`Collective`.
+
+    ``devices`` are the mesh's devices, host-major (any ``len == mesh size`` list of
+    local devices works: the programs are only compiled, never run).
+    """
+    import jax
+
+    from meshshard.jaxpr_util import var_ids
+    from meshshard.runtime.programs import (
+        _specs_for,
+        build_programs,
+        group_contents,
+        make_mesh,
+        sharding,
+    )
+
+    shape = next(m.shape for m in plan.meshes if m.id == mesh_id)
+    mesh = make_mesh(devices, shape)
+    by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
+    out = {}
+    for name, prog in build_programs(traced, plan, mesh_id, mesh).items():
+        args = []
+        for g in prog.input_groups:
+            vids = group_contents(plan, g).vars
+            for vid, spec in zip(vids, _specs_for(plan, g, mesh_id), strict=True):
+                aval = by_id[vid].aval
+                args.append(
+                    jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding(mesh, spec))
+                )
+        out[str(name)] = collectives_of(prog.fn.lower(*args).compile())
+    return out

@@ -8,12 +8,15 @@ decompositions the simulator runs (:mod:`meshshard.sim.collectives`), with the s
 byte convention (``n`` = buffer size for all-reduce and all-to-all, the full gathered
 size for all-gather and reduce-scatter)::
 
-    all-reduce      2 (p-1) alpha + 2 (p-1)/p n beta
+    all-reduce        (p-1) alpha + 2 (p-1)/p n beta
     all-gather        (p-1) alpha +   (p-1)/p n beta      (reduce-scatter alike)
     all-to-all        (p-1) alpha +   (p-1)/p n beta      (each member sends n/p to each other)
 
 A collective over several axes at once is priced on the slowest of them with the
-product of their sizes (a ring through every device of the group).
+product of their sizes (a ring through every device of the group).  An all-reduce pays
+its latency like an all-gather, not twice: small ones run as trees (NCCL) or fused into
+one (XLA's all-reduce combiner), and twice the latency made the solver gather a whole
+activation rather than all-reduce a few bytes, which XLA's partitioner then did not do.
 
     >>> from meshshard.cluster import ClusterSpec
     >>> m = LogicalMesh.of((2, 4), ClusterSpec.preset("aws-p3.16xlarge"))
@@ -105,7 +108,7 @@ class LogicalMesh:
         beta = max(self.beta[self.axes.index(a)] for a in axes)
         frac = (p - 1) / p
         if kind == "all-reduce":
-            return 2 * (p - 1) * alpha + 2 * frac * nbytes * beta
+            return (p - 1) * alpha + 2 * frac * nbytes * beta
         if kind in ("all-gather", "reduce-scatter"):
             return (p - 1) * alpha + frac * nbytes * beta
         if kind == "all-to-all":

@@ -97,9 +97,16 @@ class ShardingSolution:
     notes: tuple[str, ...] = field(default=())
 
     def comms_of(self, eqns: Sequence[int]) -> tuple[Comm, ...]:
-        """Predicted collectives of a program made of equations ``eqns``."""
+        """Predicted collectives of a program made of equations ``eqns``: a value that
+        several equations need in the same new layout is resharded once (XLA reuses it)."""
         keep = set(eqns)
-        return tuple(c for e, c in self.comms if e in keep)
+        seen, out = set(), []
+        for e, c in self.comms:
+            key = (c.var, c.kind, c.axes, c.nbytes)
+            if e in keep and (c.var < 0 or key not in seen):
+                seen.add(key)
+                out.append(c)
+        return tuple(out)
 
     def summary(self) -> str:
         """One line: ILP size, objective, solve time, gap, and the fallback when taken."""
@@ -196,7 +203,8 @@ def _pin_layout(spec, shape, mesh: LogicalMesh, name: str) -> Layout:
                 f"dim {d} of size {shape[d]} over {mesh.size(axes)} devices of mesh {mesh}, "
                 f"which does not divide it; layouts that fit: {', '.join(fits)}"
             )
-    return layout
+    # axes of size 1 split nothing: the layouts the rules enumerate leave them out
+    return tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in layout)
 
 
 def _scope(jaxpr, eqns: Sequence[int] | None):
@@ -215,6 +223,15 @@ def _scope(jaxpr, eqns: Sequence[int] | None):
     return idx, inputs
 
 
+def _input_node(v, vid: int, mesh: LogicalMesh) -> _Node:
+    """A value the scope reads but does not compute: any layout, at no cost but a tie-break."""
+    shape = tuple(v.aval.shape)
+    strat = [Strategy(str(to_spec(lay)), (lay,), ()) for lay in layouts(shape, mesh)]
+    held = [local_bytes(shape, v.aval.dtype, st.outs[0], mesh) for st in strat]
+    tie = np.array(held) * TIE_BREAK / mesh.memory_bandwidth
+    return _Node(-1, (vid,), strat, tie, ((shape, v.aval.dtype),))
+
+
 def _build(jaxpr, mesh, eqns, pins) -> _Problem:
     ids = var_ids(jaxpr)
     idx, inputs = _scope(jaxpr, eqns)
@@ -223,12 +240,8 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
     pin_on: dict[tuple[int, int], Layout] = {}
     notes: list[str] = []
     for v in inputs:
-        shape = tuple(v.aval.shape)
-        strat = [Strategy(str(to_spec(lay)), (lay,), ()) for lay in layouts(shape, mesh)]
         source[ids[v]] = (len(nodes), 0)
-        held = [local_bytes(shape, v.aval.dtype, st.outs[0], mesh) for st in strat]
-        tie = np.array(held) * TIE_BREAK / mesh.memory_bandwidth
-        nodes.append(_Node(-1, (ids[v],), strat, tie, ((shape, v.aval.dtype),)))
+        nodes.append(_input_node(v, ids[v], mesh))
     edges: list[_Edge] = []
     for i in idx:
         eqn = jaxpr.eqns[i]
@@ -245,7 +258,11 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
                 ]
             )
             for a, o in pairs:
-                if is_dropvar(o) or is_literal(a) or ids[a] not in source:
+                if is_dropvar(o) or is_literal(a):
+                    continue
+                if ids[a] not in source:  # its operand comes from outside: a free input
+                    source[ids[o]] = (len(nodes), 0)
+                    nodes.append(_input_node(o, ids[o], mesh))
                     continue
                 source[ids[o]] = source[ids[a]]
                 if name == "meshshard_shard":

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from meshshard.cluster import ClusterSpec
 from meshshard.jaxpr_util import is_literal, var_ids
 from meshshard.passes.shard_costs import LogicalMesh
-from meshshard.passes.shard_ilp import ShardingSolution, solve_stage
+from meshshard.passes.shard_ilp import ALIAS_PRIMITIVES, ShardingSolution, solve_stage
 from meshshard.passes.shard_rules import layouts, to_spec
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes
 from meshshard.passes.stage_graph import StageGraph
@@ -83,7 +83,7 @@ def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec
     fwd = set()
     for p in graph.programs:
         if p.name.phase in (Phase.FORWARD, Phase.BACKWARD):
-            fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars)
+            fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars if not is_literal(v))
     pins = {}
     for leaf, info in enumerate(traced.inputs):
         v = traced.jaxpr.invars[leaf]
@@ -111,11 +111,13 @@ def infer_shardings(
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
     tied = tied_state(traced)
+    markers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ALIAS_PRIMITIVES}
     out = []
     for mesh in meshes:
-        eqns = tuple(sorted({i for p in graph.programs if p.stage == mesh.id for i in p.eqns}))
+        eqns = {i for p in graph.programs if p.stage == mesh.id for i in p.eqns}
         if not eqns:
             continue
+        eqns = tuple(sorted(eqns | markers))  # markers carry specs across programs
         lmesh = LogicalMesh.of(mesh.shape, cluster)
         read = {ids[v] for i in eqns for v in jaxpr.eqns[i].invars if not is_literal(v)}
         pins = _mode_pins(traced, graph, mesh, lmesh, mode, read)

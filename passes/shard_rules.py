@@ -130,17 +130,79 @@ def _elementwise(eqn, mesh: LogicalMesh) -> list[Strategy]:
     if any(_shape(o) != out_shape for o in eqn.outvars):
         return _replicated(eqn, mesh)
     ins_shapes = [_shape(v) for v in eqn.invars]
-    if any(s not in ((), out_shape) for s in ins_shapes):
+
+    def fits(s):  # a scalar, or the output's shape with some dims of size 1 (broadcast)
+        return s == () or (
+            len(s) == len(out_shape) and all(a in (1, b) for a, b in zip(s, out_shape, strict=True))
+        )
+
+    if not all(fits(s) for s in ins_shapes):
         return _replicated(eqn, mesh)
     out = []
     for lay in layouts(out_shape, mesh):
         ins = tuple(
-            None if _is_literal(v) else (lay if s == out_shape else ())
+            None
+            if _is_literal(v)
+            else tuple(x if a == b else () for x, a, b in zip(lay, s, out_shape, strict=False))
             for v, s in zip(eqn.invars, ins_shapes, strict=True)
         )
         out.append(
             Strategy(_name(lay), tuple(lay for _ in eqn.outvars), ins, (), shards(lay, mesh))
         )
+        if any(lay) and len(eqn.outvars) == 1:  # compute split, gather the result once
+            o = eqn.outvars[0]
+            comms = reshard_comms(out_shape, o.aval.dtype, lay, _whole(o), mesh)
+            out.append(Strategy(_name(lay) + "->P()", (_whole(o),), ins, comms, shards(lay, mesh)))
+    return out
+
+
+def _gather(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """Split the indices' batch dims (and the operand's batching dims paired with them),
+    or a dim the gather takes whole from the operand (an embedding's feature dim)."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    out_shape = _shape(eqn.outvars[0])
+    sizes = eqn.params["slice_sizes"]
+    out_batch = [d for d in range(len(out_shape)) if d not in dn.offset_dims]
+    window = [
+        j
+        for j in range(len(operand))
+        if j not in dn.collapsed_slice_dims and j not in dn.operand_batching_dims
+    ]
+    if len(out_batch) != len(indices) - 1 or len(window) != len(dn.offset_dims):
+        return _replicated(eqn, mesh)
+    roles = []  # (size, operand dims, indices dims, output dims)
+    for i in range(len(indices) - 1):
+        op = ()
+        if i in dn.start_indices_batching_dims:
+            op = (dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)],)
+        roles.append((indices[i], op, (i,), (out_batch[i],)))
+    for k, j in enumerate(window):
+        if sizes[j] == operand[j]:
+            roles.append((operand[j], (j,), (), (dn.offset_dims[k],)))
+    return _role_strategies(eqn, mesh, roles, (operand, indices), out_shape)
+
+
+def _role_strategies(eqn, mesh, roles, in_shapes, out_shape) -> list[Strategy]:
+    out = []
+    for groups in _assignments(len(roles), mesh):
+        if any(roles[r][0] % mesh.size(a) for r, a in groups.items()):
+            continue
+        lays = [[()] * len(s) for s in in_shapes]
+        out_lay = [()] * len(out_shape)
+        for r, axes in groups.items():
+            _, op, ix, od = roles[r]
+            for d in op:
+                lays[0][d] = axes
+            for d in ix:
+                lays[1][d] = axes
+            for d in od:
+                out_lay[d] = axes
+        ins = [tuple(x) for x in lays] + [
+            None if _is_literal(v) else _whole(v) for v in eqn.invars[len(in_shapes) :]
+        ]
+        split = math.prod(mesh.size(a) for a in groups.values())
+        out.append(Strategy(_name(tuple(out_lay)), (tuple(out_lay),), tuple(ins), (), split))
     return out
 
 
@@ -335,6 +397,7 @@ STRATEGY_RULES: dict[str, Rule] = {
     "transpose": _transpose,
     "reshape": _reshape,
     "squeeze": _squeeze,
+    "gather": _gather,
 }
 
 

@@ -20,7 +20,8 @@ from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.transport import Transport
 
-#: Results up to this many bytes come back to the driver by value (losses, counters).
+#: Results up to this many bytes come back to the driver by value (losses, counters),
+#: when replicated (a split one, from inferred sharding, is kept like a large one).
 BY_VALUE_BYTES = 64
 
 
@@ -129,7 +130,7 @@ class Worker:
         result = {}
         for (group, idx), key in out_keys.items():
             arr = buffers[group][idx]
-            if arr.nbytes <= BY_VALUE_BYTES:
+            if arr.nbytes <= BY_VALUE_BYTES and arr.sharding.is_fully_replicated:
                 result[(group, idx)] = np.asarray(jax.device_get(arr.addressable_shards[0].data))
             else:
                 self.store[key] = arr

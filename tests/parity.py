@@ -9,6 +9,8 @@ from tests.conftest import assert_trees_close
 MODELS = {
     "mlp": lambda: (mlp, mlp.MLP(num_layers=4), mlp.make_batch(batch_size=16)),
     "gpt": lambda: (gpt, gpt.GPT(num_layers=4), gpt.make_batch(batch_size=8)),
+    # wide enough that the sharding ILP splits weights and activations (not all-replicated)
+    "mlp_wide": lambda: (mlp, mlp.MLP(hidden=256, num_layers=2), mlp.make_batch(batch_size=64)),
 }
 
 
@@ -17,7 +19,7 @@ def check_parity(model_name: str, method, steps: int = 3, batch_size: int | None
     module, model, batch = MODELS[model_name]()
     if batch_size is not None:
         batch = module.make_batch(batch_size=batch_size)
-    key = "x" if model_name == "mlp" else "inputs"
+    key = "x" if model_name.startswith("mlp") else "inputs"
     state = module.make_state(model, batch[key])
     ref_step = jax.jit(module.train_step)
     step = meshshard.parallelize(module.train_step, method=method)
