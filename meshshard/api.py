@@ -49,7 +49,8 @@ class ParallelizedFunction:
         self.last_compile_seconds: float | None = None
         functools.update_wrapper(self, fn)
         self._two_bw = None
-        if getattr(method, "schedule", None) == "2bw" and not _one_2bw_variant:
+        stale = isinstance(method, PipeshardParallel) and method.schedule == "2bw"
+        if stale and not _one_2bw_variant:
             from meshshard.two_bw import TwoBWStep
 
             self._two_bw = TwoBWStep(
