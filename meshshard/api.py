@@ -63,11 +63,8 @@ class ParallelizedFunction:
             self.record(trace)
         functools.update_wrapper(self, fn)
         self._two_bw = None
-        if (
-            isinstance(method, PipeshardParallel)
-            and method.schedule == "2bw"
-            and not _one_2bw_variant
-        ):
+        stale = isinstance(method, PipeshardParallel) and method.schedule == "2bw"
+        if stale and not _one_2bw_variant:
             from meshshard.two_bw import TwoBWStep
 
             self._two_bw = TwoBWStep(

@@ -66,18 +66,27 @@ def _slicing_problems(state: CompileState) -> list[str]:
     return []
 
 
+def _interleaved(method) -> bool:
+    """Whether ``method`` (or the step a FollowParallel follows) has virtual stages."""
+    if getattr(method, "virtual_stages", 1) > 1:
+        return True
+    step = getattr(method, "step", None)
+    plan = getattr(step, "plan", None)
+    return plan is not None and plan.schedule.virtual_stages > 1
+
+
 def _mesh_problems(state: CompileState) -> list[str]:
     if state.meshes is None:
         return []
     problems = []
     seen: set[int] = set()
-    v = getattr(state.method, "virtual_stages", 1)  # interleaved: mesh L views mesh L % S
-    S = len(state.meshes) // v
+    views = set()  # interleaved 1F1B: a logical mesh may be an exact view of an earlier one
     for i, m in enumerate(state.meshes):
         if m.id != i:
             problems.append(f"mesh{m.id} sits at position {i}")
-        if i >= S and (m.hosts, m.shape) == (state.meshes[i % S].hosts, state.meshes[i % S].shape):
+        if (m.hosts, m.shape) in views and _interleaved(state.method):
             continue
+        views.add((m.hosts, m.shape))
         if set(m.hosts) & seen:
             problems.append(f"mesh{m.id} shares hosts {sorted(set(m.hosts) & seen)}")
         seen |= set(m.hosts)
