@@ -8,6 +8,7 @@ instruction stream; ``Plan.from_json(plan.to_json()) == plan``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 
@@ -516,11 +517,15 @@ class Plan:
 
     def buffer(self, ref: BufferRef | str) -> BufferSpec:
         """The buffer group of ``ref`` (its micro-batch, if any, is ignored)."""
-        group = BufferRef.of(ref).group
-        for b in self.buffers:
-            if b.name == group:
-                return b
-        raise KeyError(f"plan has no buffer {str(ref)!r}")
+        found = self._buffer_index.get(BufferRef.of(ref).group)
+        if found is None:
+            raise KeyError(f"plan has no buffer {str(ref)!r}")
+        return found
+
+    @functools.cached_property
+    def _buffer_index(self) -> dict[BufferRef, BufferSpec]:
+        # the driver looks buffers up for every output of every step: a dict, not a scan
+        return {b.name: b for b in self.buffers}
 
     def transfer(self, ref: TransferRef | BufferRef | str) -> TransferSpec:
         """The transfer ``ref`` (``t3``, or a buffer ``t3@k`` of it)."""

@@ -184,6 +184,13 @@ class HostActor:
             for sh in arr.addressable_shards
         ]
 
+    def runtime_options(self, plan_id: str, opts: dict):
+        """Set a compiled step's interpreter options (``overlap``, ``timeline``); returns
+        its last step's :class:`~meshshard.runtime.overlap.Timeline` (None if unrecorded)."""
+        interp = self.workers[plan_id].interp
+        interp.set_options(**opts)
+        return interp.last_timeline
+
     def release(self, plan_id: str) -> None:
         """Drop a step's compiled programs (its arrays stay in the store)."""
         self.workers.pop(plan_id, None)

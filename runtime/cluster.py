@@ -556,6 +556,7 @@ class RayBackend:
             for w in plan.workers
         }
         times = self.cluster._call(refs, f"compiling plan {self.plan_id}")
+        self.workers = tuple(plan.workers)
         self.generation = self.cluster.generation
         return times
 
@@ -580,6 +581,12 @@ class RayBackend:
         for w, (result, seconds) in out.items():
             results[w], self.worker_seconds[w] = result, seconds
         return results
+
+    def runtime_options(self, **opts) -> dict:
+        """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
+        read); returns each worker's last recorded timeline."""
+        refs = {w: self._actor(w).runtime_options.remote(self.plan_id, opts) for w in self.workers}
+        return self.cluster._call(refs, "runtime options")
 
     def fetch(self, worker: int, key: int) -> list:
         ref = self._actor(worker).fetch.remote(key)

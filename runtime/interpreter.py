@@ -10,6 +10,8 @@ transfer-only run.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -34,8 +36,15 @@ from meshshard.program_fn import reduction_identity
 from meshshard.refs import BufferKind, BufferRef, TransferRef
 from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
+from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
 from meshshard.runtime.transport import DEVICE, HOST, Transport
+
+
+def default_overlap() -> bool:
+    """Whether interpreters overlap communication with compute unless told otherwise
+    (``MESHSHARD_OVERLAP=0`` turns it off, e.g. to measure what overlap buys)."""
+    return os.environ.get("MESHSHARD_OVERLAP", "1") != "0"
 
 
 def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
@@ -137,6 +146,8 @@ class StreamInterpreter:
         transport: point-to-point transport to other workers.
         blocks: reads/rebuilds transferred values (default: global jax arrays on ``mesh``,
             kept on the devices when the transport takes the device path).
+        overlap: run communication concurrently with compute (module docstring);
+            default from ``MESHSHARD_OVERLAP`` (on unless ``0``).
     """
 
     def __init__(
@@ -147,6 +158,7 @@ class StreamInterpreter:
         mesh,
         transport: Transport,
         blocks: Blocks | None = None,
+        overlap: bool | None = None,
     ):
         self.stream = stream
         self.plan = plan
@@ -160,91 +172,40 @@ class StreamInterpreter:
         self.worker = stream.worker
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}
+        self._t_index = {t.name: i for i, t in enumerate(plan.transfers)}
+        self._max_msgs = max((len(t.messages) for t in plan.transfers), default=1)
+        self.overlap = default_overlap() if overlap is None else overlap
+        self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
+        self.last_timeline: Timeline | None = None
+
+    def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
+        """Switch overlapped execution and timeline recording for the next steps."""
+        if overlap is not None:
+            self.overlap = overlap
+        if timeline is not None:
+            self.timeline = timeline
 
     def run(
         self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
     ) -> dict[BufferRef, tuple]:
         """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
-        pending_recv: dict[str, list] = {}
-        pending_send: list = []
-        for i, ins in enumerate(self.stream.instructions):
-            try:
-                if isinstance(ins, Run):
-                    prog = self.programs[ins.program]
-                    outs = prog([buffers[name] for name in ins.inputs])
-                    for name, val in zip(ins.outputs, outs, strict=True):
-                        buffers[name] = val
-                elif isinstance(ins, Load):
-                    buffers[ins.buffer] = load(ins.buffer.group, ins.mb)
-                elif isinstance(ins, Zeros):
-                    buffers[ins.buffer] = self._zeros(ins.buffer)
-                elif isinstance(ins, Send):
-                    msg = self._transfers[ins.transfer].messages[ins.message]
-                    data = read_message(self.blocks, buffers[ins.buffer][0], msg)
-                    tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
-                    pending_send.append(self.transport.isend(data, ins.peer, tag))
-                elif isinstance(ins, Recv):
-                    msg = self._transfers[ins.transfer].messages[ins.message]
-                    tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
-                    handle = self.transport.irecv(msg.nbytes, ins.peer, tag)
-                    pending_recv.setdefault(ins.buffer, []).append((msg, handle))
-                elif isinstance(ins, Collective):
-                    self._collective(ins, buffers, pending_send, pending_recv)
-                elif isinstance(ins, Wait) and ins.buffer.kind is BufferKind.REDUCTION:
-                    ((_, handle),) = pending_recv.pop(ins.buffer)
-                    full = np.asarray(handle.wait())
-                    buffers[ins.buffer] = (array_from_host(full, sharding(self.mesh, ())),)
-                elif isinstance(ins, Wait):
-                    t = self._transfers[ins.buffer.transfer]
-                    size = jax.numpy.dtype(t.tensor.dtype).itemsize
-                    parts = [
-                        part
-                        for msg, h in pending_recv.pop(ins.buffer)
-                        for part in received_parts(msg, h.wait(), size)
-                    ]
-                    buffers[ins.buffer] = (self.blocks.assemble(t, parts),)
-                elif isinstance(ins, Free):
-                    del buffers[ins.buffer]
-                elif isinstance(ins, WaitAll):
-                    for h in pending_send:
-                        h.wait()
-                    pending_send.clear()
-                else:
-                    raise MeshshardRuntimeError(
-                        f"instruction {ins} is not supported by this runtime"
-                    )
-            except Exception as exc:
-                raise MeshshardRuntimeError(self._where(i, exc)) from exc
-        return buffers
+        step = _Step(self, buffers, load)
+        try:
+            for i, ins in enumerate(self.stream.instructions):
+                try:
+                    step.do(i, ins)
+                except Exception as exc:
+                    raise MeshshardRuntimeError(self._where(i, exc)) from exc
+            step.finish()
+        finally:
+            step.close()
+        return step.buffers
 
-    def _collective(self, ins: Collective, buffers, pending_send, pending_recv) -> None:
-        if ins.kind == "allreduce":
-            self._allreduce(ins, buffers, pending_recv)
-            return
-        if ins.kind != "broadcast":
-            raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")
-        msg = self._transfers[ins.transfer].messages[ins.message]
-        tag = message_tag(self.plan, ins.transfer, ins.buffer.mb, ins.message)
-        key = group_key(ins.transfer, msg.group)
-        if self.worker == ins.root:
-            data = read_message(self.blocks, buffers[ins.buffer][0], msg)
-            pending_send.append(self.transport.ibroadcast(data, msg.nbytes, msg.group, key, tag))
-        else:
-            handle = self.transport.ibroadcast(None, msg.nbytes, msg.group, key, tag)
-            pending_recv.setdefault(ins.buffer, []).append((msg, handle))
-
-    def _allreduce(self, ins: Collective, buffers, pending_recv) -> None:
-        """Contribute this mesh's partial (its leader worker) or the identity (the
-        mesh's other workers) to the all-reduce of ``ins.buffer``."""
-        r = self.plan.reduction(ins.buffer)
-        value = buffers.pop(ins.buffer)[0]
-        if self.worker in r.leaders:
-            data = np.asarray(value.addressable_shards[0].data)
-        else:
-            data = reduction_identity(r.op, r.tensor.shape, r.tensor.dtype)
-        key = reduction_key(r.name, r.group)
-        handle = self.transport.iallreduce(data, r.op, r.group, key)
-        pending_recv[ins.buffer] = [(None, handle)]
+    def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
+        """:func:`message_tag` from tables built once per plan."""
+        return (
+            self._t_index[transfer] * self.plan.num_micro_batches + mb
+        ) * self._max_msgs + message
 
     def _zeros(self, name: BufferRef) -> tuple:
         spec = self._buffers_spec[name]
@@ -266,3 +227,225 @@ class StreamInterpreter:
             mark = "  <-- ERROR HERE" if j == i else ""
             lines.append(f"  {j:>4} w{self.worker}: {self.stream.instructions[j]}{mark}")
         return "\n".join(lines)
+
+
+class _Sent:
+    """A handle already issued on the dispatching thread (sequential mode)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def result(self):
+        return self.handle
+
+
+class _Step:
+    """One step of one worker's stream.
+
+    Sequential mode (``overlap=False``) is the plain interpreter: each instruction
+    completes before the next starts (a ``SEND`` reads its block, ``WAIT`` blocks
+    until the bytes are there).  Overlapped mode keeps the stream's order of ``RUN``s
+    but lets communication proceed beside them: sends and collectives are issued by a
+    :class:`CommQueue` in priority order, a ``WAIT`` only registers the receive with a
+    :class:`Prefetcher`, and a ``RUN`` waits only for the buffers it reads.
+    """
+
+    def __init__(self, interp: StreamInterpreter, buffers: dict, load: Callable):
+        self.interp, self.buffers, self.load = interp, buffers, load
+        self.later: dict[BufferRef, Lazy] = {}  # buffers still being received
+        self.posted: dict[BufferRef, list] = {}  # (message, handle future, key) per buffer
+        self.sends: list = []  # futures of issued send handles
+        w = interp.worker
+        self.comm = CommQueue(f"w{w}-comm") if interp.overlap else None
+        self.prefetch = Prefetcher(f"w{w}-recv") if interp.overlap else None
+        self.tl = Timeline(w) if interp.timeline else None
+        self.watch = Prefetcher(f"w{w}-watch") if self.tl is not None else None
+        self.runs: list[tuple[int, int, Lazy]] = []
+
+    # --- helpers ------------------------------------------------------------------
+    def value(self, name: BufferRef) -> tuple:
+        """Buffer ``name``, waiting for its receive if it is still arriving."""
+        lazy = self.later.pop(name, None)
+        if lazy is not None:
+            self.buffers[name] = (lazy.get(),)
+        return self.buffers[name]
+
+    def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None):
+        """Issue one communication op: on the comm thread, or here when sequential."""
+        if self.comm is None:
+            return _Sent(fn())
+        interp = self.interp
+
+        def at_i():
+            try:
+                return fn()
+            except Exception as exc:
+                raise MeshshardRuntimeError(interp._where(i, exc)) from exc
+
+        return self.comm.submit(priority, at_i, channel)
+
+    def stamp(self, table: str, key) -> None:
+        if self.tl is not None:
+            getattr(self.tl, table)[key] = time.perf_counter_ns()
+
+    # --- instructions ---------------------------------------------------------------
+    def do(self, i: int, ins) -> None:
+        """Execute (or, overlapped, start) instruction ``ins`` at position ``i``."""
+        kind = type(ins)
+        if kind is Run:
+            self.run(i, ins)
+        elif kind is Load:
+            self.buffers[ins.buffer] = self.load(ins.buffer.group, ins.mb)
+        elif kind is Zeros:
+            self.buffers[ins.buffer] = self.interp._zeros(ins.buffer)
+        elif kind is Send:
+            self.send(i, ins)
+        elif kind is Recv:
+            self.recv(ins)
+        elif kind is Collective:
+            self.collective(i, ins)
+        elif kind is Wait:
+            self.wait(ins)
+        elif kind is Free:
+            self.value(ins.buffer)  # a buffer freed unread still completes its receive
+            del self.buffers[ins.buffer]
+        elif kind is WaitAll:
+            for s in self.sends:
+                s.result().wait()
+            self.sends.clear()
+        else:
+            raise MeshshardRuntimeError(f"instruction {ins} is not supported by this runtime")
+
+    def run(self, i: int, ins: Run) -> None:
+        inputs = [self.value(name) for name in ins.inputs]
+        t0 = time.perf_counter_ns() if self.tl is not None else 0
+        outs = self.interp.programs[ins.program](inputs)
+        for name, val in zip(ins.outputs, outs, strict=True):
+            self.buffers[name] = val
+        if self.tl is not None:
+            done = Lazy(lambda: jax.block_until_ready(outs))
+            self.watch.add(done)
+            self.runs.append((i, t0, done))
+
+    def send(self, i: int, ins: Send) -> None:
+        interp = self.interp
+        value = self.value(ins.buffer)[0]
+        msg = interp._transfers[ins.transfer].messages[ins.message]
+        mb = ins.buffer.mb
+        tag = interp.tag(ins.transfer, mb, ins.message)
+        key = (str(ins.transfer), mb, ins.message)
+
+        def fn():
+            data = read_message(interp.blocks, value, msg)
+            self.stamp("sent", key)
+            return interp.transport.isend(data, ins.peer, tag)
+
+        self.sends.append(self.issue(i, ins.priority, fn))
+
+    def recv(self, ins: Recv) -> None:
+        """Post the receive now (it moves no bytes until the sender's are there)."""
+        interp = self.interp
+        msg = interp._transfers[ins.transfer].messages[ins.message]
+        mb = ins.buffer.mb
+        handle = interp.transport.irecv(
+            msg.nbytes, ins.peer, interp.tag(ins.transfer, mb, ins.message)
+        )
+        key = (str(ins.transfer), mb, ins.message)
+        self.posted.setdefault(ins.buffer, []).append((msg, _Sent(handle), key))
+
+    def collective(self, i: int, ins: Collective) -> None:
+        if ins.kind == "allreduce":
+            self.allreduce(i, ins)
+            return
+        if ins.kind != "broadcast":
+            raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")
+        interp = self.interp
+        msg = interp._transfers[ins.transfer].messages[ins.message]
+        mb = ins.buffer.mb
+        tag = interp.tag(ins.transfer, mb, ins.message)
+        chan = group_key(ins.transfer, msg.group)
+        key = (str(ins.transfer), mb, ins.message)
+        if interp.worker == ins.root:
+            value = self.value(ins.buffer)[0]
+
+            def root():
+                data = read_message(interp.blocks, value, msg)
+                self.stamp("sent", key)
+                return interp.transport.ibroadcast(data, msg.nbytes, msg.group, chan, tag)
+
+            self.sends.append(self.issue(i, ins.priority, root, chan))
+        else:
+            fn = lambda: interp.transport.ibroadcast(None, msg.nbytes, msg.group, chan, tag)  # noqa: E731
+            self.posted.setdefault(ins.buffer, []).append(
+                (msg, self.issue(i, ins.priority, fn, chan), key)
+            )
+
+    def allreduce(self, i: int, ins: Collective) -> None:
+        """Contribute this mesh's partial (its leader worker) or the identity (the
+        mesh's other workers) to the all-reduce of ``ins.buffer``."""
+        interp = self.interp
+        r = interp.plan.reduction(ins.buffer)
+        value = self.value(ins.buffer)[0]
+        del self.buffers[ins.buffer]
+        chan = reduction_key(r.name, r.group)
+
+        def fn():
+            if interp.worker in r.leaders:
+                data = np.asarray(value.addressable_shards[0].data)
+            else:
+                data = reduction_identity(r.op, r.tensor.shape, r.tensor.dtype)
+            self.stamp("sent", (chan, None, 0))
+            return interp.transport.iallreduce(data, r.op, r.group, chan)
+
+        self.posted[ins.buffer] = [(None, self.issue(i, ins.priority, fn, chan), (chan, None, 0))]
+
+    def wait(self, ins: Wait) -> None:
+        interp, name = self.interp, ins.buffer
+        posted = self.posted.pop(name)
+
+        def arrived(handle, key):
+            raw = handle.result().wait()
+            self.stamp("arrived", key)
+            return raw
+
+        if name.kind is BufferKind.REDUCTION:
+            ((_, h, key),) = posted
+
+            def fn():
+                full = np.asarray(arrived(h, key))
+                return array_from_host(full, sharding(interp.mesh, ()))
+        else:
+            t = interp._transfers[name.transfer]
+            size = jax.numpy.dtype(t.tensor.dtype).itemsize
+
+            def fn():
+                parts = [
+                    part
+                    for msg, h, key in posted
+                    for part in received_parts(msg, arrived(h, key), size)
+                ]
+                return interp.blocks.assemble(t, parts)
+
+        if self.prefetch is None:
+            self.buffers[name] = (fn(),)
+            return
+        self.later[name] = lazy = Lazy(fn)
+        self.prefetch.add(lazy)
+
+    # --- end of step -------------------------------------------------------------------
+    def finish(self) -> None:
+        """Complete what the stream left in flight; keep the timeline when recording."""
+        for name in list(self.later):
+            self.value(name)
+        if self.tl is not None:
+            for i, t0, done in self.runs:
+                done.result()
+                self.tl.runs.append((i, t0, done.at_ns))
+            self.interp.last_timeline = self.tl
+
+    def close(self) -> None:
+        for q in (self.comm, self.prefetch, self.watch):
+            if q is not None:
+                q.close()

@@ -70,6 +70,13 @@ class LocalBackend:
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
 
+    def runtime_options(self, **opts) -> dict:
+        """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
+        read); returns each worker's last recorded timeline."""
+        for w in self.workers.values():
+            w.interp.set_options(**opts)
+        return {k: w.interp.last_timeline for k, w in self.workers.items()}
+
     def fetch(self, worker: int, key: int) -> list:
         arr = self.stores[worker][key]
         return [

@@ -1,0 +1,342 @@
+"""Pipeline efficiency of meshshard vs ``torch.distributed.pipelining`` on the same GPT.
+
+    python benchmarks/peer_torch_pipe.py [--steps 10] [--stages 2 4] [--json OUT.json]
+
+The GPT of ``examples/gpt.py`` (same layers, widths, batch, micro-batches, stage count)
+runs, in one run of this script:
+
+- in torch (``benchmarks/torch_gpt.py``): one process for the reference, then one
+  process per pipeline rank over gloo on this machine for ScheduleGPipe, Schedule1F1B,
+  ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble
+  (the last three hold two stages per rank, so they run where the blocks divide
+  into ``2 x stages`` pieces);
+- in meshshard: ``jax.jit`` of the whole step in this process for the reference, then
+  every schedule ``PipeshardParallel`` offers on the local Ray cluster (one host-actor
+  per stage, one CPU device each).
+
+Pipeline efficiency = reference step time / pipelined step time, each framework against
+its own single-process run (medians over ``--steps`` timed steps after warm-up).  Every
+torch process uses one intra-op thread; a stage's XLA program runs on its actor's one
+device.  The machine has few cores, so efficiencies are far below the ideal
+M / (M + S - 1): the point is the side-by-side ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+MODEL = dict(vocab=64, d_model=64, num_heads=4, num_layers=4, max_len=32)
+BATCH, SEQ = 16, 32
+# torch schedule class name -> (stages per rank, meshshard schedule it is compared with)
+TORCH_SCHEDULES = {
+    "ScheduleGPipe": (1, "gpipe"),
+    "Schedule1F1B": (1, "1f1b"),
+    "ScheduleInterleaved1F1B": (2, "interleaved_1f1b"),
+    "ScheduleInterleavedZeroBubble": (2, "zb_h1"),
+    "ScheduleZBVZeroBubble": (2, None),
+}
+
+
+def make_batch(seed: int) -> dict[str, np.ndarray]:
+    """``examples.gpt.make_batch(BATCH, SEQ, vocab, seed)`` without importing JAX
+    (checked equal in :func:`main`)."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, MODEL["vocab"], size=(BATCH, 1))
+    seq = (start + np.arange(SEQ + 1)[None, :]) % MODEL["vocab"]
+    return {"inputs": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_stages(name: str, rank: int, world: int) -> list[int]:
+    """The stage indices rank ``rank`` holds under schedule ``name``."""
+    per = TORCH_SCHEDULES[name][0]
+    if per == 1:
+        return [rank]
+    if name == "ScheduleZBVZeroBubble":
+        return [rank, 2 * world - 1 - rank]  # the V: down then back up
+    return [rank, rank + world]  # looped
+
+
+def _timed(step, steps: int, warmup: int, barrier=lambda: None) -> tuple[list[float], float]:
+    times, first = [], None
+    for i in range(warmup + steps):
+        barrier()
+        t0 = time.perf_counter()
+        loss = step(i)
+        barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if i == 0:
+            first = loss
+    return times, first
+
+
+def _torch_single(steps: int, warmup: int, micro_batches: int, out) -> None:
+    """One process: the whole batch forward, backward and Adam step."""
+    import torch
+
+    from benchmarks.torch_gpt import build_gpt, loss_fn
+
+    torch.set_num_threads(1)
+    model = build_gpt(**MODEL)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def step(i):
+        b = make_batch(i)
+        loss = loss_fn(
+            model(torch.from_numpy(b["inputs"]).long()), torch.from_numpy(b["targets"]).long()
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return float(loss.detach())
+
+    out.put(_timed(step, steps, warmup))
+
+
+def _torch_rank(rank, world, name, steps, warmup, micro_batches, port, out) -> None:
+    """One pipeline rank of schedule ``name`` over gloo."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    from benchmarks.torch_gpt import build_gpt, loss_fn, stage_modules
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        per = TORCH_SCHEDULES[name][0]
+        pieces = stage_modules(build_gpt(**MODEL), world * per)
+        mine = _rank_stages(name, rank, world)
+        stages = [
+            pipelining.PipelineStage(pieces[i], i, world * per, torch.device("cpu")) for i in mine
+        ]
+        params = [p for i in mine for p in pieces[i].parameters()]
+        opt = torch.optim.Adam(params, lr=3e-3)
+        cls = getattr(pipelining, name)
+        sched = cls(stages if per > 1 else stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+        first, last = 0 in mine, world * per - 1 in mine
+
+        def step(i):
+            b = make_batch(i)
+            args = (torch.from_numpy(b["inputs"]).long(),) if first else ()
+            kw = {}
+            losses: list = []
+            if last:
+                kw = dict(target=torch.from_numpy(b["targets"]).long(), losses=losses)
+            sched.step(*args, **kw)
+            opt.step()
+            opt.zero_grad()
+            return float(torch.stack(losses).detach().mean()) if losses else None
+
+        times, loss = _timed(step, steps, warmup, barrier=dist.barrier)
+        if last:
+            out.put((times, loss))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list[dict]:
+    """The torch reference and every torch schedule at every stage count."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    p = ctx.Process(target=_torch_single, args=(steps, warmup, micro_batches, out))
+    p.start()
+    ref_times, ref_loss = out.get()
+    p.join()
+    ref = statistics.median(ref_times)
+    rows = [
+        dict(framework="torch", schedule="single process", stages=1, step_s=ref, loss0=ref_loss)
+    ]
+    for world in stage_counts:
+        for name, (per, _) in TORCH_SCHEDULES.items():
+            if MODEL["num_layers"] % (world * per):
+                rows.append(
+                    dict(
+                        framework="torch",
+                        schedule=name,
+                        stages=world,
+                        skipped=(
+                            f"{MODEL['num_layers']} blocks do not divide into {world * per} stages"
+                        ),
+                    )
+                )
+                continue
+            port = _free_port()
+            procs = [
+                ctx.Process(
+                    target=_torch_rank,
+                    args=(r, world, name, steps, warmup, micro_batches, port, out),
+                )
+                for r in range(world)
+            ]
+            for q in procs:
+                q.start()
+            times, loss = out.get()
+            for q in procs:
+                q.join()
+            med = statistics.median(times)
+            rows.append(
+                dict(
+                    framework="torch",
+                    schedule=name,
+                    stages=world,
+                    step_s=med,
+                    efficiency=ref / med,
+                    loss0=loss,
+                )
+            )
+    return rows
+
+
+def _meshshard_method(schedule: str, stages: int, micro_batches: int):
+    import meshshard
+
+    kw = dict(num_micro_batches=micro_batches, stages=[(1, 1)] * stages, schedule=schedule)
+    if schedule == "interleaved_1f1b":
+        kw["virtual_stages"] = 2
+    return meshshard.PipeshardParallel(**kw)
+
+
+def run_meshshard(steps: int, warmup: int, micro_batches: int, stage_counts) -> list[dict]:
+    """``jax.jit`` in this process, then every meshshard schedule on the Ray cluster."""
+    import meshshard
+    from meshshard.methods import SCHEDULES
+
+    meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
+    try:
+        import jax
+
+        from examples import gpt
+
+        assert all(
+            np.array_equal(gpt.make_batch(BATCH, SEQ, MODEL["vocab"], i)[k], make_batch(i)[k])
+            for i in range(3)
+            for k in ("inputs", "targets")
+        )
+        model = gpt.GPT(**MODEL)
+        state0 = gpt.make_state(model, make_batch(0)["inputs"])
+        ref_step = jax.jit(gpt.train_step)
+        holder = {"s": state0}
+
+        def jit_step(i):
+            holder["s"], loss = ref_step(holder["s"], make_batch(i))
+            return float(loss)
+
+        times, loss = _timed(jit_step, steps, warmup)
+        ref = statistics.median(times)
+        rows = [
+            dict(
+                framework="meshshard",
+                schedule="jax.jit single process",
+                stages=1,
+                step_s=ref,
+                loss0=loss,
+            )
+        ]
+        for stages in stage_counts:
+            for schedule in SCHEDULES:
+                try:
+                    method = _meshshard_method(schedule, stages, micro_batches)
+                    step = meshshard.parallelize(gpt.train_step, method=method)
+                    holder["s"] = state0
+
+                    def ms_step(i, step=step):
+                        holder["s"], loss = step(holder["s"], make_batch(i))
+                        return float(loss)
+
+                    times, loss = _timed(ms_step, steps, warmup)
+                except Exception as exc:  # a schedule this stage count cannot run
+                    rows.append(
+                        dict(
+                            framework="meshshard",
+                            schedule=schedule,
+                            stages=stages,
+                            skipped=f"{type(exc).__name__}: {str(exc)[:120]}",
+                        )
+                    )
+                    continue
+                med = statistics.median(times)
+                rows.append(
+                    dict(
+                        framework="meshshard",
+                        schedule=schedule,
+                        stages=stages,
+                        step_s=med,
+                        efficiency=ref / med,
+                        loss0=loss,
+                    )
+                )
+        return rows
+    finally:
+        meshshard.shutdown()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(
+        f"{'framework':<10} {'schedule':<30} {'S':>2} {'step ms':>9} {'efficiency':>10} "
+        f"{'loss step 1':>11}"
+    )
+    for r in rows:
+        if "skipped" in r:
+            print(
+                f"{r['framework']:<10} {r['schedule']:<30} {r['stages']:>2}  skipped: "
+                f"{r['skipped']}"
+            )
+            continue
+        eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "1 (ref)"
+        print(
+            f"{r['framework']:<10} {r['schedule']:<30} {r['stages']:>2} "
+            f"{r['step_s'] * 1e3:>9.1f} {eff:>10} {r['loss0']:>11.4f}"
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    # Ray first: its workers must not fork a process that already runs JAX threads.
+    rows = run_meshshard(args.steps, args.warmup, args.micro_batches, args.stages)
+    rows += run_torch(args.steps, args.warmup, args.micro_batches, args.stages)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(
+                    model=MODEL,
+                    batch=BATCH,
+                    seq=SEQ,
+                    micro_batches=args.micro_batches,
+                    steps=args.steps,
+                    rows=rows,
+                ),
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

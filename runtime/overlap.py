@@ -1,0 +1,226 @@
+"""Concurrency pieces of the overlapping runtime: a worker's compute and communication
+proceed at once.
+
+The interpreter's thread dispatches ``RUN``s in stream order and never waits for
+communication a program does not read.  Next to it, per step:
+
+:class:`CommQueue`
+    one thread that issues this worker's sends and collectives.  Issuing a send first
+    reads its block off the device, which waits for the program that produced it, so
+    this is done here rather than on the dispatching thread.  Ops are issued in
+    priority order (the instruction's ``priority`` slot, higher first; ties in stream
+    order), and collectives of one channel always in stream order, since every member
+    of a channel must issue its operations in the same order.
+:class:`Prefetcher`
+    one thread that completes posted receives in posting order (waits for the bytes
+    and rebuilds the array), so a received buffer is usually ready before the ``RUN``
+    that reads it.  A ``RUN`` that needs a receive the prefetcher has not reached
+    completes it itself (:class:`Lazy`), so a slow message never holds up another.
+
+Both threads only wait for local compute or for messages, never for the dispatching
+thread, so they cannot deadlock with it.
+
+    >>> q = CommQueue("doc")
+    >>> issued = []
+    >>> futs = [q.submit(p, lambda p=p: issued.append(p) or p) for p in (0, 0, 0)]
+    >>> [f.result() for f in futs], q.close()
+    ([0, 0, 0], None)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline"]
+
+
+class Lazy:
+    """A value computed once, by whichever thread asks first (:meth:`get`); a thread
+    that asks while another computes it waits for that result.
+
+    >>> calls = []
+    >>> lz = Lazy(lambda: calls.append(1) or 42)
+    >>> lz.get(), lz.get(), len(calls)
+    (42, 42, 1)
+    """
+
+    __slots__ = ("_fn", "_lock", "_done", "_value", "_exc", "_claimed", "at_ns")
+
+    def __init__(self, fn: Callable[[], object]):
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._value = self._exc = None
+        self._claimed = False
+        self.at_ns = 0  # perf_counter_ns when the value was there
+
+    def run(self) -> None:
+        """Compute the value here unless another thread already claimed it."""
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            self._value = self._fn()
+        except BaseException as exc:  # handed to whoever waits for the value
+            self._exc = exc
+        finally:
+            self.at_ns = time.perf_counter_ns()
+            self._fn = None
+            self._done.set()
+
+    def result(self):
+        """Wait for the value without computing it here (raises what computing raised)."""
+        self._done.wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def get(self):
+        """The value: computed here if nobody has started it, else waited for."""
+        self.run()
+        return self.result()
+
+    @property
+    def done(self) -> bool:
+        """True once the value (or its error) is there."""
+        return self._done.is_set()
+
+
+@dataclass(order=True)
+class _Op:
+    key: tuple[int, int]  # (-priority, submission order)
+    channel: str | None = field(compare=False)
+    chan_seq: int = field(compare=False)
+    lazy: Lazy = field(compare=False)
+
+
+class CommQueue:
+    """Issues communication ops from one thread, highest ``priority`` first (ties in
+    submission order), ops of one channel in submission order (module docstring).
+
+    Args:
+        name: the thread's name (shows in stack dumps).
+    """
+
+    def __init__(self, name: str):
+        self._cv = threading.Condition()
+        self._ops: list[_Op] = []
+        self._seq = 0
+        self._chan_next: dict[str, int] = {}
+        self._chan_count: dict[str, int] = {}
+        self._closed = False
+        self.issued: list[int] = []  # submission numbers in issue order (tests, traces)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, fn: Callable[[], object], channel: str | None = None) -> Lazy:
+        """Queue ``fn`` (it issues one op and returns its handle); returns its future."""
+        lazy = Lazy(fn)
+        with self._cv:
+            chan_seq = 0
+            if channel is not None:
+                chan_seq = self._chan_count.get(channel, 0)
+                self._chan_count[channel] = chan_seq + 1
+            self._ops.append(_Op((-priority, self._seq), channel, chan_seq, lazy))
+            self._seq += 1
+            self._cv.notify()
+        return lazy
+
+    def _pick(self) -> _Op | None:
+        ready = [
+            op
+            for op in self._ops
+            if op.channel is None or op.chan_seq == self._chan_next.get(op.channel, 0)
+        ]
+        return min(ready) if ready else None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                op = self._pick()
+                while op is None and not (self._closed and not self._ops):
+                    self._cv.wait()
+                    op = self._pick()
+                if op is None:
+                    return
+                self._ops.remove(op)
+                self.issued.append(op.key[1])
+            op.lazy.run()
+            if op.channel is not None:
+                with self._cv:
+                    self._chan_next[op.channel] = op.chan_seq + 1
+                    self._cv.notify_all()
+
+    def close(self) -> None:
+        """Stop the thread once every queued op is issued (returns at once)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+class Prefetcher:
+    """Completes :class:`Lazy` receives in the order they were added, on one thread."""
+
+    def __init__(self, name: str):
+        self._cv = threading.Condition()
+        self._queue: deque[Lazy | None] = deque()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, lazy: Lazy) -> None:
+        """Complete ``lazy`` in the background (unless someone needs it first)."""
+        with self._cv:
+            self._queue.append(lazy)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                lazy = self._queue.popleft()
+            if lazy is None:
+                return
+            lazy.run()
+
+    def close(self) -> None:
+        """Stop after the receives added so far (returns at once)."""
+        with self._cv:
+            self._queue.append(None)
+            self._cv.notify()
+
+
+@dataclass
+class Timeline:
+    """What one worker's last step did, in ``perf_counter_ns`` (shared by the processes
+    of one machine): compute spans of its programs and the issue and arrival of every
+    message, keyed by (transfer or channel, micro-batch, message).
+
+    ``runs``: (instruction index, dispatched, finished) per ``RUN``; ``sent``: key ->
+    time the bytes were handed to the transport; ``arrived``: key -> time the
+    receiver had them.
+    """
+
+    worker: int
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
+    sent: dict[tuple, int] = field(default_factory=dict)
+    arrived: dict[tuple, int] = field(default_factory=dict)
+
+    def compute_spans(self) -> list[tuple[int, int]]:
+        """Busy intervals of the devices: a program starts when dispatched or when the
+        one before it finished, whichever is later (programs of a mesh run in order)."""
+        spans, prev = [], 0
+        for _, dispatched, finished in sorted(self.runs, key=lambda r: r[0]):
+            start = max(dispatched, prev)
+            spans.append((start, max(start, finished)))
+            prev = max(prev, finished)
+        return spans
+
+    def busy_ns(self) -> int:
+        """Total device busy time of the step."""
+        return sum(b - a for a, b in self.compute_spans())
