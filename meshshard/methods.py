@@ -21,6 +21,8 @@ RESHARDING_STRATEGIES = (
     "broadcast_greedy",
     "broadcast_search",
 )
+#: Communication-scheduling switches (TriRace; see ``meshshard.passes.comm_schedule``).
+COMM_SWITCHES = ("allreduce", "sparse", "p2p", "topology")
 
 
 def _check_shape(shape, what: str) -> tuple[int, int]:
@@ -74,6 +76,9 @@ class PipeshardParallel:
             or ``"local_allgather"`` (baselines), or a ``broadcast_*`` baseline variant.
         virtual_stages: model chunks per mesh with ``schedule="interleaved_1f1b"``
             (default 1; the plan's schedule grid shows the chunks, the repr does not).
+        comm_schedule: communication-scheduling switches, any of ``"allreduce"``,
+            ``"sparse"``, ``"p2p"``, ``"topology"`` (default none; only the order and
+            priority of communication change, results are bit-identical).
     """
 
     num_micro_batches: int
@@ -82,9 +87,11 @@ class PipeshardParallel:
     num_stages: int | None = None
     resharding: str = "broadcast"
     virtual_stages: int = field(default=1, repr=False)
+    comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        object.__setattr__(self, "comm_schedule", check_comm_switches(self.comm_schedule))
         if isinstance(self.stages, str):
             if self.stages != "uniform":
                 raise MeshshardInputError(
@@ -121,6 +128,21 @@ class PipeshardParallel:
             raise MeshshardInputError(
                 f"PipeshardParallel.num_stages must be a positive int, got {self.num_stages!r}"
             )
+
+
+def check_comm_switches(switches) -> frozenset[str]:
+    """``switches`` as a frozenset of :data:`COMM_SWITCHES`, or an error naming the bad ones."""
+    if isinstance(switches, str) or not isinstance(switches, tuple | list | set | frozenset):
+        raise MeshshardInputError(
+            f"comm_schedule={switches!r}: pass a set of switches from {COMM_SWITCHES}, "
+            "e.g. comm_schedule={'p2p', 'allreduce'}"
+        )
+    bad = sorted(set(switches) - set(COMM_SWITCHES))
+    if bad:
+        raise MeshshardInputError(
+            f"comm_schedule has unknown switches {bad}; pick from {COMM_SWITCHES}"
+        )
+    return frozenset(switches)
 
 
 def _check_virtual_stages(v, schedule: str) -> None:

@@ -36,9 +36,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from meshshard.errors import MeshshardInputError
 from meshshard.instructions import (
     Collective,
+    Free,
     Instruction,
     Recv,
     Run,
@@ -47,6 +47,7 @@ from meshshard.instructions import (
     WaitAll,
     WorkerStream,
 )
+from meshshard.methods import COMM_SWITCHES, check_comm_switches
 from meshshard.plan import Plan
 from meshshard.refs import BufferRef, CollectiveKind, Phase
 
@@ -55,27 +56,13 @@ __all__ = [
     "PRIORITY",
     "SparseGrad",
     "admit",
-    "check_switches",
     "schedule_comm",
     "sparse_is_cheaper",
     "traffic_kind",
 ]
 
-COMM_SWITCHES = ("allreduce", "sparse", "p2p", "topology")
 #: Priority bands (higher issues first); ranks inside a band are added to its base.
 PRIORITY = {"p2p": 30_000, "sparse": 20_000, "allreduce": 10_000}
-
-
-def check_switches(switches: Iterable[str] | None) -> frozenset[str]:
-    """``switches`` as a frozenset, or an error naming the unknown ones."""
-    got = frozenset(switches or ())
-    bad = sorted(got - set(COMM_SWITCHES))
-    if bad or isinstance(switches, str):
-        raise MeshshardInputError(
-            f"comm_schedule={switches!r}: pass a set of switches from {COMM_SWITCHES}, "
-            f"e.g. comm_schedule={{'p2p', 'allreduce'}}" + (f" (unknown: {bad})" if bad else "")
-        )
-    return got
 
 
 @dataclass(frozen=True)
@@ -128,9 +115,14 @@ def admit(priority: int, links: Iterable, in_flight: Mapping[object, Iterable[in
 # --- reordering ------------------------------------------------------------------------
 def _touches(a: Instruction, b: Instruction) -> bool:
     """True when ``a`` and ``b`` conflict on a buffer (one writes what the other uses)."""
-    ra, wa = {x.group for x in a.reads}, {x.group for x in a.writes}
-    rb, wb = {x.group for x in b.reads}, {x.group for x in b.writes}
+    ra, wa = {x.group for x in a.reads}, _writes(a)
+    rb, wb = {x.group for x in b.reads}, _writes(b)
     return bool(wa & (rb | wb) or wb & ra)
+
+
+def _writes(x: Instruction) -> set[BufferRef]:
+    """What ``x`` writes; a ``FREE`` ends its buffer, which counts as a write."""
+    return {b.group for b in (x.reads if isinstance(x, Free) else x.writes)}
 
 
 def _barrier(ins: Instruction) -> bool:
@@ -229,7 +221,7 @@ def schedule_comm(
     chunk_bytes: int = 4 << 20,
 ) -> Plan:
     """``plan`` with its communication scheduled by ``switches`` (see the module doc)."""
-    sw = check_switches(switches)
+    sw = check_comm_switches(switches)
     if not sw:
         return plan
     sub: dict[BufferRef, BufferRef] = {}
