@@ -192,3 +192,13 @@ def test_training_is_bit_identical_with_every_switch(threads_cluster):
         assert (prios == {0}) == (not sw)
     jax.tree.map(np.testing.assert_array_equal, outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.fast
+def test_trace_colours_the_three_kinds(plan2bw):
+    from meshshard.sim.trace import TRAFFIC_COLOURS, chrome_trace
+
+    p = schedule_comm(plan2bw, {"sparse"}, sparse=sparse_grads(plan2bw))
+    events = chrome_trace(simulate(p, p.cluster))["traceEvents"]
+    kinds = {e["args"]["traffic"]: e["cname"] for e in events if "cname" in e}
+    assert kinds == TRAFFIC_COLOURS
