@@ -93,8 +93,13 @@ def traffic_kind(ins: Instruction, sparse_rows: frozenset[BufferRef] = frozenset
     if isinstance(ins, Collective):
         if ins.transfer is not None:
             return "p2p"  # a resharding broadcast between stages
-        return "sparse" if ins.buffer.group in sparse_rows else "allreduce"
+        return "sparse" if unversioned(ins.buffer) in sparse_rows else "allreduce"
     return None
+
+
+def unversioned(b: BufferRef) -> BufferRef:
+    """``b``'s group without its weight version (both 2BW copies are one gradient)."""
+    return replace(b.group, version=None)
 
 
 def admit(priority: int, links: Iterable, in_flight: Mapping[object, Iterable[int]]) -> bool:
@@ -182,8 +187,8 @@ def _need_rank(plan: Plan, sparse_rows) -> dict[BufferRef, int]:
     for s in plan.streams:
         for x in s.instructions:
             if isinstance(x, Collective) and traffic_kind(x, sparse_rows) != "p2p":
-                bufs.add(x.buffer.group)
-    owner = {b.name: b.mesh for b in plan.buffers}
+                bufs.add(unversioned(x.buffer))
+    owner = {unversioned(b.name): b.mesh for b in plan.buffers}
     order = sorted(bufs, key=lambda b: (owner.get(b, 0), str(b.kind), b.owner))
     return {b: len(order) - i for i, b in enumerate(order)}
 
@@ -194,20 +199,22 @@ def _prioritise(x: Instruction, switches, rank, sparse_rows) -> Instruction:
         return x
     if kind == "p2p":
         return replace(x, priority=PRIORITY["p2p"])
-    return replace(x, priority=PRIORITY[kind] + rank.get(x.buffer.group, 0))
+    return replace(x, priority=PRIORITY[kind] + rank.get(unversioned(x.buffer), 0))
 
 
 def _substitute(x: Instruction, sub: Mapping[BufferRef, BufferRef]) -> Instruction:
-    """``x`` with every buffer in ``sub`` replaced (a dense gradient by its rows)."""
+    """``x`` with every buffer in ``sub`` replaced (a dense gradient by its rows; the
+    weight version and micro-batch are kept)."""
 
     def s(b: BufferRef) -> BufferRef:
-        return sub.get(b.group, b)
+        t = sub.get(unversioned(b))
+        return b if t is None else replace(t, mb=b.mb, version=b.version)
 
     if isinstance(x, Run):
         return replace(x, inputs=tuple(map(s, x.inputs)), outputs=tuple(map(s, x.outputs)))
-    if isinstance(x, Collective) and x.buffer.group in sub:
+    if isinstance(x, Collective) and unversioned(x.buffer) in sub:
         return replace(x, buffer=s(x.buffer), kind=CollectiveKind.ALLGATHER)
-    if hasattr(x, "buffer") and x.buffer.group in sub:
+    if hasattr(x, "buffer") and unversioned(x.buffer) in sub:
         return replace(x, buffer=s(x.buffer))
     return x
 
@@ -229,13 +236,21 @@ def schedule_comm(
         for g in sparse:
             group = _group_size(plan, g.dense)
             if sparse_is_cheaper(g, group):
-                sub[g.dense.group] = g.rows.group
+                sub[unversioned(g.dense)] = unversioned(g.rows)
     sparse_rows = frozenset(sub.values())
+    if sub:
+        plan = replace(
+            plan,
+            streams=tuple(
+                WorkerStream(st.worker, tuple(_substitute(x, sub) for x in st.instructions))
+                for st in plan.streams
+            ),
+        )
     rank = _need_rank(plan, sparse_rows) if sw & {"allreduce", "sparse"} else {}
     kinds = {k for k in ("allreduce", "sparse") if k in sw}
     streams = []
     for st in plan.streams:
-        ins = [_substitute(x, sub) for x in st.instructions] if sub else list(st.instructions)
+        ins = list(st.instructions)
         if kinds:
             ins = _hoist(ins, kinds, sparse_rows)
         if "allreduce" in sw:
@@ -250,7 +265,7 @@ def schedule_comm(
 def _group_size(plan: Plan, dense: BufferRef) -> int:
     for s in plan.streams:
         for x in s.instructions:
-            if isinstance(x, Collective) and x.buffer.group == dense.group:
+            if isinstance(x, Collective) and unversioned(x.buffer) == unversioned(dense):
                 return len(x.group)
     return 1
 

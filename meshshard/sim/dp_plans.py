@@ -106,29 +106,40 @@ def _grad_refs(r: int, bucket, emb, B: int) -> tuple[BufferRef, ...]:
     return tuple(out)
 
 
-def _stream(base: WorkerStream, rm: _Remap, grads, group, S: int) -> WorkerStream:
+def _versioned(grads, version: int | None) -> tuple[BufferRef, ...]:
+    return grads if version is None else tuple(replace(g, version=version) for g in grads)
+
+
+def _stream(base: WorkerStream, rm: _Remap, grads, group, S: int, M: int, versions: bool):
     """Replica ``rm.j`` of stage ``base.worker``: backward runs also write the gradient
-    buckets; each update all-reduces them first and writes the new weights."""
+    buckets; each update all-reduces them first and writes the new weights.  Over
+    several 2BW steps the buckets alternate between two versions (step parity), so
+    a step's update may wait while the next step accumulates."""
     out: list[Instruction] = []
+    applied = 0
     for x in base.instructions:
         x = rm.ins(x)
         if isinstance(x, Run) and x.program.phase in (Phase.BACKWARD, Phase.WEIGHT_GRAD):
             if x.program.phase is Phase.WEIGHT_GRAD or BufferKind.ACCUMULATORS in {
                 o.kind for o in x.outputs
             }:
-                x = replace(x, outputs=x.outputs + grads)
+                mine = _versioned(grads, (x.mb // M) % 2 if versions else None)
+                x = replace(x, outputs=x.outputs + mine)
         elif isinstance(x, Run) and x.program.phase is Phase.APPLY:
+            mine = _versioned(grads, applied % 2 if versions else None)
+            applied += 1
             p = x.inputs[0]
             out += [
                 Collective(
                     buffer=g, transfer=None, message=0, kind=CollectiveKind.ALLREDUCE, group=group
                 )
-                for g in grads
+                for g in mine
             ]
-            out += [Wait(buffer=g) for g in grads]
-            x = replace(x, inputs=grads + x.inputs[2:], outputs=x.outputs + (p,))
+            out += [Wait(buffer=g) for g in mine]
+            x = replace(x, inputs=mine + x.inputs[2:], outputs=x.outputs + (p,))
         if isinstance(x, WaitAll):
-            out += [Free(buffer=g) for g in grads]
+            for v in (0, 1) if versions else (None,):
+                out += [Free(buffer=g) for g in _versioned(grads, v)]
         out.append(x)
     return WorkerStream(base.worker + S * rm.j, tuple(out))
 
@@ -153,13 +164,15 @@ def replicate(
     S, T, B = len(plan.meshes), len(plan.transfers), len(bucket_bytes)
     embed = dict(embed or {})
     bucket, emb = _ids(S, B, embed)
+    versions = plan.schedule.steps > 1
     streams, programs, buffers, transfers, meshes = [], [], [], [], []
     for j in range(d):
         rm = _Remap(S, T, j)
         for st in plan.streams:
             r = st.worker
             group = tuple(r + S * k for k in range(d))
-            streams.append(_stream(st, rm, _grad_refs(r, bucket, emb, B), group, S))
+            grads = _grad_refs(r, bucket, emb, B)
+            streams.append(_stream(st, rm, grads, group, S, plan.num_micro_batches, versions))
         for m in plan.meshes:
             meshes.append(MeshSpec(m.id + S * j, m.shape, (m.hosts[0] + S * j,)))
         for p in plan.programs:
@@ -167,13 +180,14 @@ def replicate(
         buffers += [replace(b, name=rm.buf(b.name), mesh=b.mesh + S * j) for b in plan.buffers]
         transfers += [_transfer(t, rm) for t in plan.transfers]
     var = iter(range(20_000_000, 30_000_000))
-    for (r, b), i in bucket.items():
-        t = _tensor(next(var), f"r{i}.g", bucket_bytes[b])
-        buffers.append(BufferSpec(BufferRef(_R, i), r, False, (t,)))
-    for r, (dense, rows) in emb.items():
-        for i, n, tag in zip((dense, rows), embed[r], ("e", "rows"), strict=True):
-            t = _tensor(next(var), f"r{i}.{tag}", n)
-            buffers.append(BufferSpec(BufferRef(_R, i), r, False, (t,)))
+    for v in (0, 1) if versions else (None,):
+        for (r, b), i in bucket.items():
+            t = _tensor(next(var), f"r{i}.g", bucket_bytes[b])
+            buffers.append(BufferSpec(BufferRef(_R, i, version=v), r, False, (t,)))
+        for r, (dense, rows) in emb.items():
+            for i, n, tag in zip((dense, rows), embed[r], ("e", "rows"), strict=True):
+                t = _tensor(next(var), f"r{i}.{tag}", n)
+                buffers.append(BufferSpec(BufferRef(_R, i, version=v), r, False, (t,)))
     cluster = cluster or replace(plan.cluster, num_hosts=S * d)
     streams.sort(key=lambda s: s.worker)
     key = repr((plan.fingerprint, d, tuple(bucket_bytes), sorted(embed.items())))
@@ -222,11 +236,10 @@ def _transfer(t: TransferSpec, rm: _Remap) -> TransferSpec:
 
 def sparse_grads(plan: Plan) -> list[SparseGrad]:
     """The embedding gradients of a :func:`replicate` plan with their rows twins."""
-    notes = {b.name: b for b in plan.buffers if b.name.kind is _R}
+    specs = {b.name.owner: b for b in plan.buffers if b.name.kind is _R}
     out = []
-    for ref, spec in notes.items():
-        if spec.tensors[0].name.endswith(".e"):
-            rows = BufferRef(_R, ref.owner + 1)
-            if rows in notes:
-                out.append(SparseGrad(ref, rows, spec.nbytes, notes[rows].nbytes))
+    for i, spec in sorted(specs.items()):
+        if spec.tensors[0].name.endswith(".e") and i + 1 in specs:
+            rows = specs[i + 1]
+            out.append(SparseGrad(BufferRef(_R, i), BufferRef(_R, i + 1), spec.nbytes, rows.nbytes))
     return out
