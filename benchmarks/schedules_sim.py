@@ -147,12 +147,62 @@ def _print(rows: list[dict]) -> None:
         )
 
 
+def markdown(rows: list[dict]) -> str:
+    """Summary tables for RESULTS.md: closed-form check, then speedups and memory."""
+    free = [r for r in rows if r["comm"] == "free"]
+    worst = max(abs(r["bubble"] - r["closed_form_bubble"]) for r in free)
+    out = [
+        f"Free communication: largest |simulated bubble - closed form| over {len(free)} rows: "
+        f"{worst:.4f}",
+        "",
+        "| model | S | M | "
+        + " | ".join(f"{n} ms" for n in SCHEDULES)
+        + " | eager/1f1b | zb_h1/1f1b |",
+        "|---|---:|---:|" + "---:|" * (len(SCHEDULES) + 2),
+    ]
+    real = [r for r in rows if r["comm"] == "real"]
+    points = sorted({(r["model"], r["stages"], r["micro_batches"]) for r in real})
+    for model, S, M in points:
+        at = {
+            r["schedule"]: r
+            for r in real
+            if (r["model"], r["stages"], r["micro_batches"]) == (model, S, M)
+        }
+        cells = [f"{at[n]['step_ms']:.1f}" if n in at else "-" for n in SCHEDULES]
+        e, z = at["eager_1f1b"]["speedup_vs_1f1b"], at["zb_h1"]["speedup_vs_1f1b"]
+        out.append(f"| {model} | {S} | {M} | " + " | ".join(cells) + f" | {e:.3f}x | {z:.3f}x |")
+    out += [
+        "",
+        "| model | S | M | " + " | ".join(f"{n} act GiB (s0/last)" for n in SCHEDULES) + " |",
+        "|---|---:|---:|" + "---:|" * len(SCHEDULES),
+    ]
+    for model, S, M in points:
+        at = {
+            r["schedule"]: r
+            for r in real
+            if (r["model"], r["stages"], r["micro_batches"]) == (model, S, M)
+        }
+        cells = [
+            f"{at[n]['act_peak_first_gib']:.2f}/{at[n]['act_peak_last_gib']:.2f}"
+            if n in at
+            else "-"
+            for n in SCHEDULES
+        ]
+        out.append(f"| {model} | {S} | {M} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", dest="json_out", help="write the rows here")
     p.add_argument("--models", default="1.3B,2.6B")
     p.add_argument("--stages", default="2,4,8")
+    p.add_argument("--markdown", help="print the RESULTS.md tables of this JSON and exit")
     args = p.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)["rows"]))
+        return 0
     t0 = time.perf_counter()
     rows = []
     for model in args.models.split(","):

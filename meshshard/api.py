@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -31,7 +34,14 @@ class ParallelizedFunction:
         method: Method | None,
         donate_argnums: Sequence[int],
         batch_argnums: Sequence[int],
+        trace: str | None = None,
+        _one_2bw_variant: bool = False,
     ):
+        if trace is not None and not isinstance(trace, str | os.PathLike):
+            raise MeshshardInputError(
+                f"trace must be a file path for the Chrome-trace JSON, got {trace!r}; "
+                "pass e.g. trace='step_trace.json'"
+            )
         if method is None:
             method = DataParallel()  # the whole cluster as one data-parallel mesh
         if not isinstance(method, DataParallel | PipeshardParallel | FollowParallel):
@@ -46,13 +56,63 @@ class ParallelizedFunction:
         self._executables: dict = {}
         self._lowered: Plan | None = None
         self.last_compile_seconds: float | None = None
+        self.trace_log = None
+        self.program_times: dict[str, float] | None = None  # set by lower(profile=True)
+        self._at_exit = False
+        if trace is not None:
+            self.record(trace)
         functools.update_wrapper(self, fn)
+        self._two_bw = None
+        if getattr(method, "schedule", None) == "2bw" and not _one_2bw_variant:
+            from meshshard.two_bw import TwoBWStep
 
-    def lower(self, *args, cluster: ClusterSpec | None = None, costs: bool = True) -> Plan:
+            self._two_bw = TwoBWStep(
+                lambda f, b: ParallelizedFunction(f, method, (), b, _one_2bw_variant=True),
+                fn,
+                batch_argnums,
+                donate_argnums,
+            )
+
+    def record(self, trace: str | os.PathLike | None) -> None:
+        """Record every later call's measured timeline for ``trace`` (a path; None stops
+        recording).  What ``parallelize(..., trace=path)`` does; the bench CLI and the
+        overhead benchmark switch it on and off."""
+        from meshshard.runtime.trace_record import TraceLog
+
+        if trace is None:
+            self.trace_log = None
+        elif self.trace_log is None or self.trace_log.path != os.fspath(trace):
+            self.trace_log = TraceLog(os.fspath(trace))
+        for exe in self._executables.values():
+            exe.record(self.trace_log)
+        if self.trace_log is not None and not self._at_exit:
+            self._at_exit = True
+            atexit.register(_write_at_exit, weakref.ref(self))
+
+    def write_trace(self, path: str | None = None) -> str:
+        """Write the measured timeline of the recorded calls (the last 20) as Chrome-trace
+        JSON to ``path`` (default: the ``trace=`` path); returns the path.  Also done at
+        :meth:`release` and at interpreter exit."""
+        if self.trace_log is None:
+            raise MeshshardInputError(
+                "this step records no trace; parallelize it with trace='out.json'"
+            )
+        return self.trace_log.write(path)
+
+    def lower(
+        self,
+        *args,
+        cluster: ClusterSpec | None = None,
+        costs: bool = True,
+        profile: bool = False,
+    ) -> Plan:
         """The plan for these arguments on ``cluster`` (default: the running cluster, else
         ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray.
         ``costs`` fills each program's FLOPs and bytes from JAX's cost analysis, which
-        the simulator needs."""
+        the simulator needs.  ``profile`` also runs the step on the running cluster to
+        time every program on its mesh (see :meth:`profile`) into ``self.program_times``."""
+        if profile:
+            self.program_times = self.profile(*args)
         from meshshard.passes.pipeline import plan_step
 
         if cluster is None:
@@ -72,7 +132,20 @@ class ParallelizedFunction:
         self._lowered = plan
         return plan
 
+    def profile(self, *args, steps: int = 5, cache_dir: str | None = None) -> dict[str, float]:
+        """Seconds of each program (``{"s0.F": ...}``) run on its real mesh of the running
+        cluster: the median over ``steps`` calls on ``args`` in which every program waits
+        for its outputs.  Cached on disk (``cache_dir``, default ``$MESHSHARD_PROFILE_CACHE``
+        or ``~/.cache/meshshard/profiles``) by program, mesh and versions.  Pass the
+        result to ``meshshard.sim.simulate(plan, program_times=...)``.  The calls use
+        ``args`` each time: donated arguments must be host arrays."""
+        from meshshard.profiling import ProfileCache, profile_step
+
+        return profile_step(self, args, steps, ProfileCache(cache_dir))
+
     def __call__(self, *args):
+        if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
+            return self._two_bw(*args)
         exe = self._executable_for(args)
         _, args = physical_call(self.fn, args)  # typed keys travel as raw data
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
@@ -130,6 +203,8 @@ class ParallelizedFunction:
             )
             self._executables[key] = exe
             exe.keyed_step = fn  # restores typed keys in the results
+            if self.trace_log is not None:
+                exe.record(self.trace_log)
         return exe
 
     def release(self) -> None:
@@ -139,6 +214,8 @@ class ParallelizedFunction:
         executables, self._executables = self._executables, {}
         for exe in executables.values():
             exe.release()
+        if self.trace_log is not None and self.trace_log.steps:
+            self.trace_log.write()
 
     def __del__(self):
         try:
@@ -151,6 +228,8 @@ class ParallelizedFunction:
     def plan(self) -> Plan | None:
         """The plan of the most recent compilation, else of the last ``lower`` (None
         before either)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.plan
         if not self._executables:
             return self._lowered
         return list(self._executables.values())[-1].plan
@@ -158,6 +237,8 @@ class ParallelizedFunction:
     @property
     def executable(self):
         """The most recent compiled executable (None before the first call)."""
+        if self._two_bw is not None:
+            return self._two_bw.last.executable
         return list(self._executables.values())[-1] if self._executables else None
 
 
@@ -167,6 +248,7 @@ def parallelize(
     method: Method | None = None,
     donate_argnums: Sequence[int] = (),
     batch_argnums: Sequence[int] = (1,),
+    trace: str | None = None,
 ):
     """Parallelize a train step ``fn(state, batch, ...)`` with ``method``.
 
@@ -178,10 +260,20 @@ def parallelize(
     step without them (evaluation, inference) runs as a forward-only pipeline.
     ``method`` defaults to ``DataParallel()`` (the whole cluster as one mesh);
     ``FollowParallel(train_step)`` runs with another step's placement.
+    ``trace="out.json"`` records every call's measured timeline (each worker's
+    instructions, its communications from issue to completion, the driver's dispatch)
+    and writes the last 20 calls as Chrome-trace JSON (open in ui.perfetto.dev) at
+    ``release()``, at exit, or on ``write_trace()``.
     """
     if fn is None:
-        return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums)
-    return ParallelizedFunction(fn, method, donate_argnums, batch_argnums)
+        return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums, trace)
+    return ParallelizedFunction(fn, method, donate_argnums, batch_argnums, trace)
+
+
+def _write_at_exit(ref) -> None:
+    step = ref()
+    if step is not None and step.trace_log is not None and step.trace_log.steps:
+        step.trace_log.write()
 
 
 def _abstract(args, batch_argnums=()):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from meshshard import metrics
+from meshshard import metrics, two_bw
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import eval_eqns, is_marker, read_var
 from meshshard.metrics import check_reduction
@@ -56,6 +56,7 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def wrapped(*args):
+        args = two_bw.substitute(args, argnums)  # 2BW: differentiate at the stashed weights
         layered = _with_boundaries(fun, args, has_aux)
         out = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
         (value, grads) = out

@@ -3,11 +3,13 @@
     meshshard simulate PLAN.json --cluster dgx-a100 --hosts 2 --trace out.json
     meshshard calibrate --out local.json
     meshshard clusters
+    meshshard bench STEP_SCRIPT --steps 15 --trace out.json
 
 ``simulate`` prints the predicted iteration (summary table) and writes the Chrome
 trace; ``--cluster`` takes a preset name or a ClusterSpec JSON file (default: the
 cluster the plan was made for).  ``calibrate`` measures this machine into a
-ClusterSpec JSON.  ``clusters`` lists the presets with their figures.
+ClusterSpec JSON.  ``clusters`` lists the presets with their figures.  ``bench`` times
+a step script's step (see :mod:`meshshard.bench`) and writes its measured timeline.
 """
 
 from __future__ import annotations
@@ -74,7 +76,38 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="small, fast measurements (less accurate)")
 
     sub.add_parser("clusters", help="list the cluster presets")
+
+    b = sub.add_parser("bench", help="time a step script's step, record its measured timeline")
+    b.add_argument("script", help="Python file defining setup() -> (parallelized step, args)")
+    b.add_argument("--steps", type=int, default=15, help="timed steps (default 15)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
+    b.add_argument("--trace", help="write the measured Chrome trace (Perfetto) here")
+    b.add_argument("--json", dest="json_out", help="write the step times as JSON here")
+    b.add_argument("--backend", choices=("ray", "threads"), default="ray")
+    b.add_argument("--hosts", type=int, help="host-actors (default 4)")
+    b.add_argument("--devices-per-host", type=int, help="devices per host (default 2)")
     return p
+
+
+def _bench(args) -> int:
+    from meshshard.bench import run_script
+
+    result, _ = run_script(
+        args.script,
+        steps=args.steps,
+        warmup=args.warmup,
+        trace=args.trace,
+        backend=args.backend,
+        num_hosts=args.hosts,
+        devices_per_host=args.devices_per_host,
+    )
+    print(result)
+    if args.trace:
+        print(f"measured trace written to {args.trace} (open in https://ui.perfetto.dev)")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"times_s": list(result.times), "median_s": result.median}, f, indent=2)
+    return 0
 
 
 def _simulate(args) -> int:
@@ -136,7 +169,12 @@ def _clusters(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshshard`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    handlers = {"simulate": _simulate, "calibrate": _calibrate, "clusters": _clusters}
+    handlers = {
+        "simulate": _simulate,
+        "calibrate": _calibrate,
+        "clusters": _clusters,
+        "bench": _bench,
+    }
     try:
         return handlers[args.command](args)
     except BrokenPipeError:  # output piped into `head` and closed: not an error

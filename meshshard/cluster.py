@@ -57,6 +57,9 @@ _LOCAL = dict(
 )
 
 
+_OPCODES = ("LOAD", "ZEROS", "RUN", "SEND", "RECV", "COLL", "WAIT", "WAITALL", "FREE")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A cluster of ``num_hosts`` identical hosts with ``devices_per_host`` devices each.
@@ -82,6 +85,18 @@ class ClusterSpec:
         oversubscription: switch oversubscription; 1.0 is non-blocking, ``r`` > 1 caps
             all inter-host traffic together at ``hosts * nics * nic_bandwidth / r``.
         chunk_bytes: chunk size of pipelined collectives (NCCL-style chain broadcast).
+        host_cores: CPU cores all hosts share (an emulated cluster on one machine); 0
+            means enough cores for everything.  When more work runs than there are
+            cores, every running program slows down (processor sharing, sim/cores.py).
+        instruction_overhead: host seconds the runtime spends on each LOAD, ZEROS,
+            FREE, WAIT and WAITALL (Python interpreter, array bookkeeping).
+        opcode_overheads: host seconds per instruction of a given opcode, as
+            ``(("ZEROS", 0.01), ("SEND", 0.004), ...)``, overriding
+            ``instruction_overhead``; a communication's host time (``SEND``, ``RECV``,
+            ``COLL``) delays that worker's next compute-queue instruction, as the
+            runtime's one host thread issues both.
+        dispatch_overhead: driver seconds per step (handing inputs to the workers,
+            collecting results), added to the iteration.
         source: where the figures come from (citations, or the calibration run).
     """
 
@@ -102,6 +117,10 @@ class ClusterSpec:
     nic_of_device: tuple[int, ...] = ()
     oversubscription: float = _LOCAL["oversubscription"]
     chunk_bytes: int = 1 << 20
+    host_cores: int = 0
+    instruction_overhead: float = 0.0
+    opcode_overheads: tuple[tuple[str, float], ...] = ()
+    dispatch_overhead: float = 0.0
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
@@ -133,7 +152,22 @@ class ClusterSpec:
                 raise ValueError(
                     f"ClusterSpec.{field_name} must be a positive number, got {value!r}"
                 )
-        for field_name in ("launch_overhead", "intra_latency", "nic_latency"):
+        if (
+            not isinstance(self.host_cores, int)
+            or isinstance(self.host_cores, bool)
+            or (self.host_cores < 0)
+        ):
+            raise ValueError(
+                f"ClusterSpec.host_cores must be an int >= 0 (0 = no limit), got "
+                f"{self.host_cores!r}; pass e.g. ClusterSpec(host_cores=os.cpu_count())"
+            )
+        for field_name in (
+            "launch_overhead",
+            "intra_latency",
+            "nic_latency",
+            "instruction_overhead",
+            "dispatch_overhead",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int | float) or value < 0:
                 raise ValueError(
@@ -155,6 +189,20 @@ class ClusterSpec:
                 "pass () to spread devices evenly over the NICs"
             )
         object.__setattr__(self, "nic_of_device", nic_of)
+        ops = self.opcode_overheads
+        if isinstance(ops, Mapping):
+            ops = tuple(ops.items())
+        try:
+            ops = tuple(sorted((str(k).upper(), float(v)) for k, v in ops))
+        except (TypeError, ValueError):
+            ops = ((str(self.opcode_overheads), -1.0),)
+        if any(k not in _OPCODES or not v >= 0 for k, v in ops):
+            raise ValueError(
+                f"ClusterSpec.opcode_overheads must map opcodes ({', '.join(_OPCODES)}) to "
+                f"seconds >= 0, got {self.opcode_overheads!r}; pass e.g. "
+                "opcode_overheads={'ZEROS': 0.01}"
+            )
+        object.__setattr__(self, "opcode_overheads", ops)
 
     # --- derived -------------------------------------------------------------------
     @property
@@ -171,6 +219,17 @@ class ClusterSpec:
     def devices_of_nic(self, nic: int) -> tuple[int, ...]:
         """The devices of a host that share NIC ``nic``."""
         return tuple(d for d in range(self.devices_per_host) if self.nic_of(d) == nic)
+
+    def host_seconds(self, opcode: str) -> float:
+        """Host seconds the runtime spends on one instruction of ``opcode`` (``"ZEROS"``):
+        its ``opcode_overheads`` entry, else ``instruction_overhead`` for the local
+        instructions and 0 for programs and communication."""
+        for k, v in self.opcode_overheads:
+            if k == opcode:
+                return v
+        if opcode in ("LOAD", "ZEROS", "WAIT", "WAITALL", "FREE"):
+            return self.instruction_overhead
+        return 0.0
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s of one device for ``dtype`` (falls back to float32, then the first entry)."""
@@ -210,6 +269,7 @@ class ClusterSpec:
         d = asdict(self)
         d["peak_flops"] = dict(self.peak_flops)
         d["nic_of_device"] = list(self.nic_of_device)
+        d["opcode_overheads"] = dict(self.opcode_overheads)
         return d
 
     @staticmethod

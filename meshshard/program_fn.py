@@ -49,6 +49,8 @@ def program_function(
     )
     eqns = [jaxpr.eqns[i] for i in eqn_indices]
     defined = {v for e in eqns for v in e.outvars}
+    # a split backward's W reads contributions its B computed (``D`` group) as its own
+    defined |= {by_id[i] for g in inputs if g.ref.kind is BufferKind.BACKWARD_CARRY for i in g.vars}
     in_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in inputs]
     out_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in outputs]
     m = num_micro_batches

@@ -50,11 +50,19 @@ class BufferKind(StrEnum):
     TRANSFER = "t"  #: the array a cross-mesh transfer moves, owner = transfer index
     CARRY = "K"  #: update values one phase hands to a later one on a mesh, owner = mesh
     REDUCTION = "r"  #: the value of a cross-mesh all-reduce, owner = reduction index
+    BACKWARD_CARRY = (
+        "D"  #: values a split backward's B hands its W (per micro-batch), owner = stage
+    )
 
     @property
     def per_micro_batch(self) -> bool:
-        """True for kinds with one instance per micro-batch (``X``, ``R``, ``t``)."""
-        return self in (BufferKind.BATCH, BufferKind.RESIDUALS, BufferKind.TRANSFER)
+        """True for kinds with one instance per micro-batch (``X``, ``R``, ``t``, ``D``)."""
+        return self in (
+            BufferKind.BATCH,
+            BufferKind.RESIDUALS,
+            BufferKind.TRANSFER,
+            BufferKind.BACKWARD_CARRY,
+        )
 
     @property
     def persistent(self) -> bool:
@@ -67,7 +75,7 @@ class Phase(StrEnum):
 
     FORWARD = "F"
     BACKWARD = "B"
-    WEIGHT_GRAD = "W"  #: reserved: the weight-gradient half of a split backward
+    WEIGHT_GRAD = "W"  #: the weight-gradient half of a split backward (zero-bubble)
     APPLY = "apply"  #: the once-per-step update of a mesh
     GATHER = "gather"  #: a worker-local all-gather (resharding simulation)
 
@@ -77,7 +85,7 @@ class TaskKind(StrEnum):
 
     F = "F"
     B = "B"
-    W = "W"  #: reserved for zero-bubble schedules (weight-gradient half)
+    W = "W"  #: the weight-gradient half of a split backward (zero-bubble schedules)
 
     @property
     def phase(self) -> Phase:

@@ -14,7 +14,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Collective, Free, Load, Recv, Run, Send, Wait, WaitAll, Zeros
 from meshshard.plan import Plan, Schedule
 from meshshard.plan_checks import header_problems
-from meshshard.refs import BufferKind, BufferRef, TaskKind
+from meshshard.refs import BufferKind, BufferRef
 
 
 def verify(plan: Plan, cluster: ClusterSpec | None = None) -> list[str]:
@@ -89,20 +89,9 @@ def verify_schedule(schedule: Schedule) -> list[str]:
     return [str(p) for p in schedule_problems(schedule)]
 
 
-def _task(key: tuple[int, TaskKind, int]) -> str:
-    """A task key as text: stage 1's backward of micro-batch 2 is ``s1.B2``."""
-    s, kind, m = key
-    return f"s{s}.{kind.value}{m}"
-
-
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward ran and backward has not."""
-    peak = [0] * schedule.num_stages
-    live = [0] * schedule.num_stages
-    for row in schedule.ticks:
-        for s, task in enumerate(row):
-            if task is None:
-                continue
-            live[s] += 1 if task.kind is TaskKind.F else -1
-            peak[s] = max(peak[s], live[s])
-    return peak
+    """Per stage, the most micro-batches whose forward ran and whose last backward task
+    (W when split, else B) has not (:func:`~meshshard.passes.schedule_verify.activation_peaks`)."""
+    from meshshard.passes.schedule_verify import activation_peaks
+
+    return activation_peaks(schedule)

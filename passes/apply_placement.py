@@ -228,8 +228,9 @@ def place_apply(
     p = _Placer(jaxpr, ids, {v: _as_set(s) for v, s in seeds.items()}, num_meshes, describe)
     p.place(apply_eqns)
     p.place_lazy()
+    passed = set(jaxpr.invars)  # a step input returned as is needs no mesh (OutputSource.INPUT)
     for v in jaxpr.outvars:
-        if not is_literal(v) and v not in p.ready and v not in seeds:
+        if not is_literal(v) and v not in p.ready and v not in seeds and v not in passed:
             raise MeshshardInputError(
                 f"step output {describe(v)} could not be placed on a mesh; this is a bug "
                 "in meshshard's update placement: please report it with the step"

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
+from meshshard.passes.schedule_verify import problems_with_grid, stream_problems
 from meshshard.passes.state import CompileState, Pass, PassCheckError
 from meshshard.plan import Plan, Schedule
 from meshshard.refs import BufferKind, TransferRef
-from meshshard.verify import verify, verify_schedule
+from meshshard.verify import verify
 
 __all__ = ["checks_enabled", "state_problems", "run_passes"]
 
@@ -46,11 +47,12 @@ def state_problems(state: CompileState) -> list[str]:
     problems = _slicing_problems(state) + _mesh_problems(state) + _graph_problems(state)
     problems += _buffer_problems(state) + _transfer_problems(state)
     if state.schedule is not None:
-        problems += verify_schedule(state.schedule)
+        problems += problems_with_grid(state.schedule)
     if state.plan is not None:
-        problems += verify(state.plan)
+        problems += verify(state.plan) + stream_problems(state.plan)
     elif state.streams is not None:
-        problems += verify(_provisional_plan(state))
+        plan = _provisional_plan(state)
+        problems += verify(plan) + stream_problems(plan)
     return problems
 
 
@@ -69,9 +71,13 @@ def _mesh_problems(state: CompileState) -> list[str]:
         return []
     problems = []
     seen: set[int] = set()
+    v = getattr(state.method, "virtual_stages", 1)  # interleaved: mesh L views mesh L % S
+    S = len(state.meshes) // v
     for i, m in enumerate(state.meshes):
         if m.id != i:
             problems.append(f"mesh{m.id} sits at position {i}")
+        if i >= S and (m.hosts, m.shape) == (state.meshes[i % S].hosts, state.meshes[i % S].shape):
+            continue
         if set(m.hosts) & seen:
             problems.append(f"mesh{m.id} shares hosts {sorted(set(m.hosts) & seen)}")
         seen |= set(m.hosts)

@@ -45,6 +45,8 @@ def emit_streams(
         for task in row:
             if task is None:
                 continue
+            if task.virtual is not None:  # interleaved: chunk c of mesh r is stage c*S + r
+                task = Task(task.logical(schedule.num_stages), task.mb, task.kind)
             for w in meshes[task.stage].workers:
                 streams[w] += _task_instructions(graph, progs, by_ref, task, w)
     update = apply_instructions(graph, progs, meshes, by_ref, reductions, lower_transfer)
@@ -53,30 +55,35 @@ def emit_streams(
     return tuple(WorkerStream(w, tuple(ins)) for w, ins in sorted(streams.items()))
 
 
-def _batch_readers(graph: StageGraph, progs: dict, stage: int) -> list[TaskKind]:
-    """The task kinds (F, B) of ``stage`` whose program reads its batch inputs ``X{s}``."""
-    x = BufferRef(BufferKind.BATCH, stage)
+def _readers(progs: dict, stage: int, group: BufferRef) -> list[TaskKind]:
+    """The task kinds (F, B, W) of ``stage`` whose program reads buffer group ``group``."""
     return [
         kind
-        for kind in (TaskKind.F, TaskKind.B)
-        if ProgramRef(kind.phase, stage) in progs  # no B in a forward-only step
-        and any(g.ref == x for g in progs[ProgramRef(kind.phase, stage)].inputs)
+        for kind in (TaskKind.F, TaskKind.B, TaskKind.W)
+        if ProgramRef(kind.phase, stage) in progs  # no B in a forward-only step, W if split
+        and any(g.ref == group for g in progs[ProgramRef(kind.phase, stage)].inputs)
     ]
 
 
 def _task_instructions(
     graph: StageGraph, progs: dict, by_ref: dict, task: Task, w: int
 ) -> list[Instruction]:
-    """What worker ``w`` runs for one task: load, receive, run, send, free."""
+    """What worker ``w`` runs for one task: load, receive, run, send, free.
+
+    A per-micro-batch input is loaded or received by the first task kind of the stage
+    that reads it and freed after the last (a split backward's B and W may share one).
+    """
     s, k = task.stage, task.mb
     prog = progs[task.program]
-    readers = _batch_readers(graph, progs, s)
+    x = BufferRef(BufferKind.BATCH, s)
+    readers = {g.ref: _readers(progs, s, g.ref) for g in prog.inputs}
     out: list[Instruction] = []
-    if readers and readers[0] == task.kind:
-        out.append(Load(buffer=BufferRef(BufferKind.BATCH, s, k), mb=k))
+    if x in readers and readers[x][0] == task.kind:
+        out.append(Load(buffer=x.at(k), mb=k))
     incoming = [g.ref for g in prog.inputs if g.ref.kind is BufferKind.TRANSFER]
     for g in incoming:
-        out += lower_transfer(by_ref[g.transfer], g.at(k), w)
+        if readers[g][0] == task.kind:
+            out += lower_transfer(by_ref[g.transfer], g.at(k), w)
     out.append(
         Run(
             program=prog.name,
@@ -88,12 +95,11 @@ def _task_instructions(
     for g in (g.ref for g in prog.outputs if g.ref.kind is BufferKind.TRANSFER):
         out += lower_transfer(by_ref[g.transfer], g.at(k), w)
         out.append(Free(buffer=g.at(k)))
-    for g in incoming:
-        out.append(Free(buffer=g.at(k)))
-    if task.kind is TaskKind.B and graph.group(BufferRef(BufferKind.RESIDUALS, s)):
-        out.append(Free(buffer=BufferRef(BufferKind.RESIDUALS, s, k)))
-    if readers and readers[-1] == task.kind:
-        out.append(Free(buffer=BufferRef(BufferKind.BATCH, s, k)))
+    kinds = (BufferKind.TRANSFER, BufferKind.RESIDUALS, BufferKind.BACKWARD_CARRY, BufferKind.BATCH)
+    for kind in kinds:
+        for g in (g.ref for g in prog.inputs if g.ref.kind is kind):
+            if readers[g][-1] == task.kind:
+                out.append(Free(buffer=g.at(k)))
     return out
 
 

@@ -28,10 +28,12 @@ from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.schedules import check_runnable, make_schedule
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
+from meshshard.passes.split_backward import split_backward
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
 from meshshard.passes.state import CompileState, Pass
 from meshshard.passes.trace import TracedStep, trace_step
 from meshshard.passes.transfers import plan_transfers
+from meshshard.passes.virtual_stages import virtual_layout
 from meshshard.plan import InputSpec, OutputSpec, Plan, ProgramSpec, StageSpec
 from meshshard.refs import LeafKind, Phase, ProgramRef
 
@@ -64,12 +66,22 @@ def _slice(st: CompileState) -> CompileState:
 
 def _layout(st: CompileState) -> CompileState:
     groups, meshes = stage_layout(st.method, st.cluster, st.slicing.num_layers)
+    v = getattr(st.method, "virtual_stages", 1)
+    if v > 1:  # interleaved 1F1B: v logical stages per mesh
+        groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v)
     return replace(st, layer_groups=groups, meshes=meshes)
 
 
 def _stage_graph(st: CompileState) -> CompileState:
     build = build_forward_graph if is_forward_only(st.traced.jaxpr) else build_stage_graph
     return replace(st, graph=build(st.traced, st.slicing, st.layer_groups))
+
+
+def _split_backward(st: CompileState) -> CompileState:
+    """Zero-bubble schedules run B and W separately: split every backward program."""
+    if getattr(st.method, "schedule", None) != "zb_h1" or st.graph.apply_phases == 0:
+        return st
+    return replace(st, graph=split_backward(st.traced, st.graph))
 
 
 def _shard(st: CompileState) -> CompileState:
@@ -87,10 +99,12 @@ def _transfers(st: CompileState) -> CompileState:
 def _schedule(st: CompileState) -> CompileState:
     name = "1f1b" if isinstance(st.method, DataParallel) else st.method.schedule
     name = "inference" if st.graph.apply_phases == 0 else name  # forward-only
-    check_runnable(name, st.graph)
-    return replace(
-        st, schedule=make_schedule(name, st.graph.num_stages, st.traced.num_micro_batches)
-    )
+    v = getattr(st.method, "virtual_stages", 1)
+    S, M = st.graph.num_stages // v, st.traced.num_micro_batches
+    check_runnable(name, S, M)
+    opts = {"steps": 1} if name == "2bw" else {}  # each 2BW call runs one step
+    opts = {"virtual_stages": v} if name == "interleaved_1f1b" else opts
+    return replace(st, schedule=make_schedule(name, S, M, **opts))
 
 
 def _emit(st: CompileState) -> CompileState:
@@ -152,6 +166,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("slice_layers", _slice),
     Pass("stage_layout", _layout),
     Pass("stage_graph", _stage_graph),
+    Pass("split_backward", _split_backward),
     Pass("sharding", _shard),
     Pass("transfers", _transfers),
     Pass("schedule", _schedule),

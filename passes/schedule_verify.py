@@ -37,6 +37,7 @@ __all__ = [
     "activation_peaks",
     "check_schedule",
     "format_grid",
+    "problems_with_grid",
     "stream_problems",
 ]
 
@@ -218,6 +219,16 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, around:
     lines = ["  tick " + " ".join(f"{'s' + str(s):>{width}}" for s in range(schedule.num_stages))]
     lines += [f"  {t:>4} " + " ".join(f"{c:>{width}}" for c in cells[t]) for t in range(lo, hi)]
     return "\n".join(lines)
+
+
+def problems_with_grid(schedule: Schedule) -> list[str]:
+    """:func:`schedule_problems` as text, the first followed by the grid around its cell
+    (what the ``MESHSHARD_CHECKS=1`` pass checks report)."""
+    problems = schedule_problems(schedule)
+    out = [str(p) for p in problems]
+    if problems and problems[0].tick is not None:
+        out[0] += "\n" + format_grid(schedule, (problems[0].tick, problems[0].mesh))
+    return out
 
 
 def check_schedule(schedule: Schedule) -> None:

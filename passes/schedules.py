@@ -192,7 +192,7 @@ def inference(num_stages: int, num_micro_batches: int) -> Schedule:
 def make_schedule(name: str, num_stages: int, num_micro_batches: int, **options) -> Schedule:
     """The schedule called ``name`` (a key of :data:`SCHEDULE_GENERATORS`); ``options``
     go to its generator (``virtual_stages`` for ``interleaved_1f1b``, ``steps`` for
-    ``2bw``)."""
+    ``2bw``; a 2BW step on its own is ``steps=1``)."""
     if name not in SCHEDULE_GENERATORS:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULE_GENERATORS)}, got {name!r}")
     return SCHEDULE_GENERATORS[name](num_stages, num_micro_batches, **options)
@@ -200,17 +200,27 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int, **options)
 
 #: Schedules the compiler can emit and run end to end today (the rest are generated,
 #: verified and simulated on synthetic plans).
-RUNNABLE = ("gpipe", "1f1b", "eager_1f1b", "inference")
+RUNNABLE = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "2bw", "interleaved_1f1b", "inference")
 
 
-def check_runnable(name: str, graph) -> None:
-    """Refuse, naming the choice, a schedule the emitter cannot yet run for ``graph``."""
+def check_runnable(name: str, num_stages: int, num_micro_batches: int) -> None:
+    """Refuse, naming the choice, a schedule the emitter cannot run for these sizes."""
+    from meshshard.errors import MeshshardInputError
+
     if name not in RUNNABLE:
-        from meshshard.errors import MeshshardInputError
-
         raise MeshshardInputError(
             f"PipeshardParallel.schedule={name!r} is generated and simulated but not yet "
-            f"emitted for real steps; use one of {RUNNABLE[:3]}"
+            f"emitted for real steps; use one of {RUNNABLE[:6]}"
+        )
+    if name == "interleaved_1f1b" and num_micro_batches % num_stages:
+        raise MeshshardInputError(
+            f"PipeshardParallel(schedule='interleaved_1f1b') needs num_micro_batches "
+            f"divisible by the number of meshes ({num_micro_batches} % {num_stages} != 0)"
+        )
+    if name == "2bw" and num_micro_batches < num_stages:
+        raise MeshshardInputError(
+            f"PipeshardParallel(schedule='2bw') needs num_micro_batches >= the number of "
+            f"stages ({num_micro_batches} < {num_stages}); raise num_micro_batches"
         )
 
 

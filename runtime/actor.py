@@ -164,9 +164,19 @@ class HostActor:
         return seconds
 
     def run_step(self, plan_id: str, batch, state, out_keys, free):
+        """Run one step: (results, seconds, the step's WorkerTrace or None)."""
         t0 = time.perf_counter()
-        result = self.workers[plan_id].run_step(batch, state, out_keys, free)
-        return result, time.perf_counter() - t0
+        worker = self.workers[plan_id]
+        result = worker.run_step(batch, state, out_keys, free)
+        return result, time.perf_counter() - t0, worker.last_trace
+
+    def set_trace(self, plan_id: str, on: bool, sync: bool = False) -> None:
+        """Record (or stop recording) a compiled step's per-instruction timeline."""
+        self.workers[plan_id].record(on, sync)
+
+    def clock(self) -> int:
+        """This process's ``perf_counter_ns`` (the driver aligns trace clocks with it)."""
+        return time.perf_counter_ns()
 
     def fetch(self, key: int) -> list[tuple[tuple, object]]:
         """The local shards of stored array ``key`` as (index, data) pairs."""

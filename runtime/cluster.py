@@ -530,6 +530,7 @@ class RayBackend:
         self.cluster = cluster
         self.plan_id = uuid.uuid4().hex[:8]
         self.worker_seconds: dict[int, float] = {}
+        self.last_traces: dict = {}  # the last step's WorkerTrace per recording worker
         self.generation = -1  # the cluster generation this plan was compiled in
 
     @property
@@ -578,8 +579,11 @@ class RayBackend:
         }
         out = self.cluster._call(refs, f"step of plan {self.plan_id}")
         results = {}
-        for w, (result, seconds) in out.items():
+        self.last_traces = {}
+        for w, (result, seconds, trace) in out.items():
             results[w], self.worker_seconds[w] = result, seconds
+            if trace is not None:
+                self.last_traces[w] = trace
         return results
 
     def runtime_options(self, **opts) -> dict:
@@ -587,6 +591,22 @@ class RayBackend:
         read); returns each worker's last recorded timeline."""
         refs = {w: self._actor(w).runtime_options.remote(self.plan_id, opts) for w in self.workers}
         return self.cluster._call(refs, "runtime options")
+
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
+        """Make ``workers`` record (or stop recording) their per-instruction timelines;
+        ``sync``: RUNs wait for their outputs (profiling)."""
+        refs = {w: self._actor(w).set_trace.remote(self.plan_id, on, sync) for w in workers}
+        self.cluster._call(refs, "switching trace recording")
+
+    def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:
+        """Each worker's (clock offset, round trip) against this process, ns, by ping."""
+        import ray
+
+        from meshshard.runtime.trace_record import estimate_offset
+
+        return {
+            w: estimate_offset(lambda w=w: ray.get(self._actor(w).clock.remote())) for w in workers
+        }
 
     def fetch(self, worker: int, key: int) -> list:
         ref = self._actor(worker).fetch.remote(key)

@@ -54,6 +54,12 @@ class Backend(Protocol):
     def track(self, array: RemoteArray) -> None:
         """Remember a live array, so restarts move it instead of losing it."""
 
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
+        """Make ``workers`` record their per-instruction timelines (``last_traces``)."""
+
+    def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:
+        """Each worker's (clock minus driver clock, ping round trip), ns."""
+
 
 class RemoteArray:
     """An array that lives on a mesh's workers between steps.
@@ -212,13 +218,46 @@ class Executable:
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
         self.last_worker_seconds: dict[int, float] = {}
+        self.trace_log = None  # a runtime.trace_record.TraceLog while recording
+        self._sync = False
+        self._offsets: tuple = ()
 
     def recompile(self) -> None:
         """Compile the plan again on the workers (they were restarted or lost their
         transfer group); the plan itself does not change."""
         self.compile_seconds = self.backend.compile(*self._compile_args, self.plan)
+        if self.trace_log is not None:
+            self.record(self.trace_log, self._sync)
+
+    def record(self, log, sync: bool = False) -> None:
+        """Record every later call's measured timeline into ``log`` (a ``TraceLog``;
+        None stops): the workers stamp each instruction, the driver its dispatch, and
+        the workers' clock offsets are estimated now.  ``sync`` (profiling): each RUN
+        waits for its outputs, so its span is the program's run time."""
+        self.trace_log = log
+        self._sync = sync
+        self.backend.set_trace(self.plan.workers, log is not None, sync)
+        if log is not None:
+            offsets = self.backend.clock_offsets(self.plan.workers)
+            self._offsets = tuple((w, off) for w, (off, _) in sorted(offsets.items()))
+            self.clock_rtts = {w: rtt for w, (_, rtt) in offsets.items()}
 
     def __call__(self, *args):
+        if self.trace_log is None:
+            return self._call(args)
+        from meshshard.runtime.trace_record import StepTrace, clock_ns
+
+        t0 = clock_ns()
+        marks: list = []
+        out = self._call(args, marks)
+        t3 = clock_ns()
+        t1, t2 = marks
+        driver = (("prepare", t0, t1), ("workers", t1, t2), ("outputs", t2, t3))
+        workers = tuple(tr for _, tr in sorted(self.backend.last_traces.items()))
+        self.trace_log.add(self.plan.streams, StepTrace(driver, workers, self._offsets))
+        return out
+
+    def _call(self, args, marks: list | None = None):
         if self.released:
             raise MeshshardRuntimeError(
                 "this compiled step was released (step.release()); call the parallelized "
@@ -261,7 +300,13 @@ class Executable:
             w: (per_worker_batch[w], per_worker_state[w], out_keys[w], frees.get(w, []))
             for w in plan.workers
         }
+        if marks is not None:
+            from meshshard.runtime.trace_record import clock_ns
+
+            marks.append(clock_ns())
         results = self.backend.run_step(requests)
+        if marks is not None:
+            marks.append(clock_ns())
         for r in donated:
             r._release()
         return self._outputs(args, flat, results, out_keys)

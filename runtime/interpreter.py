@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -38,6 +39,7 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
 
@@ -177,6 +179,11 @@ class StreamInterpreter:
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
+        self._untimed = transport
+        self.recorder: Recorder | None = None
+        self._sync = False
+        self._threads: list = []  # comm and prefetch threads (overlapped mode)
+        weakref.finalize(self, _close_all, self._threads)
 
     def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
         """Switch overlapped execution and timeline recording for the next steps."""
@@ -185,21 +192,57 @@ class StreamInterpreter:
         if timeline is not None:
             self.timeline = timeline
 
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record every instruction's start and end (and communication completions)
+        from the next step on; :attr:`recorder` holds the last step's stamps.
+
+        ``sync`` (profiling) makes each ``RUN`` wait for its outputs, so its span is the
+        program's run time rather than its asynchronous dispatch.
+        """
+        self._sync = on and sync
+        if on:
+            self.recorder = Recorder(len(self.stream.instructions))
+            self.transport = RecordingTransport(self._untimed, self.recorder)
+        else:
+            self.recorder, self.transport = None, self._untimed
+
     def run(
         self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
     ) -> dict[BufferRef, tuple]:
         """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
         step = _Step(self, buffers, load)
+        rec = self.recorder
+        if rec is not None:
+            rec.reset()
         try:
             for i, ins in enumerate(self.stream.instructions):
+                if rec is not None:
+                    rec.current = i
+                    rec.start[i] = clock_ns()
                 try:
+                    step.check()
                     step.do(i, ins)
                 except Exception as exc:
-                    raise MeshshardRuntimeError(self._where(i, exc)) from exc
+                    raise step.failure(i, exc) from exc
+                if rec is not None:
+                    rec.end[i] = clock_ns()
             step.finish()
-        finally:
-            step.close()
+        except BaseException:
+            step.close(failed=True)
+            raise
+        step.close(failed=False)
         return step.buffers
+
+    def _helpers(self) -> tuple[CommQueue, Prefetcher]:
+        """This worker's comm and prefetch threads, started once and kept across steps
+        (stopped when the interpreter is dropped)."""
+        if not self._threads:
+            w = self.worker
+            self._threads.extend([CommQueue(f"w{w}-comm"), Prefetcher(f"w{w}-recv")])
+        return self._threads[0], self._threads[1]
+
+    def _drop_helpers(self) -> None:
+        _close_all(self._threads)
 
     def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
         """:func:`message_tag` from tables built once per plan."""
@@ -227,6 +270,23 @@ class StreamInterpreter:
             mark = "  <-- ERROR HERE" if j == i else ""
             lines.append(f"  {j:>4} w{self.worker}: {self.stream.instructions[j]}{mark}")
         return "\n".join(lines)
+
+
+def _ready(arrays: list) -> None:
+    """Wait until ``arrays`` are computed (an array a later program already consumed
+    by donation counts as done)."""
+    for a in arrays:
+        try:
+            a.block_until_ready()
+        except Exception:  # deleted: donated to a program dispatched after it
+            pass
+
+
+def _close_all(threads: list) -> None:
+    """Stop and forget helper threads (each exits once its queue is done)."""
+    for t in threads:
+        t.close()
+    threads.clear()
 
 
 class _Sent:
@@ -258,13 +318,28 @@ class _Step:
         self.posted: dict[BufferRef, list] = {}  # (message, handle future, key) per buffer
         self.sends: list = []  # futures of issued send handles
         w = interp.worker
-        self.comm = CommQueue(f"w{w}-comm") if interp.overlap else None
-        self.prefetch = Prefetcher(f"w{w}-recv") if interp.overlap else None
+        self.comm, self.prefetch = interp._helpers() if interp.overlap else (None, None)
         self.tl = Timeline(w) if interp.timeline else None
         self.watch = Prefetcher(f"w{w}-watch") if self.tl is not None else None
         self.runs: list[tuple[int, int, Lazy]] = []
 
     # --- helpers ------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the error of a communication op that failed on the comm thread."""
+        if self.comm is not None and self.comm.error is not None:
+            raise self.comm.error
+
+    def failure(self, i: int, exc: Exception) -> MeshshardRuntimeError:
+        """The error to raise for ``exc`` at instruction ``i`` (with the comm thread's
+        own failure, which often explains a wait that timed out)."""
+        if isinstance(exc, MeshshardRuntimeError) and "failed at instruction" in str(exc):
+            return exc  # already placed (raised by a comm op)
+        text = self.interp._where(i, exc)
+        err = self.comm.error if self.comm is not None else None
+        if err is not None and err is not exc:
+            text += f"\nearlier, on the comm thread: {err}"
+        return MeshshardRuntimeError(text)
+
     def value(self, name: BufferRef) -> tuple:
         """Buffer ``name``, waiting for its receive if it is still arriving."""
         lazy = self.later.pop(name, None)
@@ -280,7 +355,10 @@ class _Step:
 
         def at_i():
             try:
-                return fn()
+                handle = fn()
+                if type(handle) is _TimedHandle:
+                    handle.index = i  # issued here, not at the recorder's current index
+                return handle
             except Exception as exc:
                 raise MeshshardRuntimeError(interp._where(i, exc)) from exc
 
@@ -322,10 +400,19 @@ class _Step:
         inputs = [self.value(name) for name in ins.inputs]
         t0 = time.perf_counter_ns() if self.tl is not None else 0
         outs = self.interp.programs[ins.program](inputs)
+        if self.interp._sync:
+            jax.block_until_ready(outs)
         for name, val in zip(ins.outputs, outs, strict=True):
             self.buffers[name] = val
         if self.tl is not None:
-            done = Lazy(lambda: jax.block_until_ready(outs))
+            # accumulators are donated to the next program: watch the other outputs
+            kept = [
+                v
+                for n, val in zip(ins.outputs, outs, strict=True)
+                if n.kind is not BufferKind.ACCUMULATORS
+                for v in val
+            ]
+            done = Lazy(lambda: _ready(kept))
             self.watch.add(done)
             self.runs.append((i, t0, done))
 
@@ -445,7 +532,10 @@ class _Step:
                 self.tl.runs.append((i, t0, done.at_ns))
             self.interp.last_timeline = self.tl
 
-    def close(self) -> None:
-        for q in (self.comm, self.prefetch, self.watch):
-            if q is not None:
-                q.close()
+    def close(self, failed: bool) -> None:
+        """Stop this step's watcher; after a failure also the interpreter's helpers
+        (ops of the failed step may still be queued there)."""
+        if self.watch is not None:
+            self.watch.close()
+        if failed:
+            self.interp._drop_helpers()

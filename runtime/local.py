@@ -77,6 +77,21 @@ class LocalBackend:
             w.interp.set_options(**opts)
         return {k: w.interp.last_timeline for k, w in self.workers.items()}
 
+    def set_trace(self, workers, on: bool, sync: bool = False) -> None:
+        """Make ``workers`` record (or stop recording) their per-instruction timelines;
+        ``sync``: RUNs wait for their outputs (profiling)."""
+        for w in workers:
+            self.workers[w].record(on, sync)
+
+    @property
+    def last_traces(self) -> dict:
+        """The last step's WorkerTrace of every recording worker."""
+        return {w: wk.last_trace for w, wk in self.workers.items() if wk.last_trace is not None}
+
+    def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:
+        """Threads share this process's clock: offset 0, round trip 0."""
+        return {w: (0, 0) for w in workers}
+
     def fetch(self, worker: int, key: int) -> list:
         arr = self.stores[worker][key]
         return [

@@ -115,6 +115,7 @@ class CommQueue:
         self._chan_count: dict[str, int] = {}
         self._closed = False
         self.issued: list[int] = []  # submission numbers in issue order (tests, traces)
+        self.error: BaseException | None = None  # the first op that raised
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -151,6 +152,8 @@ class CommQueue:
                 self._ops.remove(op)
                 self.issued.append(op.key[1])
             op.lazy.run()
+            if op.lazy._exc is not None and self.error is None:
+                self.error = op.lazy._exc
             if op.channel is not None:
                 with self._cv:
                     self._chan_next[op.channel] = op.chan_seq + 1

@@ -48,6 +48,7 @@ class Worker:
         self.store: dict[int, jax.Array] = {} if store is None else store
         self.plan: Plan | None = None
         self.interp: StreamInterpreter | None = None
+        self.last_trace = None  # the last step's WorkerTrace while recording
 
     # --- compile -----------------------------------------------------------------
     def compile(
@@ -71,13 +72,19 @@ class Worker:
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.shape)
-        programs = build_programs(traced, plan, mesh_spec.id, self.mesh)
+        # interleaved 1F1B: logical meshes that view this same mesh run here too
+        views = {
+            m.id for m in plan.meshes if (m.hosts, m.shape) == (mesh_spec.hosts, mesh_spec.shape)
+        }
+        programs = {}
+        for mesh_id in sorted(views):
+            programs.update(build_programs(traced, plan, mesh_id, self.mesh))
         stream = next(s for s in plan.streams if s.worker == self.worker)
         self.plan = plan
         self.traced = traced
         self.mesh_spec = mesh_spec
         self.interp = StreamInterpreter(stream, plan, programs, self.mesh, self.transport)
-        self._groups = {b.name: b for b in plan.buffers if b.mesh == mesh_spec.id}
+        self._groups = {b.name: b for b in plan.buffers if b.mesh in views}
         self._leaf_slot = {}
         for i in plan.inputs:
             for g, idx in i.slots:
@@ -117,6 +124,8 @@ class Worker:
             return tuple(arrays)
 
         buffers = self.interp.run(buffers, load)
+        if self.interp.recorder is not None:
+            self.last_trace = self.interp.recorder.snapshot(self.worker)
         result = {}
         for (group, idx), key in out_keys.items():
             arr = buffers[group][idx]
@@ -128,6 +137,14 @@ class Worker:
         for key in free:
             self.store.pop(key, None)
         return result
+
+    def record(self, on: bool, sync: bool = False) -> None:
+        """Record each step's per-instruction timeline (``last_trace``) from now on;
+        ``sync``: each RUN waits for its outputs (profiling program times)."""
+        if self.interp is None:
+            raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
+        self.interp.record(on, sync)
+        self.last_trace = None
 
     def _state_array(self, value, tensor) -> jax.Array:
         if isinstance(value, StoreKey):

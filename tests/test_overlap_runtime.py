@@ -185,8 +185,19 @@ def test_a_run_does_not_wait_for_an_unrelated_transfer(threads_cluster, monkeypa
         return real(stream, plan, programs, mesh, transport, blocks, overlap=overlap)
 
     monkeypatch.setattr(worker, "StreamInterpreter", make)
+    monkeypatch.setenv("MESHSHARD_TIMELINE", "1")
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
-    check_parity("mlp", method, steps=2)  # values unchanged by the moved WAIT
+    step = check_parity("mlp", method, steps=2)  # values unchanged by the moved WAIT
+    # the recorded timelines: one compute span per RUN, every message sent arrived,
+    # and the slow one was in flight for its 0.8 s
+    timelines = step.executable.backend.runtime_options()
+    for s in step.plan.streams:
+        runs = [i for i in s.instructions if isinstance(i, Run)]
+        assert len(timelines[s.worker].runs) == len(runs)
+    t0, t1 = timelines[0], timelines[1]
+    assert set(t1.sent) == set(t0.arrived) and set(t0.sent) == set(t1.arrived)
+    slow = max(t1.sent, key=lambda k: t0.arrived[k] - t1.sent[k])
+    assert slow[1] == 0 and t0.arrived[slow] - t1.sent[slow] >= 0.8e9
     # the last step: when did w0 dispatch its forward of micro-batch 1, and when did
     # the slow gradient arrive?
     delivered = [e[1] for e in log if e[0] == "delivered"][-1]

@@ -55,11 +55,13 @@ from meshshard.cluster import ClusterSpec
 from meshshard.instructions import (
     Collective,
     Instruction,
+    Run,
     Send,
 )
 from meshshard.passes.comm_schedule import admit
 from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
+from meshshard.sim.cores import CorePool
 from meshshard.sim.costs import ProgramCost, program_cost
 from meshshard.sim.network import FlowNetwork
 from meshshard.sim.rules import RULES, CollKey, P2PKey, RunKey, StreamState
@@ -280,6 +282,10 @@ class _Engine:
             unknown = sorted(set(program_times) - {str(p) for p in self.costs})
             if unknown:
                 self.notes.append(f"program_times for unknown programs ignored: {unknown}")
+        self.devices_of_mesh = {m.id: m.shape[1] for m in plan.meshes}
+        self.cores = (
+            CorePool(self, cluster.host_cores, self._complete) if cluster.host_cores else None
+        )
         self.queues: dict[int, list[_Queue]] = {}
         self._build()
 
@@ -304,6 +310,7 @@ class _Engine:
         qs = [_Queue(w, "compute"), _Queue(w, "comm")] if overlap else [_Queue(w, "all")]
         self.queues[w] = qs
         state = StreamState(w)
+        carried = 0.0  # host seconds of communications, paid by the next compute op
         for i, ins in enumerate(stream.instructions):
             rule = RULES.get(type(ins))
             if rule is None:
@@ -314,6 +321,12 @@ class _Engine:
             op.queue.ops.append(op)
             op.blocking = (not overlap) or (not ins.is_comm) or serial
             rule.build(self, op, state)
+            host = self.cluster.host_seconds(ins.opcode.value)  # the runtime's own work
+            if ins.is_comm:
+                carried += host
+            else:
+                op.dur += host + carried
+                carried = 0.0
             for b in ins.writes:
                 state.last_writer[b] = op.id
             if op.key is not None:
@@ -491,10 +504,18 @@ class _Engine:
         """Start ``op`` now; it completes after its duration (programs) or at once."""
         op.state = STARTED
         op.start = self.now
-        if op.dur > 0:
+        if op.dur > 0 and self.cores is not None:
+            self.cores.add(op, op.dur, self._demand(op))
+        elif op.dur > 0:
             self.at(self.now + op.dur, self._complete, op)
         else:
             self._complete(op)
+
+    def _demand(self, op: _Op) -> int:
+        """Cores ``op`` keeps busy: a program one per device of its mesh on a host."""
+        if isinstance(op.ins, Run):
+            return self.devices_of_mesh[self.mesh_of_program[op.ins.program]]
+        return 1
 
     def _complete(self, op: _Op) -> None:
         op.state = DONE

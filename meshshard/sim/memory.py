@@ -32,6 +32,7 @@ _CATEGORIES = {
     BufferKind.BATCH: "activations",
     BufferKind.RESIDUALS: "activations",
     BufferKind.TRANSFER: "activations",
+    BufferKind.BACKWARD_CARRY: "activations",
 }
 CATEGORY_ORDER = ("params", "optimizer", "grads", "activations", "other")
 

@@ -69,7 +69,7 @@ def _category(ins: Instruction) -> str:
 
 def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) -> SimResult:
     """Turn an engine :class:`Timeline` into a :class:`SimResult` (stats, memory, spans, counters)."""
-    end = tl.end
+    end = tl.end + cluster.dispatch_overhead  # the driver's share of every step
     spans: list[Span] = []
     workers: list[WorkerStats] = []
     meshes_of: dict[int, list[int]] = {}

@@ -1,0 +1,317 @@
+"""Simulator fidelity: predicted vs measured step time of GPT pipelines on the local Ray cluster.
+
+    python benchmarks/fidelity.py [--steps 15] [--json OUT.json] [--trace OUT_trace.json]
+
+For every plan, in one run: the median of ``--steps`` timed steps (after two warm-up
+calls) and three traced steps (host overheads, the side-by-side trace).  Plans of the
+*calibration* set (model A, 2 stages) are also profiled (every RUN waits for its
+outputs: program times on the real mesh, 5 steps).  Then, with the cluster shut down:
+
+- fit the host overheads (runtime per instruction, driver per step) and a calibrated
+  roofline (launch + FLOPs + bytes + collectives read from each program's compiled HLO)
+  on the calibration set only;
+- predict every plan with the simulator: calibration plans from their profiled program
+  times, *held-out* plans (model B: other sizes, 4 stages) from the calibrated roofline
+  alone, never profiled;
+- two host models side by side: ``in-situ`` (profiled times as measured, cores not
+  modelled) and ``cores`` (profiles with the slow-down from sharing cores removed, the
+  simulator sharing ``os.cpu_count()`` cores); plus the uncalibrated ``local`` roofline.
+
+Also the recording overhead (steps with and without ``trace=``, interleaved blocks on
+the first plan) and one Perfetto file with the measured and the predicted timeline of
+one plan as two process groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the driver compiles each program on its mesh shape to read its collectives (HLO)
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import meshshard  # noqa: E402
+from examples import gpt  # noqa: E402
+from meshshard import DataParallel, PipeshardParallel  # noqa: E402
+
+MODELS = {
+    "A": dict(model=dict(d_model=64, num_layers=4, max_len=32), batch=16),
+    "B": dict(model=dict(d_model=96, num_layers=8, max_len=32), batch=24),
+}
+
+
+def _pipe(m, stages, schedule):
+    return PipeshardParallel(num_micro_batches=m, stages=stages, schedule=schedule)
+
+
+S2, S2W, S4 = [(1, 2)] * 2, [(2, 2)] * 2, [(1, 2)] * 4
+PLANS = [  # (name, set, model, method); (2,2) meshes last: they regroup the actors
+    ("A 2x(1,2) 1f1b M=2", "cal", "A", _pipe(2, S2, "1f1b")),
+    ("A 2x(1,2) 1f1b M=4", "cal", "A", _pipe(4, S2, "1f1b")),
+    ("A 2x(1,2) gpipe M=4", "cal", "A", _pipe(4, S2, "gpipe")),
+    ("A 2x(1,2) 1f1b M=8", "cal", "A", _pipe(8, S2, "1f1b")),
+    ("A dp (1,2)", "cal", "A", DataParallel(mesh_shape=(1, 2))),
+    ("B 4x(1,2) gpipe M=4", "held-out", "B", _pipe(4, S4, "gpipe")),
+    ("B 4x(1,2) 1f1b M=4", "held-out", "B", _pipe(4, S4, "1f1b")),
+    ("B 4x(1,2) 1f1b M=8", "held-out", "B", _pipe(8, S4, "1f1b")),
+    ("B 4x(1,2) gpipe M=2", "held-out", "B", _pipe(2, S4, "gpipe")),
+    ("B 2x(1,2) gpipe M=8", "held-out", "B", _pipe(8, S2, "gpipe")),
+    ("B dp (1,2)", "held-out", "B", DataParallel(mesh_shape=(1, 2))),
+    ("A 2x(2,2) 1f1b M=4", "cal", "A", _pipe(4, S2W, "1f1b")),
+    ("B 2x(2,2) gpipe M=4", "held-out", "B", _pipe(4, S2W, "gpipe")),
+    ("B dp (2,2)", "held-out", "B", DataParallel(mesh_shape=(2, 2))),
+]
+
+
+def _setup(model_key):
+    cfg = MODELS[model_key]
+    model = gpt.GPT(vocab=64, num_heads=4, **cfg["model"])
+    batch = gpt.make_batch(cfg["batch"], seq_len=32)
+    return gpt.make_state(model, batch["inputs"]), batch
+
+
+def _timed(step, state, batch, n):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        state, loss = step(state, batch)
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return state, times
+
+
+def _overhead(step, state, batch, path, rounds=4, block=5):
+    """Median step with and without recording, interleaved blocks (same plan, same run)."""
+    on, off = [], []
+    for _ in range(rounds):
+        step.record(None)
+        state, t = _timed(step, state, batch, block)
+        off += t
+        step.record(path)
+        state, t = _timed(step, state, batch, block)
+        on += t
+    step.record(None)
+    return statistics.median(on), statistics.median(off)
+
+
+def measure_plan(name, kind, model_key, method, args, tmp):
+    """Measure one plan; profile it too if it is in the calibration set."""
+    from meshshard.passes.trace import trace_step
+    from meshshard.profiling import program_collectives
+    from meshshard.runtime.trace_record import TraceLog
+    from meshshard.sim.fidelity import isolated_program_times, opcode_overheads, program_times
+
+    state, batch = _setup(model_key)
+    step = meshshard.parallelize(gpt.train_step, method=method)
+    t0 = time.perf_counter()
+    state, _ = _timed(step, state, batch, 2)
+    compile_s = time.perf_counter() - t0
+    state, times = _timed(step, state, batch, args.steps)
+    rec = dict(name=name, set=kind, compile_s=compile_s, times=times)
+    if args.overhead_plan == name:
+        rec["traced_s"], rec["untraced_s"] = _overhead(step, state, batch, f"{tmp}/ovh.json")
+    step.record(f"{tmp}/m.json")
+    state, _ = _timed(step, state, batch, 3)
+    exe = step.executable
+    rec["measured_steps"] = list(exe.trace_log.steps)
+    step.record(None)
+    plan = step.lower(state, batch)  # the same plan, with each program's cost analysis
+    assert [str(p.name) for p in plan.programs] == [str(p.name) for p in exe.plan.programs]
+    if kind == "cal":  # what step.profile() does, keeping the log for the isolated times
+        log = TraceLog(os.devnull, keep=5)
+        exe.record(log, sync=True)
+        _timed(step, state, batch, 5)
+        exe.record(None)
+        rec["profiled"] = program_times(log.steps)
+        rec["opcodes"] = opcode_overheads(log.steps)
+        rec["isolated"] = isolated_program_times(log.steps, plan, os.cpu_count() or 1)
+    fn, abstract, batch_argnums = exe._compile_args
+    traced = trace_step(
+        fn, abstract, batch_argnums=batch_argnums, num_micro_batches=plan.num_micro_batches
+    )
+    rec["collectives"] = program_collectives(plan, traced)
+    rec["plan"] = plan
+    step.release()
+    return rec
+
+
+def _collective_s(rec, cluster):
+    from meshshard.sim.fidelity import collective_seconds
+
+    plan = rec["plan"]
+    shapes = {m.id: m.shape for m in plan.meshes}
+    mesh_of = {str(p.name): p.mesh for p in plan.programs}
+    return {
+        name: collective_seconds(colls, shapes[mesh_of[name]], cluster)
+        for name, colls in rec["collectives"].items()
+    }
+
+
+def fit(records, cluster):
+    """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration set."""
+    from meshshard.sim.fidelity import CalibratedRoofline, dispatch_overhead, sample_of
+
+    cal = [r for r in records if r["set"] == "cal"]
+    ops = sorted({op for r in cal for op in r["opcodes"]})
+    opcodes = {
+        op: statistics.median(r["opcodes"][op] for r in cal if op in r["opcodes"]) for op in ops
+    }
+    overheads = (opcodes, statistics.median(dispatch_overhead(r["measured_steps"]) for r in cal))
+    fits = {}
+    for variant, key in (("in-situ", "profiled"), ("cores", "isolated")):
+        samples = []
+        for r in cal:
+            coll = _collective_s(r, cluster)
+            for p in r["plan"].programs:
+                n = str(p.name)
+                samples.append(sample_of(r["plan"], p, coll[n], r[key][n]))
+        fits[variant] = CalibratedRoofline.fit(samples)
+    return overheads, fits
+
+
+def predict(rec, cluster, overheads, fits):
+    """Predicted step seconds per model variant."""
+    from meshshard.sim import simulate
+
+    plan = rec["plan"]
+    out = {"local roofline": simulate(plan, replace(cluster, host_cores=0)).iteration_time}
+    host = replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=overheads[1])
+    coll = _collective_s(rec, cluster)
+    for variant, key, cores in (("in-situ", "profiled", 0), ("cores", "isolated", os.cpu_count())):
+        times = rec.get(key) or fits[variant].program_times(plan, coll)
+        c = replace(host, host_cores=cores or 0)
+        out[variant] = simulate(plan, c, program_times=times).iteration_time
+    return out
+
+
+def side_by_side(rec, cluster, overheads, fits, path):
+    """Measured (last traced step) and predicted (in-situ model) timelines in one file."""
+    from meshshard.runtime.trace_record import measured_trace
+    from meshshard.sim import simulate
+
+    plan = rec["plan"]
+    measured = measured_trace(rec["measured_steps"][-1:])
+    host = replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=overheads[1])
+    times = rec.get("profiled") or fits["in-situ"].program_times(plan, _collective_s(rec, cluster))
+    predicted = simulate(plan, host, program_times=times).to_chrome_trace()
+    for e in predicted["traceEvents"]:
+        e["pid"] = e.get("pid", 0) + 100
+        if e.get("name") == "process_name":
+            e["args"]["name"] += " (predicted)"
+    events = measured["traceEvents"] + predicted["traceEvents"]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def report(records, preds, variant):
+    """Rows and per-set error summaries of one model variant."""
+    out = {}
+    for kind in ("cal", "held-out"):
+        errs = [
+            abs(p[variant] / statistics.median(r["times"]) - 1)
+            for r, p in zip(records, preds, strict=True)
+            if r["set"] == kind
+        ]
+        if not errs:
+            continue
+        out[kind] = dict(median_abs_err=statistics.median(errs), worst_abs_err=max(errs))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", default="fidelity_trace.json")
+    ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
+    ap.add_argument("--overhead-plan", default=PLANS[1][0])
+    args = ap.parse_args(argv)
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="meshshard-fidelity-")
+    plans = PLANS[: args.only] if args.only else PLANS
+    meshshard.init()
+    records = []
+    try:
+        for name, kind, model_key, method in plans:
+            t0 = time.perf_counter()
+            records.append(measure_plan(name, kind, model_key, method, args, tmp))
+            print(f"measured {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        meshshard.shutdown()
+    cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
+    overheads, fits = fit(records, cluster)
+    preds = [predict(r, cluster, overheads, fits) for r in records]
+    side_by_side(records[1], cluster, overheads, fits, args.trace)
+    _print(records, preds, overheads, fits)
+    if args.json:
+        _write_json(args.json, records, preds, overheads, fits, args)
+    return 0
+
+
+VARIANTS = ("in-situ", "cores", "local roofline")
+
+
+def _print(records, preds, overheads, fits):
+    per_op = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in overheads[0].items())
+    print(f"\nhost ms per instruction: {per_op}; driver {overheads[1] * 1e3:.2f} ms per step")
+    for v, f in fits.items():
+        print(f"{v}: {f}")
+    head = f"{'plan':<24} {'set':<9} {'measured ms':>11} " + " ".join(f"{v:>15}" for v in VARIANTS)
+    print(head)
+    for r, p in zip(records, preds, strict=True):
+        m = statistics.median(r["times"])
+        cells = " ".join(f"{p[v] * 1e3:7.1f} ({p[v] / m:4.2f})" for v in VARIANTS)
+        print(f"{r['name']:<24} {r['set']:<9} {m * 1e3:>11.1f} {cells}")
+    for v in VARIANTS:
+        s = report(records, preds, v)
+        print(
+            f"{v:<15} "
+            + "; ".join(
+                f"{kind}: median {e['median_abs_err']:.1%} worst {e['worst_abs_err']:.1%}"
+                for kind, e in s.items()
+            )
+        )
+    for r in records:
+        if "traced_s" in r:
+            ovh = r["traced_s"] / r["untraced_s"] - 1
+            print(
+                f"recording overhead on {r['name']}: {ovh:+.1%} "
+                f"({r['traced_s'] * 1e3:.1f} vs {r['untraced_s'] * 1e3:.1f} ms median)"
+            )
+
+
+def _write_json(path, records, preds, overheads, fits, args):
+    rows = []
+    for r, p in zip(records, preds, strict=True):
+        m = statistics.median(r["times"])
+        row = dict(plan=r["name"], set=r["set"], measured_s=m, times_s=r["times"])
+        row.update({f"predicted_{v}_s": p[v] for v in VARIANTS})
+        row.update({f"ratio_{v}": p[v] / m for v in VARIANTS})
+        for k in ("traced_s", "untraced_s"):
+            if k in r:
+                row[k] = r[k]
+        rows.append(row)
+    out = dict(
+        steps=args.steps,
+        cpu_count=os.cpu_count(),
+        opcode_overheads_s=overheads[0],
+        dispatch_overhead_s=overheads[1],
+        fits={v: dict(coef=f.coef, samples=f.samples) for v, f in fits.items()},
+        summary={v: report(records, preds, v) for v in VARIANTS},
+        plans=rows,
+    )
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""The collectives XLA actually put into a compiled program, parsed from its HLO text.
+
+The sharding planner predicts which collectives each program needs (kind, group, bytes);
+the simulator prices them.  This module reads what JAX's partitioner really emitted, so
+the two can be compared (issue 11 item 5) and the runtime's measured timeline can be
+annotated (issue 10).  It parses ``compiled.as_text()`` — the post-optimisation,
+post-SPMD-partitioning HLO module — and lists every
+
+- ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all``,
+  ``collective-permute`` (and their ``-start`` async forms; ``-done`` halves are skipped),
+
+with its result dtype and shape, its replica groups (device ids as XLA numbers them:
+positions in the program's device assignment) and ``nbytes`` in the simulator's
+convention (:mod:`meshshard.sim.collectives`): the buffer size for all-reduce, all-to-all
+and collective-permute, the *full, gathered* size for all-gather and reduce-scatter.
+
+Replica groups come in three printed forms; all are read:
+
+- explicit lists ``{{0,1},{2,3}}`` (``{}`` = one group of every partition),
+- iota lists ``[2,2]<=[2,2]T(1,0)`` (``arange`` reshaped, transposed, regrouped),
+- mesh-axis lists ``mesh['axis_0'=2,'axis_1'=2] {'axis_1'}`` (groups along named axes).
+
+    >>> text = '''HloModule m, num_partitions=4
+    ... ENTRY %main (p: f32[8,16]) -> f32[16,16] {
+    ...   %p = f32[8,16]{1,0} parameter(0)
+    ...   ROOT %all-gather = f32[16,16]{1,0} all-gather(%p), channel_id=1, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}, use_global_device_ids=true
+    ... }'''
+    >>> (c,) = parse_collectives(text)
+    >>> print(c)
+    all-gather f32[16,16] groups=[[0,2],[1,3]] dims=(0,) 1024 B
+    >>> count_by_kind([c])
+    {'all-gather': 1}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "KINDS",
+    "DTYPE_BYTES",
+    "Collective",
+    "parse_collectives",
+    "parse_replica_groups",
+    "collectives_of",
+    "count_by_kind",
+    "bytes_by_kind",
+]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+_OPS = "|".join(re.escape(k) for k in KINDS)
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+"
+    rf"(?P<op>{_OPS})(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
+_ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,]*)\]")
+_COMPUTATION = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_REPLICAS = re.compile(r"replica_count=(\d+)")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled HLO module.
+
+    ``shape`` is the per-device result (of the first array for tuple results);
+    ``nbytes`` follows :mod:`meshshard.sim.collectives`: buffer size for all-reduce,
+    all-to-all and collective-permute, full gathered size for all-gather and
+    reduce-scatter.  ``groups`` are the replica groups (``pairs`` for
+    collective-permute, as (source, target)).  ``computation`` names the HLO
+    computation holding it; ``in_entry`` is False inside loop bodies or called
+    computations, where it may run more than once per call.
+    """
+
+    kind: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    groups: tuple[tuple[int, ...], ...]
+    pairs: tuple[tuple[int, int], ...] = ()
+    dimensions: tuple[int, ...] = ()
+    computation: str = ""
+    in_entry: bool = True
+    is_async: bool = False
+
+    @property
+    def group_size(self) -> int:
+        """Devices per replica group (2 for a collective-permute pair)."""
+        if self.kind == "collective-permute":
+            return 2
+        return len(self.groups[0]) if self.groups else 1
+
+    def __str__(self) -> str:
+        dims = ",".join(map(str, self.shape))
+        if self.kind == "collective-permute":
+            where = "pairs=" + ",".join(f"{a}->{b}" for a, b in self.pairs)
+        else:
+            where = "groups=[" + ",".join("[" + ",".join(map(str, g)) + "]" for g in self.groups)
+            where += "]"
+        extra = f" dims={self.dimensions}" if self.dimensions else ""
+        return f"{self.kind} {self.dtype}[{dims}] {where}{extra} {self.nbytes} B"
+
+
+def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    out = []
+    for m in _ARRAY.finditer(shape_text):
+        if m.group("dtype") not in DTYPE_BYTES:
+            continue
+        dims = tuple(int(d) for d in m.group("dims").split(",") if d)
+        out.append((m.group("dtype"), dims))
+    return out
+
+
+def _array_bytes(dtype: str, dims: Sequence[int]) -> int:
+    return int(math.ceil(DTYPE_BYTES[dtype] * math.prod(dims)))
+
+
+def _braced(text: str, start: int) -> str:
+    """The balanced ``{...}`` group opening at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start : i + 1]
+    raise ValueError(f"unbalanced braces in HLO attribute {text[start : start + 80]!r}")
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    """The raw value of ``key=`` in an instruction's attribute text (braces balanced)."""
+    m = re.search(rf"(?:^|[\s,]){re.escape(key)}=", attrs)
+    if m is None:
+        return None
+    i = m.end()
+    if attrs[i] == "{":
+        return _braced(attrs, i)
+    if attrs.startswith("mesh[", i):
+        close = attrs.index("]", i)
+        j = attrs.index("{", close)
+        return attrs[i:j] + _braced(attrs, j)
+    m2 = re.match(r"\[[0-9,]*\]<=\[[0-9,]*\](?:T\([0-9,]*\))?|[^\s,]+", attrs[i:])
+    return m2.group(0) if m2 else ""
+
+
+def parse_replica_groups(text: str | None, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """Replica groups from their printed form (explicit, iota or mesh-axis), as device ids.
+
+    ``None`` or ``{}`` means one group of all ``num_devices``.
+
+        >>> parse_replica_groups("[2,2]<=[4]", 4)
+        ((0, 1), (2, 3))
+        >>> parse_replica_groups("{{0,2},{1,3}}", 4)
+        ((0, 2), (1, 3))
+        >>> parse_replica_groups("mesh['axis_0'=2,'axis_1'=2] {'axis_0'}", 4)
+        ((0, 2), (1, 3))
+    """
+    if text is None or text.strip() in ("", "{}"):
+        return (tuple(range(num_devices)),)
+    text = text.strip()
+    if text.startswith("{"):
+        groups = re.findall(r"\{([0-9,\s]*)\}", text[1:-1])
+        return tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in groups)
+    if text.startswith("["):
+        m = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+        if m is None:
+            raise ValueError(f"unknown iota replica-group form {text!r}")
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        ids = ids.reshape(shape[0], -1)
+        return tuple(tuple(int(x) for x in row) for row in ids)
+    if text.startswith("mesh["):
+        return _mesh_groups(text)
+    raise ValueError(f"unknown replica-group form {text!r}")
+
+
+def _mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    m = re.fullmatch(r"mesh\[(.*?)\]\s*\{(.*)\}", text)
+    if m is None:
+        raise ValueError(f"unknown mesh replica-group form {text!r}")
+    axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
+    names = [a for a, _ in axes]
+    sizes = [int(s) for _, s in axes]
+    chosen = re.findall(r"'([^']+)'", m.group(2))
+    if any(c not in names for c in chosen):
+        raise ValueError(f"mesh replica groups name an axis the mesh lacks: {text!r}")
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    keep = [i for i, n in enumerate(names) if n not in chosen]
+    along = [names.index(c) for c in chosen]
+    ids = ids.transpose(keep + along).reshape(-1, math.prod(sizes[i] for i in along))
+    return tuple(tuple(int(x) for x in row) for row in ids)
+
+
+def _pairs(text: str | None) -> tuple[tuple[int, int], ...]:
+    if not text:
+        return ()
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", text))
+
+
+def _result_array(op: str, is_async: bool, shape_text: str) -> tuple[str, tuple[int, ...], int]:
+    """(dtype, shape of the first result array, bytes of all result arrays)."""
+    arrays = _arrays(shape_text)
+    if not arrays:
+        raise ValueError(f"no array type in HLO result {shape_text!r}")
+    if is_async and op in ("all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
+        # ``(operand, result[, contexts])``: the result is the second entry
+        arrays = arrays[1:2] if len(arrays) > 1 else arrays
+    total = sum(_array_bytes(d, s) for d, s in arrays)
+    return arrays[0][0], arrays[0][1], total
+
+
+def _collective(m: re.Match, computation: str, in_entry: bool, ndev: int) -> Collective:
+    op, attrs, is_async = m.group("op"), m.group("attrs"), bool(m.group("start"))
+    dtype, shape, nbytes = _result_array(op, is_async, m.group("shape"))
+    groups, pairs = (), ()
+    if op == "collective-permute":
+        pairs = _pairs(_attr(attrs, "source_target_pairs"))
+    else:
+        groups = parse_replica_groups(_attr(attrs, "replica_groups"), ndev)
+    if op == "reduce-scatter":
+        nbytes *= len(groups[0]) if groups else 1
+    dims_text = _attr(attrs, "dimensions")
+    dims = tuple(int(x) for x in re.findall(r"\d+", dims_text)) if dims_text else ()
+    return Collective(
+        kind=op,
+        name=m.group("name"),
+        dtype=dtype,
+        shape=shape,
+        nbytes=nbytes,
+        groups=groups,
+        pairs=pairs,
+        dimensions=dims,
+        computation=computation,
+        in_entry=in_entry,
+        is_async=is_async,
+    )
+
+
+def parse_collectives(hlo_text: str) -> tuple[Collective, ...]:
+    """Every collective in an HLO module's text, in program order.
+
+    ``hlo_text`` is ``compiled.as_text()`` of a ``jax.jit(...).lower(...).compile()``
+    (one module).  Replica groups printed as ``{}`` are expanded with the module's
+    ``num_partitions`` (or ``replica_count``).
+    """
+    head = hlo_text[:4000]
+    parts = _PARTITIONS.search(head)
+    reps = _REPLICAS.search(head)
+    ndev = max(int(parts.group(1)) if parts else 1, int(reps.group(1)) if reps else 1)
+    out: list[Collective] = []
+    computation, in_entry = "", False
+    for line in hlo_text.splitlines():
+        cm = _COMPUTATION.match(line)
+        if cm is not None:
+            computation, in_entry = cm.group("name"), bool(cm.group("entry"))
+            continue
+        m = _INSTR.match(line)
+        if m is not None:
+            out.append(_collective(m, computation, in_entry, ndev))
+    return tuple(out)
+
+
+def collectives_of(compiled) -> tuple[Collective, ...]:
+    """The collectives of a compiled JAX program (``jax.jit(f).lower(...).compile()``)."""
+    return parse_collectives(compiled.as_text())
+
+
+def count_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
+    """How many collectives of each kind, in :data:`KINDS` order (kinds absent are left out)."""
+    c = Counter(x.kind for x in collectives)
+    return {k: c[k] for k in KINDS if c[k]}
+
+
+def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
+    """Total ``nbytes`` of each kind, in :data:`KINDS` order (kinds absent are left out)."""
+    total: Counter = Counter()
+    for x in collectives:
+        total[x.kind] += x.nbytes
+    return {k: total[k] for k in KINDS if k in total}

@@ -1,0 +1,141 @@
+"""Profile a parallelized step's programs on their real meshes, and read the collectives
+XLA compiled into them (``step.profile(...)``, ``step.lower(..., profile=True)``).
+
+Profiling runs the step on the running cluster with every ``RUN`` waiting for its
+outputs (``record(sync=True)``), so each program's span is its run time on its own
+mesh, collectives inside it included; the median per program is cached on disk under a
+key of the plan's fingerprint, the program, its mesh shape, the micro-batch count and
+the jax / meshshard versions, so a later profile of the same program skips the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+
+from meshshard.plan import Plan
+
+__all__ = ["ProfileCache", "profile_key", "profile_step", "program_collectives"]
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "meshshard", "profiles")
+
+
+def profile_key(plan: Plan, program: str) -> str:
+    """The cache key of one program of ``plan`` (program + mesh + versions)."""
+    import meshshard
+
+    spec = next(p for p in plan.programs if str(p.name) == program)
+    mesh = next(m for m in plan.meshes if m.id == spec.mesh)
+    parts = (
+        plan.fingerprint,
+        program,
+        str(mesh.shape),
+        str(plan.num_micro_batches),
+        ",".join(map(str, spec.eqns)),
+        jax.__version__,
+        getattr(meshshard, "__version__", "dev"),
+        plan.cluster.name,
+    )
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+class ProfileCache:
+    """Program times on disk, one small JSON file per key."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or os.environ.get("MESHSHARD_PROFILE_CACHE", DEFAULT_CACHE)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, f"{key}.json")
+
+    def get(self, plan: Plan) -> dict[str, float] | None:
+        """Every program's cached seconds, or None if any is missing."""
+        out = {}
+        for p in plan.programs:
+            path = self._path(profile_key(plan, str(p.name)))
+            if not os.path.exists(path):
+                return None
+            with open(path) as f:
+                out[str(p.name)] = float(json.load(f)["seconds"])
+        return out
+
+    def put(self, plan: Plan, times: dict[str, float]) -> None:
+        """Store measured seconds per program."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name, seconds in times.items():
+            with open(self._path(profile_key(plan, name)), "w") as f:
+                json.dump({"program": name, "seconds": seconds}, f)
+
+
+def profile_step(
+    step, args: tuple, steps: int = 5, cache: ProfileCache | None = None
+) -> dict[str, float]:
+    """Median seconds of every program of parallelized ``step`` over ``steps`` profiled
+    calls on ``args`` (compiling first if needed; the step's own recording is restored
+    after); read from and written to ``cache`` when given."""
+    from meshshard.runtime.trace_record import TraceLog
+    from meshshard.sim.fidelity import program_times
+
+    exe = step._executable_for(args)
+    if cache is not None:
+        hit = cache.get(exe.plan)
+        if hit is not None:
+            return hit
+    before, before_sync = exe.trace_log, exe._sync
+    log = TraceLog(path=os.devnull, keep=steps)
+    exe.record(log, sync=True)
+    try:
+        for _ in range(steps):
+            step(*args)
+    finally:
+        exe.record(before, before_sync)
+    times = program_times(log.steps)
+    if cache is not None:
+        cache.put(exe.plan, times)
+    return times
+
+
+def program_collectives(plan: Plan, traced, devices: Sequence | None = None) -> dict[str, tuple]:
+    """The collectives XLA compiled into each program of ``plan`` on its mesh shape,
+    compiled on this process's devices (``devices``; a mesh of H x D needs H*D of them,
+    which CPU emulation provides with ``--xla_force_host_platform_device_count``)."""
+    from meshshard.hlo_collectives import collectives_of
+    from meshshard.runtime.programs import _specs_for, build_programs, make_mesh, sharding
+
+    devices = list(devices if devices is not None else jax.devices())
+    out: dict[str, tuple] = {}
+    for m in plan.meshes:
+        if m.num_devices > len(devices):
+            raise ValueError(
+                f"mesh{m.id} {m.shape} needs {m.num_devices} devices to compile its programs "
+                f"but this process has {len(devices)}; set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={m.num_devices}"
+            )
+        mesh = make_mesh(devices[: m.num_devices], m.shape)
+        programs = build_programs(traced, plan, m.id, mesh)
+        for spec in plan.programs:
+            if spec.mesh != m.id:
+                continue
+            args = []
+            for g in spec.inputs:
+                for tensor, s in zip(_tensors(plan, g), _specs_for(plan, g, m.id), strict=True):
+                    args.append(
+                        jax.ShapeDtypeStruct(tensor.shape, tensor.dtype, sharding=sharding(mesh, s))
+                    )
+            compiled = programs[spec.name].fn.lower(*args).compile()
+            out[str(spec.name)] = collectives_of(compiled)
+    return out
+
+
+def _tensors(plan: Plan, group):
+    from meshshard.refs import BufferKind
+
+    if group.kind is BufferKind.TRANSFER:
+        return (plan.transfer(group).tensor,)
+    if group.kind is BufferKind.REDUCTION:
+        return (plan.reduction(group).tensor,)
+    return plan.buffer(group).tensors

@@ -1,0 +1,282 @@
+"""What the roofline misses, fitted from measured timelines (issue 10).
+
+Three ingredients turn a measured run into simulator inputs:
+
+- **program times** (:func:`program_times`): the median span of each program's ``RUN``
+  in a *profiling* trace (``record(sync=True)``: each RUN waits for its outputs), on the
+  program's real mesh, collectives inside it included.  :func:`isolated_program_times`
+  removes the slow-down from other programs that shared the CPU cores at the time (from
+  the aligned spans), for a simulator that models the cores itself (``host_cores``);
+- **host overheads** (:func:`opcode_overheads`, :func:`dispatch_overhead`): the
+  runtime's seconds per non-program instruction and the driver's per-step dispatch;
+- a **calibrated roofline** (:class:`CalibratedRoofline`) for programs never profiled:
+  ``t = c0 + c1 * flops/D + c2 * bytes/D + c3 * intra_s + c4 * cross_s``, fitted by
+  non-negative least squares on relative error over profiled programs, where
+  ``intra_s``/``cross_s`` price the collectives XLA put inside the program (read from
+  its compiled HLO, :mod:`meshshard.hlo_collectives`) on the mesh's fabric
+  (:func:`collective_seconds`: gloo between host-actors, memcpy within one).
+
+Everything here is arithmetic on recorded stamps and plan data: no Ray, no devices.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshshard.cluster import ClusterSpec
+from meshshard.instructions import Run
+from meshshard.plan import MeshSpec, Plan, ProgramSpec
+
+__all__ = [
+    "program_times",
+    "isolated_program_times",
+    "opcode_overheads",
+    "dispatch_overhead",
+    "collective_seconds",
+    "CalibratedRoofline",
+    "ProgramSample",
+]
+
+
+def _runs(steps) -> Iterable[tuple[int, int, Run, float, float]]:
+    """(step, worker, RUN, start, end) in seconds on the driver clock."""
+    for n, (streams, step) in enumerate(steps):
+        by_worker = {s.worker: s for s in streams}
+        for wt in step.workers:
+            shift = step.offset(wt.worker)
+            for i, ins in enumerate(by_worker[wt.worker].instructions):
+                if isinstance(ins, Run) and wt.start[i]:
+                    yield n, wt.worker, ins, (wt.start[i] - shift) / 1e9, (wt.end[i] - shift) / 1e9
+
+
+def program_times(steps) -> dict[str, float]:
+    """Median seconds of each program's RUN spans over recorded ``[(streams, StepTrace)]``
+    (record with ``sync=True`` so a span is the program's run, not its dispatch)."""
+    spans: dict[str, list[float]] = {}
+    for _, _, ins, s, e in _runs(steps):
+        spans.setdefault(str(ins.program), []).append(e - s)
+    return {p: statistics.median(v) for p, v in sorted(spans.items())}
+
+
+def isolated_program_times(steps, plan: Plan, cores: int) -> dict[str, float]:
+    """Like :func:`program_times`, with each span's work counted at the speed it would
+    have had alone: ``integral of min(1, cores / demand(t)) dt`` over the span, where
+    ``demand(t)`` is the cores every program running at ``t`` keeps busy (its mesh's
+    devices per host), from the aligned spans of all workers of the same step."""
+    devices = {p.name: _mesh(plan, p.mesh).shape[1] for p in plan.programs}
+    runs = list(_runs(steps))
+    by_step: dict[int, list[tuple[float, float, int]]] = {}
+    for n, _, ins, s, e in runs:
+        by_step.setdefault(n, []).append((s, e, devices[ins.program]))
+    work: dict[str, list[float]] = {}
+    for n, _, ins, s, e in runs:
+        work.setdefault(str(ins.program), []).append(_work(s, e, by_step[n], cores))
+    return {p: statistics.median(v) for p, v in sorted(work.items())}
+
+
+def _work(start: float, end: float, spans, cores: int) -> float:
+    cuts = sorted({start, end} | {t for s, e, _ in spans for t in (s, e) if start < t < end})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        mid = (a + b) / 2
+        demand = sum(d for s, e, d in spans if s <= mid < e)
+        total += (b - a) * (min(1.0, cores / demand) if demand else 1.0)
+    return total
+
+
+def opcode_overheads(steps) -> dict[str, float]:
+    """Host seconds per instruction of each opcode but RUN, from recorded ``steps``.
+
+    Record them with ``sync=True``: a RUN then holds its program's whole run, so the
+    other spans are the runtime's own work (reading a block off the device for a SEND,
+    assembling a received value at its WAIT, allocating ZEROS...).  The median per
+    opcode; for WAIT and WAITALL, which also block until peers deliver, the 10th
+    percentile (their cost when the data is already there).
+    """
+    spans: dict[str, list[float]] = {}
+    for streams, step in steps:
+        by_worker = {s.worker: s for s in streams}
+        for wt in step.workers:
+            for i, ins in enumerate(by_worker[wt.worker].instructions):
+                if not isinstance(ins, Run) and wt.start[i]:
+                    op = ins.opcode.value
+                    spans.setdefault(op, []).append((wt.end[i] - wt.start[i]) / 1e9)
+    out = {}
+    for op, v in sorted(spans.items()):
+        v.sort()
+        out[op] = v[len(v) // 10] if op in ("WAIT", "WAITALL") else statistics.median(v)
+    return out
+
+
+def dispatch_overhead(steps) -> float:
+    """The driver's median seconds per step outside the workers' own spans: preparing
+    inputs, collecting outputs, and the call's round trip (the driver's ``workers``
+    span minus the longest worker's first-to-last stamp)."""
+    dispatch: list[float] = []
+    for _, step in steps:
+        busiest = 0.0
+        for wt in step.workers:
+            stamps = [t for t in wt.start if t]
+            busiest = max(busiest, (max(wt.end) - min(stamps)) / 1e9)
+        named = {name: (b - a) / 1e9 for name, a, b in step.driver}
+        outside = named.get("prepare", 0.0) + named.get("outputs", 0.0)
+        dispatch.append(outside + max(0.0, named.get("workers", 0.0) - busiest))
+    return statistics.median(dispatch) if dispatch else 0.0
+
+
+def _mesh(plan: Plan, mesh_id: int) -> MeshSpec:
+    return next(m for m in plan.meshes if m.id == mesh_id)
+
+
+def collective_seconds(
+    collectives: Sequence, mesh_shape: tuple[int, int], cluster: ClusterSpec
+) -> tuple[float, float]:
+    """Alpha-beta seconds of a program's collectives on its mesh, as (within a host,
+    across hosts): a group spanning hosts moves ``(n-1)/n`` of its bytes per phase over
+    the NIC (gloo between host-actors here), one within a host over the intra-host
+    fabric; all-reduce is two phases (reduce-scatter + all-gather), a permute one full
+    message.  Kept apart because the two fabrics' real costs are fitted separately."""
+    per_host = mesh_shape[1]
+    intra = cross = 0.0
+    for c in collectives:
+        if c.kind == "collective-permute":
+            members = {d for pair in c.pairs[:1] for d in pair}
+        else:
+            members = set(c.groups[0] if c.groups else range(mesh_shape[0] * per_host))
+        across = len({d // per_host for d in members}) > 1
+        bw = cluster.nic_bandwidth if across else cluster.intra_bandwidth
+        lat = cluster.nic_latency if across else cluster.intra_latency
+        n = max(2, c.group_size)
+        if c.kind == "collective-permute":
+            t = lat + c.nbytes / bw
+        else:
+            phases = 2 if c.kind == "all-reduce" else 1
+            t = phases * ((n - 1) * lat + (n - 1) / n * c.nbytes / bw)
+        if across:
+            cross += t
+        else:
+            intra += t
+    return intra, cross
+
+
+@dataclass(frozen=True)
+class ProgramSample:
+    """One profiled program: its cost analysis, mesh devices, collective seconds, time."""
+
+    program: str
+    flops: float
+    bytes_accessed: float
+    devices: int
+    collective_s: tuple[float, float]  # (within a host, across hosts)
+    seconds: float
+
+    def features(self) -> list[float]:
+        """The fit's regressors: 1, flops/D, bytes/D, collective seconds in and across hosts."""
+        d = max(self.devices, 1)
+        return [1.0, self.flops / d, self.bytes_accessed / d, *self.collective_s]
+
+
+@dataclass(frozen=True)
+class CalibratedRoofline:
+    """``t = c0 + c1 flops/D + c2 bytes/D + c3 intra_s + c4 cross_s``, coefficients >= 0.
+
+    ``c1`` is 1 / (effective FLOP/s per device), ``c2`` 1 / (effective bytes/s), ``c0``
+    the per-program launch and host cost, ``c3``/``c4`` how much slower the fabric
+    within / across hosts really is than the cluster's alpha-beta figures.
+    """
+
+    coef: tuple[float, float, float, float, float]
+    samples: int
+
+    def __str__(self) -> str:
+        c0, c1, c2, c3, c4 = self.coef
+        rate = f"{1 / c1 / 1e9:.3g} GFLOP/s" if c1 > 0 else "inf FLOP/s"
+        bw = f"{1 / c2 / 1e9:.3g} GB/s" if c2 > 0 else "inf B/s"
+        return (
+            f"calibrated roofline ({self.samples} programs): launch {c0 * 1e6:.4g} us, "
+            f"{rate}, {bw} per device, collectives x{c3:.3g} within / x{c4:.3g} across hosts"
+        )
+
+    @staticmethod
+    def fit(samples: Sequence[ProgramSample]) -> CalibratedRoofline:
+        """Non-negative least squares on relative error over ``samples``."""
+        from scipy.optimize import nnls
+
+        if not samples:
+            raise ValueError("CalibratedRoofline.fit needs at least one profiled program")
+        x = np.array([s.features() for s in samples], dtype=np.float64)
+        y = np.array([s.seconds for s in samples], dtype=np.float64)
+        scale = x.max(axis=0)
+        scale[scale == 0] = 1.0
+        w = 1.0 / np.maximum(y, 1e-9)
+        coef, _ = nnls(x / scale * w[:, None], y * w)
+        return CalibratedRoofline(tuple(float(c) for c in coef / scale), len(samples))
+
+    def seconds(self, sample: ProgramSample) -> float:
+        """Predicted seconds of a program described like ``sample`` (its time unused)."""
+        return float(np.dot(self.coef, sample.features()))
+
+    def program_times(
+        self, plan: Plan, collective_s: Mapping[str, tuple[float, float]] | None = None
+    ) -> dict[str, float]:
+        """Predicted seconds of every program of ``plan`` (for ``simulate(program_times=)``)."""
+        return {
+            str(p.name): self.seconds(
+                sample_of(plan, p, (collective_s or {}).get(str(p.name), (0.0, 0.0)))
+            )
+            for p in plan.programs
+        }
+
+
+def sample_of(
+    plan: Plan, program: ProgramSpec, collective_s: tuple[float, float], seconds: float = 0.0
+) -> ProgramSample:
+    """A :class:`ProgramSample` of one program of ``plan``."""
+    return ProgramSample(
+        str(program.name),
+        program.flops or 0.0,
+        program.bytes_accessed or 0.0,
+        _mesh(plan, program.mesh).num_devices,
+        collective_s,
+        seconds,
+    )
+
+
+def run_spans(steps, index: int = -1) -> dict[tuple[int, str], tuple[float, float]]:
+    """``{(worker, "s0.F mb1"): (start, end)}`` seconds of every RUN of recorded step
+    ``index`` (driver clock), named as the simulator names its spans."""
+    n = range(len(steps))[index]
+    return {(w, _run_name(ins)): (s, e) for k, w, ins, s, e in _runs(steps) if k == n}
+
+
+def _run_name(ins: Run) -> str:
+    return f"{ins.program}" + (f" mb{ins.mb}" if ins.mb is not None else "")
+
+
+def order_disagreements(a: Mapping, b: Mapping, margin: float) -> list[tuple]:
+    """Pairs of spans (keys common to ``a`` and ``b``, values (start, end)) that one
+    timeline runs one after the other (the first ends ``margin`` before the second
+    starts) while the other timeline starts the second before the first: the
+    interleaving the two disagree on.  Near-ties (within ``margin``) are not judged.
+
+    >>> order_disagreements({"x": (0, 1), "y": (2, 3)}, {"x": (0, 1), "y": (1.5, 2)}, 0.1)
+    []
+    >>> order_disagreements({"x": (0, 1), "y": (2, 3)}, {"x": (2, 3), "y": (0, 1)}, 0.1)
+    [('x', 'y')]
+    """
+    keys = sorted(set(a) & set(b), key=str)
+    out = []
+    for i, x in enumerate(keys):
+        for y in keys[i + 1 :]:
+            for p, q in ((a, b), (b, a)):
+                if p[x][1] + margin <= p[y][0] and q[y][0] < q[x][0]:
+                    out.append((x, y))
+                    break
+                if p[y][1] + margin <= p[x][0] and q[x][0] < q[y][0]:
+                    out.append((x, y))
+                    break
+    return out

@@ -1,0 +1,123 @@
+"""PipeDream-2BW's update rule for ``PipeshardParallel(schedule="2bw")``.
+
+What a step returns under ``2bw``: call ``k`` (from 0) of the parallelized step, given
+``state_k``, returns exactly what the user's step returns, except that the gradient
+``meshshard.grad`` computes is taken at the weights of the *previous* call's input
+(``W(k-1)``, and ``W(0)`` for the first call) instead of ``W(k)``; the update is still
+applied to ``W(k)``.  So ``W(k+1) = W(k) - lr * grad f(W(k-1))``: gradients coalesced
+over the step's ``M`` micro-batches, each micro-batch's forward and backward on the same
+version, staleness exactly 1, two weight versions per stage (``W(k)`` in the state,
+``W(k-1)`` stashed by the step object).  The loss (and aux values) are those of the
+stale weights, as in PipeDream-2BW.
+
+How: the step is traced with the differentiated argument of its ``meshshard.grad``
+replaced by a stashed copy, an extra step input; the step also returns the value it
+replaced, which becomes the stash of the next call.  The first call compiles a plan
+without the stash (``W(-1) = W(0)``), the later calls one with it.  Each call runs as one
+flushed pipeline step in 1F1B order; the flush-free overlap of consecutive steps is
+what :func:`meshshard.passes.schedules.two_bw` generates and the simulator times.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+
+from meshshard.errors import MeshshardInputError
+
+_STASH: contextvars.ContextVar = contextvars.ContextVar("meshshard_2bw_stash", default=None)
+
+
+class _Stash:
+    """The weights a 2BW step differentiates at (``shadow``) and the ones it replaced."""
+
+    def __init__(self, shadow):
+        self.shadow = shadow
+        self.current = None
+        self.used = False
+
+
+def substitute(args: tuple, argnums) -> tuple:
+    """Inside a 2BW step: record ``args[argnums]`` and swap in the stashed version.
+
+    Called by ``meshshard.grad``; outside a 2BW step it returns ``args`` unchanged.
+    """
+    stash = _STASH.get()
+    if stash is None:
+        return args
+    if stash.used:
+        raise MeshshardInputError(
+            "PipeshardParallel(schedule='2bw') supports one meshshard.grad call per step; "
+            "combine the losses into one function or use schedule='1f1b'"
+        )
+    stash.used = True
+    idx = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    stash.current = tuple(args[i] for i in idx)
+    if stash.shadow is None:
+        return args
+    out = list(args)
+    for i, value in zip(idx, stash.shadow, strict=True):
+        out[i] = value
+    return tuple(out)
+
+
+def first_step(fn: Callable) -> Callable:
+    """``fn`` returning ``(outputs, the differentiated weights)``: the first 2BW call."""
+
+    def step(*args):
+        return _traced(fn, None, args)
+
+    step.__name__ = getattr(fn, "__name__", "step")
+    return step
+
+
+def steady_step(fn: Callable) -> Callable:
+    """``step(stash, *args)``: ``fn`` differentiated at ``stash``, returning
+    ``(outputs, the weights it replaced)``: every later 2BW call."""
+
+    def step(stash, *args):
+        return _traced(fn, stash, args)
+
+    step.__name__ = getattr(fn, "__name__", "step")
+    return step
+
+
+def _traced(fn: Callable, shadow, args: tuple):
+    stash = _Stash(shadow)
+    token = _STASH.set(stash)
+    try:
+        out = fn(*args)
+    finally:
+        _STASH.reset(token)
+    if stash.current is None:
+        raise MeshshardInputError(
+            "PipeshardParallel(schedule='2bw') needs a step that calls meshshard.grad "
+            "(or meshshard.value_and_grad); a forward-only step has no weights to stash"
+        )
+    return out, stash.current
+
+
+class TwoBWStep:
+    """Runs a step under 2BW: the first call plain, later calls with the stash."""
+
+    def __init__(self, make: Callable, fn: Callable, batch_argnums, donate_argnums):
+        if donate_argnums:
+            raise MeshshardInputError(
+                "PipeshardParallel(schedule='2bw') keeps the previous step's weights; "
+                f"drop donate_argnums={tuple(donate_argnums)}"
+            )
+        self.first = make(first_step(fn), tuple(batch_argnums))
+        self.steady = make(steady_step(fn), tuple(b + 1 for b in batch_argnums))
+        self.stash = None
+
+    def __call__(self, *args):
+        if self.stash is None:
+            out, self.stash = self.first(*args)
+        else:
+            out, self.stash = self.steady(self.stash, *args)
+        return out
+
+    @property
+    def last(self):
+        """The compiled step that ran last (its plan and executable)."""
+        return self.steady if self.steady.plan is not None else self.first

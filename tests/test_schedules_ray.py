@@ -1,0 +1,27 @@
+"""The new schedules on real Ray host-actors (processes, gloo transfers)."""
+
+import pytest
+
+from meshshard import PipeshardParallel
+from tests.parity import check_parity
+from tests.two_bw_reference import check_2bw
+
+pytestmark = pytest.mark.ray
+
+
+def test_zb_h1_on_ray(ray_cluster):
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="zb_h1")
+    step = check_parity("mlp", method, steps=2)
+    assert {"s0.W", "s1.W"} <= {str(p.name) for p in step.plan.programs}
+
+
+def test_2bw_on_ray(ray_cluster):
+    check_2bw(PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], schedule="2bw"))
+
+
+def test_interleaved_1f1b_on_ray(ray_cluster):
+    method = PipeshardParallel(
+        num_micro_batches=2, stages=[(1, 2), (1, 2)], schedule="interleaved_1f1b", virtual_stages=2
+    )
+    step = check_parity("mlp", method, steps=2)
+    assert [m.hosts for m in step.plan.meshes] == [(0,), (1,), (0,), (1,)]

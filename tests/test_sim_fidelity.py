@@ -1,0 +1,145 @@
+"""The simulator's host model (issue 10): shared CPU cores, runtime and driver overheads."""
+
+from dataclasses import replace
+
+import pytest
+
+from meshshard.cluster import ClusterSpec
+from meshshard.sim import simulate
+from meshshard.sim.synthetic import synthetic_pipeline
+
+TIMES = {"s0.F": 1.0, "s1.F": 1.0, "s0.B": 2.0, "s1.B": 2.0}
+
+
+def _plan(mesh_shape=(1, 1)):
+    return synthetic_pipeline(2, 4, schedule="1f1b", mesh_shape=mesh_shape)
+
+
+def _iteration(plan, **fields):
+    cluster = replace(plan.cluster, **fields)
+    return simulate(plan, cluster, program_times=TIMES).iteration_time
+
+
+def test_programs_sharing_one_core_take_their_summed_work():
+    plan = _plan()
+    free = _iteration(plan)
+    assert free == pytest.approx(15.0, abs=0.01)  # (M + S - 1) * (F + B)
+    # one core: both stages' 4 x (1 + 2) s of work run one after the other, at best
+    shared = _iteration(plan, host_cores=1)
+    assert 24.0 <= shared <= 24.0 + 0.01 + (free - 15.0)
+    assert _iteration(plan, host_cores=2) == pytest.approx(free)  # enough cores: no effect
+
+
+def test_a_program_demands_one_core_per_device_of_its_mesh():
+    plan = _plan(mesh_shape=(1, 2))
+    # each stage keeps 2 cores busy: on 2 cores the stages share as on 1 core above
+    assert _iteration(plan, host_cores=2) >= 24.0
+    assert _iteration(plan, host_cores=4) == pytest.approx(_iteration(plan), rel=1e-9)
+
+
+def test_runtime_and_driver_overheads_add_host_time():
+    plan = _plan()
+    base = _iteration(plan)
+    assert _iteration(plan, dispatch_overhead=0.5) == pytest.approx(base + 0.5)
+    per_ins = _iteration(plan, instruction_overhead=0.01)
+    assert base + 0.01 < per_ins < base + 0.01 * sum(len(s.instructions) for s in plan.streams)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("host_cores", -1, r"host_cores must be an int >= 0.*host_cores=os.cpu_count\(\)"),
+        ("instruction_overhead", -1e-6, r"instruction_overhead must be a number of seconds"),
+        ("dispatch_overhead", "1ms", r"dispatch_overhead must be a number of seconds"),
+    ],
+)
+def test_host_fields_are_checked(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ClusterSpec(**{field: value})
+
+
+def check_recorded_interleaving(step, args) -> None:
+    """Record 4 steps of a compiled 2-stage ``step`` (every RUN waiting for its outputs)
+    and feed their program and host times to the simulator: the simulated order of
+    programs across the two workers is the recorded one (each RUN's median over the 4
+    steps; pairs closer than half a program are not judged).  Run by
+    tests/test_trace_record.py on the step its bench test compiled (one compile)."""
+    import statistics
+
+    from meshshard.runtime.trace_record import TraceLog
+    from meshshard.sim.fidelity import (
+        opcode_overheads,
+        order_disagreements,
+        program_times,
+        run_spans,
+    )
+
+    exe = step.executable
+    log = TraceLog("unused.json", keep=4)
+    exe.record(log, sync=True)
+    for _ in range(4):
+        step(*args)
+    exe.record(None)
+    times = program_times(log.steps)
+    cluster = replace(exe.plan.cluster, opcode_overheads=opcode_overheads(log.steps))
+    sim = simulate(exe.plan, cluster, program_times=times)
+    simulated = {
+        (int(s.track[1:]), s.name): (s.start, s.end) for s in sim.spans if s.category == "run"
+    }
+    per_step = [run_spans(log.steps, n) for n in range(len(log.steps))]
+    measured = {
+        k: tuple(
+            statistics.median(spans[k][i] - min(s for s, _ in spans.values()) for spans in per_step)
+            for i in (0, 1)
+        )
+        for k in per_step[0]
+    }
+    m = exe.plan.num_micro_batches
+    assert set(simulated) == set(measured) and len(measured) == 2 * (2 * m + 1)
+    margin = statistics.median(times.values()) / 2
+    assert order_disagreements(simulated, measured, margin) == []
+    # the check has teeth: a model with the second stage 5x slower orders differently
+    slow = {p: t * (5 if p.startswith("s1") else 1) for p, t in times.items()}
+    wrong = simulate(exe.plan, cluster, program_times=slow)
+    spans = {
+        (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
+    }
+    assert order_disagreements(spans, measured, margin)
+
+
+def test_calibrated_roofline_recovers_known_costs():
+    from meshshard.sim.fidelity import CalibratedRoofline, ProgramSample
+
+    truth = (2e-3, 1 / 5e9, 0.0, 3.0, 40.0)  # launch, 5 GFLOP/s, no memory term, fabrics
+    samples = []
+    for i, (flops, d, intra, cross) in enumerate(
+        [
+            (1e8, 2, 0, 0),
+            (4e8, 2, 1e-4, 0),
+            (2e9, 4, 0, 5e-4),
+            (8e8, 2, 2e-4, 0),
+            (3e9, 4, 1e-4, 1e-3),
+        ]
+    ):
+        feats = [1.0, flops / d, 0.0, intra, cross]
+        t = sum(c * f for c, f in zip(truth, feats, strict=True))
+        samples.append(ProgramSample(f"p{i}", flops, 0.0, d, (intra, cross), t))
+    fit = CalibratedRoofline.fit(samples)
+    assert fit.coef == pytest.approx(truth, rel=1e-6, abs=1e-12)
+    assert "5 GFLOP/s" in str(fit)
+
+
+def test_collectives_are_priced_on_the_fabric_they_cross():
+    from meshshard.hlo_collectives import Collective
+    from meshshard.sim.fidelity import collective_seconds
+
+    cluster = ClusterSpec(
+        nic_bandwidth=1e9, nic_latency=1e-4, intra_bandwidth=1e10, intra_latency=0.0
+    )
+    ar = Collective("all-reduce", "ar", "f32", (250,), 1000, groups=((0, 1), (2, 3)))
+    # (2, 2) mesh: devices 0, 1 are host 0: a pair within one host, over memcpy
+    assert collective_seconds([ar], (2, 2), cluster) == pytest.approx((2 * 500 / 1e10, 0.0))
+    across = Collective("all-reduce", "ar", "f32", (250,), 1000, groups=((0, 2), (1, 3)))
+    assert collective_seconds([across], (2, 2), cluster) == pytest.approx(
+        (0.0, 2 * (1e-4 + 500 / 1e9))
+    )
