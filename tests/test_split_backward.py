@@ -15,6 +15,8 @@ from meshshard.passes.trace import trace_step
 from meshshard.refs import BufferKind, Phase, ProgramRef
 from meshshard.verify import verify
 
+pytestmark = pytest.mark.slow  # traces and plans a whole model (seconds)
+
 CLUSTER = ClusterSpec("split-4x2", 4, 2)
 STAGES = [(1, 1)] * 4
 
