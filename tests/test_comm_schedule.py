@@ -150,7 +150,7 @@ def test_scheduling_is_faster_in_simulation(plan2bw):
     assert allr < none and sparse < none and three < min(allr, sparse) and topo < three
 
 
-@pytest.mark.fast
+@pytest.mark.slow
 def test_sparse_rows_sum_to_dense_gpt_embedding_gradient():
     model = gpt.GPT(vocab=512, num_layers=1)
     batches = [gpt.make_batch(batch_size=2, vocab=512, seed=s) for s in (0, 1)]
@@ -170,7 +170,8 @@ def test_sparse_rows_sum_to_dense_gpt_embedding_gradient():
 
 
 @pytest.mark.slow
-def test_training_is_bit_identical_with_every_switch(threads_cluster):
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_training_is_bit_identical_with_every_switch(threads_cluster, schedule):
     """Tied GPT with a large vocabulary (a cross-mesh all-reduce of the embedding
     gradient, point-to-point activations): the same bits with all switches as without."""
     model = gpt.GPT(vocab=1024, num_layers=2, tie_embeddings=True)
@@ -178,7 +179,9 @@ def test_training_is_bit_identical_with_every_switch(threads_cluster):
     outs = []
     for sw in (frozenset(), frozenset(COMM_SWITCHES)):
         state = gpt.make_state(model, batches[0]["inputs"])
-        method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, comm_schedule=sw)
+        method = PipeshardParallel(
+            num_micro_batches=2, stages=[(1, 2)] * 2, schedule=schedule, comm_schedule=sw
+        )
         step = meshshard.parallelize(gpt.train_step, method=method)
         losses = []
         for b in batches:
