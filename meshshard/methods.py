@@ -23,6 +23,8 @@ RESHARDING_STRATEGIES = (
     "broadcast_greedy",
     "broadcast_search",
 )
+#: Communication-scheduling switches (TriRace; see ``meshshard.passes.comm_schedule``).
+COMM_SWITCHES = ("allreduce", "sparse", "p2p", "topology")
 
 
 def _check_shape(shape, what: str) -> tuple[int, int]:
@@ -116,6 +118,9 @@ class PipeshardParallel:
             (Alpa's manually specified submeshes); default: whole hosts ``(h, D)``.
         virtual_stages: model chunks per mesh with ``schedule="interleaved_1f1b"``
             (default 1; the plan's schedule grid shows the chunks, the repr does not).
+        comm_schedule: communication-scheduling switches, any of ``"allreduce"``,
+            ``"sparse"``, ``"p2p"``, ``"topology"`` (default none; only the order and
+            priority of communication change, results are bit-identical).
     """
 
     num_micro_batches: int
@@ -127,6 +132,7 @@ class PipeshardParallel:
     layers: str | int | None = None
     submeshes: tuple[tuple[int, int], ...] | None = None
     virtual_stages: int = field(default=1, repr=False)
+    comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
@@ -148,6 +154,7 @@ class PipeshardParallel:
                     f"PipeshardParallel.layers={self.layers!r}: pass 'auto', a positive int "
                     "number of layers, or None to use mark_pipeline_boundary() markers"
                 )
+        object.__setattr__(self, "comm_schedule", check_comm_switches(self.comm_schedule))
         if isinstance(self.stages, str):
             if self.stages not in ("uniform", "auto"):
                 raise MeshshardInputError(
@@ -197,6 +204,7 @@ class PipeshardParallel:
             "submeshes": None,
             "sharding": "data_parallel",
             "virtual_stages": 1,
+            "comm_schedule": frozenset(),
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"
@@ -204,6 +212,21 @@ class PipeshardParallel:
             if not (f.name in quiet and getattr(self, f.name) == quiet[f.name])
         ]
         return f"PipeshardParallel({', '.join(parts)})"
+
+
+def check_comm_switches(switches) -> frozenset[str]:
+    """``switches`` as a frozenset of :data:`COMM_SWITCHES`, or an error naming the bad ones."""
+    if isinstance(switches, str) or not isinstance(switches, tuple | list | set | frozenset):
+        raise MeshshardInputError(
+            f"comm_schedule={switches!r}: pass a set of switches from {COMM_SWITCHES}, "
+            "e.g. comm_schedule={'p2p', 'allreduce'}"
+        )
+    bad = sorted(set(switches) - set(COMM_SWITCHES))
+    if bad:
+        raise MeshshardInputError(
+            f"comm_schedule has unknown switches {bad}; pick from {COMM_SWITCHES}"
+        )
+    return frozenset(switches)
 
 
 def _check_virtual_stages(v, schedule: str) -> None:

@@ -37,7 +37,7 @@ def verify(plan: Plan, cluster: ClusterSpec | None = None) -> list[str]:
             for b in () if bcast_in else ins.reads:
                 if b not in live:
                     problems.append(f"{where}: reads {b} before it is written")
-            if bcast_in or (isinstance(ins, Collective) and ins.kind == "allreduce"):
+            if bcast_in or (isinstance(ins, Collective) and ins.kind in ("allreduce", "allgather")):
                 received.add(ins.buffer)  # completes (every member's result) at its WAIT
             elif isinstance(ins, Recv):
                 received.add(ins.buffer)

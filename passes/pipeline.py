@@ -15,6 +15,7 @@ from meshshard.methods import DataParallel, Method, sharding_mode
 from meshshard.passes.annotate import annotate_costs
 from meshshard.passes.apply_programs import plan_reductions
 from meshshard.passes.checks import run_passes
+from meshshard.passes.comm_schedule import schedule_comm
 from meshshard.passes.emit import emit_streams
 from meshshard.passes.forward_only import (
     build_forward_graph,
@@ -175,6 +176,13 @@ def _assemble(st: CompileState) -> CompileState:
     return replace(st, plan=plan)
 
 
+def _comm_schedule(st: CompileState) -> CompileState:
+    switches = getattr(st.method, "comm_schedule", frozenset())
+    if not switches:
+        return st
+    return replace(st, plan=schedule_comm(st.plan, switches))
+
+
 def _annotate_costs(st: CompileState) -> CompileState:
     return replace(st, plan=annotate_costs(st.plan, st.traced, st.graph, st.cluster))
 
@@ -190,6 +198,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("schedule", _schedule),
     Pass("emit", _emit),
     Pass("assemble", _assemble),
+    Pass("comm_schedule", _comm_schedule),
 )
 
 #: Annotation passes: add costs to a plan without changing what it runs.

@@ -60,6 +60,7 @@ from meshshard.instructions import (
     Run,
     Send,
 )
+from meshshard.passes.comm_schedule import admit
 from meshshard.plan import Message, Plan
 from meshshard.sim.collectives import decompose
 from meshshard.sim.cores import CorePool
@@ -92,6 +93,9 @@ class SimOptions:
         chunk_bytes: pipelining chunk of broadcasts; None takes the cluster's.
         max_chunks: cap on chunks per broadcast channel (chunks grow beyond it).
         record: keep spans and per-link load samples (for the trace).
+        admission: topology-aware admission (TriRace): a flow starts only when no flow
+            of higher instruction priority is on one of its links
+            (:func:`meshshard.passes.comm_schedule.admit`), else it waits for them.
     """
 
     overlap: bool = True
@@ -100,6 +104,7 @@ class SimOptions:
     chunk_bytes: int | None = None
     max_chunks: int = 1024
     record: bool = True
+    admission: bool = False
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,8 @@ class _Engine:
         self.rdv: dict = {}
         self.p2p: dict = {}
         self.coll_cache: dict = {}
+        self.in_flight: dict[int, list[int]] = {}  # link -> priorities of flows on it
+        self.held: list = []  # flows admission delayed: (-priority, seq, args)
         self.mesh_of_program = {p.name: p.mesh for p in plan.programs}
         self.transfers = {t.name: t for t in plan.transfers}
         self.mesh_workers = {m.id: tuple(m.hosts) for m in plan.meshes}
@@ -532,6 +539,34 @@ class _Engine:
                 other.registered = -1
                 self._schedule_pump(other.queue)
 
+    # --- admission ---------------------------------------------------------------------
+    def flow(self, prio: int, links, nbytes: float, latency: float, on_done, label: str = ""):
+        """Start a flow now, or hold it while a higher-priority flow is on its links."""
+        if not self.opt.admission:
+            self.net.start(self.now, links, nbytes, latency=latency, on_done=on_done, label=label)
+            return
+        if not admit(prio, links, self.in_flight):
+            self.seq += 1
+            heapq.heappush(self.held, (-prio, self.seq, links, nbytes, latency, on_done, label))
+            return
+        for link in links:
+            self.in_flight.setdefault(link, []).append(prio)
+
+        def finished(f, prio=prio, links=links, on_done=on_done):
+            for link in links:
+                self.in_flight[link].remove(prio)
+            self._release()
+            on_done(f)
+
+        self.net.start(self.now, links, nbytes, latency=latency, on_done=finished, label=label)
+
+    def _release(self) -> None:
+        """Start the held flows that are admitted now, highest priority first."""
+        held, self.held = self.held, []
+        while held:
+            neg, _, links, nbytes, latency, on_done, label = heapq.heappop(held)
+            self.flow(-neg, links, nbytes, latency, on_done, label)
+
     # --- point to point --------------------------------------------------------------
     def arrive_p2p(self, op: _Op) -> None:
         """A SEND or RECV reached its queue head: start the flow when both sides allow."""
@@ -564,13 +599,13 @@ class _Engine:
             a = self.topo.nic_device(src, pair.channel)
             b = self.topo.nic_device(dst, pair.channel)
         send.comm_start = pair.recv.comm_start = self.now
-        self.net.start(
-            self.now,
+        self.flow(
+            send.ins.priority,
             self.topo.path(a, b),
             pair.nbytes,
-            latency=self.topo.latency(a, b),
-            on_done=lambda flow, pair=pair: self._p2p_done(pair),
-            label=str(send.ins),
+            self.topo.latency(a, b),
+            lambda flow, pair=pair: self._p2p_done(pair),
+            str(send.ins),
         )
 
     def _start_fanout(self, pair: _P2P) -> None:
@@ -604,12 +639,12 @@ class _Engine:
         def launch(i: int) -> None:
             s = steps[i]
             lat = self.topo.latency(s.src, s.dst) if s.latency else 0.0
-            self.net.start(
-                self.now,
+            self.flow(
+                pair.send.ins.priority,
                 self.topo.path(s.src, s.dst),
                 s.nbytes,
-                latency=lat,
-                on_done=lambda f: done(i),
+                lat,
+                lambda f: done(i),
             )
 
         def done(i: int) -> None:
@@ -659,9 +694,7 @@ class _Engine:
                 self._complete(by_worker[w])
 
         def launch(i: int) -> None:
-            self.net.start(
-                self.now, paths[i], sizes[i], latency=lats[i], on_done=lambda f, i=i: done(i)
-            )
+            self.flow(ins.priority, paths[i], sizes[i], lats[i], lambda f, i=i: done(i))
 
         def done(i: int) -> None:
             for s in succ[i]:

@@ -41,6 +41,23 @@ def assign_lanes(intervals: list[tuple[float, float]]) -> list[int]:
     return lanes
 
 
+#: Perfetto/Chrome colour names for TriRace's three kinds of traffic.
+TRAFFIC_COLOURS = {"p2p": "good", "sparse": "yellow", "allreduce": "terrible"}
+
+
+def _colour(token: str) -> dict:
+    """``{"cname": ...}`` for a communication span by its traffic kind (its token)."""
+    if token.startswith(("SEND", "RECV")) or (token.startswith("COLL broadcast")):
+        kind = "p2p"
+    elif token.startswith("COLL allgather"):
+        kind = "sparse"
+    elif token.startswith("COLL"):
+        kind = "allreduce"
+    else:
+        return {}
+    return {"cname": TRAFFIC_COLOURS[kind], "args": {"traffic": kind}}
+
+
 def chrome_trace(result: SimResult) -> dict:
     """The trace object: ``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``."""
     us = 1e6
@@ -102,6 +119,7 @@ def chrome_trace(result: SimResult) -> dict:
                     "tid": 1 + k,
                     "name": s.name,
                     "cat": s.category or "comm",
+                    **_colour(s.name),
                     "ts": s.start * us,
                     "dur": (s.end - s.start) * us,
                 }
