@@ -34,9 +34,9 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x, mask):
         drop = nn.Dropout(self.dropout, deterministic=not self.dropout)
-        h = nn.SelfAttention(
+        h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads, deterministic=True, use_bias=False, name="attn"
-        )(x, mask=mask)
+        )(x, x, mask=mask)
         x = nn.LayerNorm(name="ln_attn")(x + drop(h))
         h = nn.Dense(2 * self.d_model, name="up")(x)
         h = nn.Dense(self.d_model, name="down")(jax.nn.gelu(h))

@@ -19,7 +19,9 @@ UNEVEN = [(1, 2), (1, 1), (1, 2)]
 
 def setup():
     batch = bert.make_batch(batch_size=8)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    # eps=1e-6: with 1e-8, Adam turns gradient entries at rounding-noise level into
+    # full-size updates (see tests/test_shared_params.py, the tied GPT's docstring)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6))
     state = bert.make_state(bert.Encoder(num_layers=4), batch, tx=tx)
     return state, lambda i: bert.make_batch(batch_size=8, seed=i)
 
