@@ -24,7 +24,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 # The fast tier only (no Ray, nothing slow): the loop to run while editing.
 test-fast: setup

@@ -20,6 +20,8 @@ import importlib.util
 import os
 import sys
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -67,8 +69,16 @@ def pytest_configure(config):
         os.environ["MESHSHARD_UPDATE_GOLDEN"] = "1"
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every test not marked ``slow`` or ``ray`` is ``fast`` (``make test-fast`` runs those)."""
+    """Every test not marked ``slow`` or ``ray`` is ``fast`` (``make test-fast`` runs those).
+
+    ``ray`` tests also join one ``xdist_group``: under ``pytest -n 2 --dist loadgroup``
+    (``make test``) one worker runs them all, in order, on one shared Ray instance, while
+    the other worker takes the rest.
+    """
     for item in items:
-        if item.get_closest_marker("slow") is None and item.get_closest_marker("ray") is None:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.get_closest_marker("slow") is None:
             item.add_marker("fast")
