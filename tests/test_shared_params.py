@@ -12,6 +12,8 @@ from meshshard.refs import CollectiveKind, Phase
 from meshshard.verify import verify
 from tests.test_cross_stage import check, gpt_setup
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined model
+
 CLUSTER = ClusterSpec("golden-4x2", 4, 2)
 WTE = "args[0].params['wte']['embedding']"
 WTE_BYTES = 64 * 32 * 4  # vocab x d_model, f32

@@ -12,6 +12,8 @@ from meshshard import PipeshardParallel
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
 
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined model
+
 #: 4 layers on 3 stages: stage 0 holds 2 layers (the embeddings too), stages 1 and 2 one
 #: each (the last with the tied MLM head); the middle mesh is one device.
 UNEVEN = [(1, 2), (1, 1), (1, 2)]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax.training import train_state
 from jax import lax
 
@@ -16,6 +17,8 @@ from examples import mlp
 from meshshard import ClusterSpec, PipeshardParallel
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
+
+pytestmark = pytest.mark.slow  # each test compiles and runs a pipelined model
 
 CLUSTER = ClusterSpec("golden-4x2", 4, 2)
 
