@@ -287,8 +287,9 @@ def _shared_notes(st: _Step, edges, owner: dict) -> tuple[str, ...]:
         where = ", ".join(f"t{k} -> {e.consumer}" for k, e in copies)
         stages = sorted({e.consumer.owner for _, e in copies})
         notes.append(
-            f"shared parameter {st.describe(v)}: owner stage {o} (P{o}); copies {where}; "
-            f"gradient contributions of stages {stages} are summed on stage {o} before "
+            f"shared parameter {st.describe(v)}: owner stage {o} (P{o}); copies {where} "
+            f"(once per step); gradient contributions of stages {stages} are accumulated "
+            f"there over the micro-batches and summed on stage {o} once per step, before "
             "its one update"
         )
     return tuple(notes)

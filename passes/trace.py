@@ -13,7 +13,10 @@ keys among the batch leaves (never cut: a leaf a draw uses as its key), the draw
 carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
 ``meshshard.grad`` returns combines over micro-batches
 (:mod:`~meshshard.passes.reductions`); batch-independent values the update reads from
-before the grad are recomputed there (:mod:`~meshshard.passes.hoist`).
+before the grad are recomputed there (:mod:`~meshshard.passes.hoist`); a gradient summed
+over several layers (a shared parameter) is returned per layer and summed in the update
+(:mod:`~meshshard.passes.shared_grads`); a forward-only step's results are combined over
+micro-batches (:mod:`~meshshard.passes.forward_only`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, set_reductions
+from meshshard.passes.shared_grads import split_shared_gradients
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ def trace_step(
     reduce = resolve(micro, full if m > 1 else None, is_batch, m)
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
-    closed = set_reductions(closed, reduce)
+    closed = split_shared_gradients(set_reductions(closed, reduce))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)

@@ -1,0 +1,117 @@
+"""Pass 0f: a shared parameter's gradient as one ``meshshard.grad`` result per layer,
+and its copies moved once per step.
+
+A parameter read by several layers (tied input/output embeddings) gets its gradient
+from JAX as a sum of contributions, ``add_any(ct_layer3, ct_layer0)``, computed in the
+backward of the layer that runs last.  Left as it is, the later layer's contribution
+would cross stages once per micro-batch.  This pass cuts that sum at its layer
+boundaries: every maximal sub-sum computed inside one layer becomes its own operand of
+the ``grad_end`` marker (so each stage accumulates its own contribution over the
+micro-batches, in its own ``A{s}``), and the contributions are added right after the
+marker, in the update, in the order JAX adds them.  The update placement then moves
+the other stages' accumulated sums to the owner once per step (or all-reduces them),
+before the parameter's one update.
+
+The result is what JAX computes, up to summation order: ``sum_k a_k + sum_k b_k``
+instead of ``sum_k (a_k + b_k)``.
+
+The forward copies of a shared parameter do not change between micro-batches:
+:func:`step_copies` names their transfers, which the emitter sends and receives once,
+with micro-batch 0, and frees after the consumer's last micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from jax import lax
+
+from meshshard._compat import ClosedJaxpr
+from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.passes.slicing import slice_layers
+from meshshard.refs import BufferKind, Phase
+
+_ADD = "add_any"
+
+
+def split_shared_gradients(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` with each cross-layer gradient sum split into per-layer ``grad_end``
+    operands (unchanged when no gradient sums contributions of several layers)."""
+    jaxpr = closed.jaxpr
+    g = next((i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
+    if g is None:
+        return closed
+    layer_of = dict(enumerate(slice_layers(jaxpr).layer))
+    splits, dropped = _gradient_sums(jaxpr, g, layer_of)
+    if not splits:
+        return closed
+    g_eqn = jaxpr.eqns[g]
+    info = tuple(g_eqn.params.get("reduce") or (("grad", "", ""),) * len(g_eqn.invars))
+
+    def hook(i, eqn, env, extra) -> bool:
+        if i in dropped:
+            return True  # a cross-layer add: done after the marker instead
+        if i != g:
+            return False
+        operands = [None if k in splits else read_var(env, v) for k, v in enumerate(eqn.invars)]
+        reduce, extra_pos = list(info), {}
+        for pos, terms in splits.items():
+            operands[pos] = read_var(env, terms[0])
+            extra_pos[pos] = list(range(len(operands), len(operands) + len(terms) - 1))
+            operands += [read_var(env, t) for t in terms[1:]]
+            reduce += [info[pos]] * (len(terms) - 1)
+        e = eqn.replace(params=dict(eqn.params, reduce=tuple(reduce)))
+        outs = bind_eqn(e, operands)
+        for pos, more in extra_pos.items():
+            for k in more:
+                outs[pos] = lax.add(outs[pos], outs[k])
+        for v, x in zip(eqn.outvars, outs, strict=False):
+            if not is_dropvar(v):
+                env[v] = x
+        return True
+
+    return retrace(closed, hook)
+
+
+def _gradient_sums(jaxpr, g: int, layer_of: dict) -> tuple[dict, set]:
+    """``({grad_end operand position: per-layer terms}, {add equations to drop})``."""
+    eqns = jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns[:g]) for v in e.outvars}
+    uses = Counter(v for e in eqns for v in e.invars if not is_literal(v))
+    uses.update(v for v in jaxpr.outvars if not is_literal(v))
+    splits, dropped = {}, set()
+
+    def terms(v) -> tuple[list, set, set] | None:
+        """(terms, their layers, add eqns crossing layers) of the sum that makes ``v``."""
+        if is_literal(v) or v not in producer:
+            return None
+        i = producer[v]
+        if eqns[i].primitive.name != _ADD or uses[v] != 1:
+            return [v], {layer_of[i]}, set()
+        parts = [terms(x) for x in eqns[i].invars]
+        if any(p is None for p in parts):
+            return None
+        layers = set().union(*(p[1] for p in parts))
+        if layers == {layer_of[i]}:  # a sum inside one layer stays one term
+            return [v], layers, set()
+        return [t for p in parts for t in p[0]], layers, {i}.union(*(p[2] for p in parts))
+
+    for pos, v in enumerate(eqns[g].invars):
+        found = terms(v)
+        if found is not None and len(found[1]) > 1:
+            splits[pos] = found[0]
+            dropped |= found[2]
+    return splits, dropped
+
+
+def step_copies(graph) -> frozenset[int]:
+    """Indices of the transfers that copy a state input (a shared parameter) from its
+    owner stage to another stage's compute program: the same value every micro-batch."""
+    state = {v for g in graph.groups if g.ref.kind is BufferKind.PARAMS for v in g.vars}
+    return frozenset(
+        k
+        for k, e in enumerate(graph.edges)
+        if e.var in state
+        and e.producer.phase is not Phase.APPLY
+        and e.consumer.phase is not Phase.APPLY
+    )
