@@ -45,7 +45,9 @@ def run_and_compare(m: int, steps: int = 2):
     return step.plan
 
 
-@pytest.mark.parametrize("m", [2, 4])
+@pytest.mark.parametrize(
+    "m", [4]
+)  # one M keeps the suite in budget; M=2 paths are covered by test_shared_params
 def test_bert_like_encoder_on_uneven_stages_matches_jit(threads_cluster, m):
     plan = run_and_compare(m)
     assert verify(plan) == []
