@@ -25,7 +25,7 @@ CASES = [
     for model in ("mlp", "gpt")
     for schedule in ("gpipe", "1f1b")
     for m in (1, 2, 4)
-]
+] + [("mlp", schedule, 4) for schedule in ("eager_1f1b", "zb_h1")]
 
 
 @pytest.mark.parametrize("model,schedule,m", CASES)
