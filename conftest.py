@@ -75,10 +75,13 @@ def pytest_collection_modifyitems(config, items):
 
     ``ray`` tests also join one ``xdist_group``: under ``pytest -n 2 --dist loadgroup``
     (``make test``) one worker runs them all, in order, on one shared Ray instance, while
-    the other worker takes the rest.
+    the other worker takes the rest.  Ray tests marked ``own_cluster`` (a subprocess with
+    its own Ray cluster) form a second group, so they can run beside the shared one.
     """
     for item in items:
         if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            # a test that starts its own Ray cluster in a subprocess needs no shared one
+            own = item.get_closest_marker("own_cluster") is not None
+            item.add_marker(pytest.mark.xdist_group("ray-own" if own else "ray"))
         elif item.get_closest_marker("slow") is None:
             item.add_marker("fast")

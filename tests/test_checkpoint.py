@@ -148,6 +148,7 @@ def test_errors_name_the_fix(threads_cluster, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.own_cluster
 def test_ray_save_shutdown_restore_on_another_layout_equals_six_steps(tmp_path):
     """Multi-host meshes on both sides; its own process, so its own Ray cluster."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

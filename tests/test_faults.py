@@ -137,6 +137,7 @@ def test_evacuate_copies_from_survivors_and_marks_lost_arrays():
 
 
 @pytest.mark.ray
+@pytest.mark.own_cluster
 @pytest.mark.parametrize(
     "kind, cases",
     [("local", "layout,between,step,compile"), ("multinode", "layout,step")],
