@@ -140,14 +140,14 @@ def test_evacuate_copies_from_survivors_and_marks_lost_arrays():
 @pytest.mark.own_cluster
 @pytest.mark.parametrize(
     "kind, cases",
-    [("local", "layout,between,step,compile"), ("multinode", "layout,step")],
+    [("local", "layout,between,compile"), ("multinode", "step")],
 )
 def test_fault_matrix(tmp_path, kind, cases):
     """Kill host-actors between steps, during a step and during compile; a DataParallel
     eval between pipeline steps regroups the hosts.  Every case raises an error naming
     the host and ``meshshard.recover()`` within seconds, keeps the survivors' arrays,
     and trains equal to jax.jit after recovery (the script asserts parity itself).
-    The two-node cluster runs two of the cases (the benchmark runs all four there)."""
+    Each case runs once, on one of the two clusters (the benchmark runs all four on each)."""
     out = tmp_path / "faults.json"
     proc = subprocess.run(
         [
@@ -166,8 +166,9 @@ def test_fault_matrix(tmp_path, kind, cases):
     )
     assert "FAULTS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
-    kept, total = rows["eval with another layout"]["state_kept"].split()[0].split("/")
-    assert kept == total, rows  # every leaf moved and still equal to jax.jit
+    if "layout" in cases:
+        kept, total = rows["eval with another layout"]["state_kept"].split()[0].split("/")
+        assert kept == total, rows  # every leaf moved and still equal to jax.jit
     kills = ("kill w1 between steps", "kill w1 during a step", "kill w0 during compile")
     assert len(rows) == len(cases.split(","))
     for case in (c for c in kills if c in rows):
