@@ -18,7 +18,7 @@ import numpy as np
 
 from meshshard import metrics, two_bw
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import eval_eqns, is_marker, read_var
+from meshshard.jaxpr_util import eval_eqns, is_marker, read_var, sub_jaxprs
 from meshshard.metrics import check_reduction
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
@@ -259,17 +259,9 @@ def _check_loss(out_shape, has_aux: bool) -> None:
         )
 
 
-def _sub_jaxprs(eqn):
-    for p in eqn.params.values():
-        for x in p if isinstance(p, tuple | list) else (p,):
-            j = getattr(x, "jaxpr", x)
-            if hasattr(j, "eqns"):
-                yield j
-
-
 def _has_boundary(jaxpr) -> bool:
     return any(
-        is_marker(e, "mark", "fwd") or any(_has_boundary(j) for j in _sub_jaxprs(e))
+        is_marker(e, "mark", "fwd") or any(_has_boundary(j) for j in sub_jaxprs(e))
         for e in jaxpr.eqns
     )
 
@@ -277,7 +269,7 @@ def _has_boundary(jaxpr) -> bool:
 def _check_nested_boundaries(jaxpr) -> None:
     """Refuse a pipeline boundary inside remat, a loop, a cond or a custom derivative."""
     for e in jaxpr.eqns:
-        if any(_has_boundary(j) for j in _sub_jaxprs(e)):
+        if any(_has_boundary(j) for j in sub_jaxprs(e)):
             name = _FRIENDLY.get(e.primitive.name, e.primitive.name)
             raise MeshshardInputError(
                 f"mark_pipeline_boundary() is called inside {name} ({e.primitive.name} "

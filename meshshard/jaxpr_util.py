@@ -71,6 +71,16 @@ def var_ids(jaxpr) -> dict:
     return ids
 
 
+def sub_jaxprs(eqn: JaxprEqn):
+    """The jaxprs an equation holds in its params (pjit, remat, custom_jvp, cond branches...),
+    so a walk over a program can look inside calls instead of stopping at them."""
+    for p in eqn.params.values():
+        for x in p if isinstance(p, tuple | list) else (p,):
+            j = getattr(x, "jaxpr", x)
+            if hasattr(j, "eqns"):
+                yield j
+
+
 def is_literal(v) -> bool:
     """True for a jaxpr literal operand."""
     return isinstance(v, Literal)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, var_ids
+from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, sub_jaxprs, var_ids
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.slicing import FWD, GRAD_END, LayerSlicing
 from meshshard.primitives import boundary_p
@@ -97,11 +97,8 @@ def has_transposed_eqns(closed: ClosedJaxpr) -> bool:
         for e in jaxpr.eqns:
             if "transpose(" in str(e.source_info.name_stack):
                 return True
-            for p in e.params.values():
-                for sub in p if isinstance(p, tuple | list) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns") and walk(inner):
-                        return True
+            if any(walk(inner) for inner in sub_jaxprs(e)):
+                return True
         return False
 
     return walk(closed.jaxpr)

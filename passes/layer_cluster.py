@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import sub_jaxprs
 
 __all__ = [
     "HEAVY",
@@ -65,14 +66,6 @@ def _size(aval) -> int:
     return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
-def _sub_jaxprs(eqn):
-    for p in eqn.params.values():
-        for x in p if isinstance(p, tuple | list) else (p,):
-            j = getattr(x, "jaxpr", x)
-            if hasattr(j, "eqns"):
-                yield j
-
-
 def eqn_flops(eqn) -> float:
     """FLOPs of one equation: ``2 * out * contracted`` for a dot, one per output element
     otherwise; equations holding sub-jaxprs (pjit, remat, custom_jvp) count their body."""
@@ -85,7 +78,7 @@ def eqn_flops(eqn) -> float:
     if name == "conv_general_dilated":
         rhs = eqn.invars[1].aval.shape
         return 2.0 * _size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
-    subs = list(_sub_jaxprs(eqn))
+    subs = list(sub_jaxprs(eqn))
     if subs:
         return float(sum(eqn_flops(e) for j in subs for e in j.eqns))
     return float(sum(_size(v.aval) for v in eqn.outvars))
@@ -94,7 +87,7 @@ def eqn_flops(eqn) -> float:
 def _is_heavy(eqn) -> bool:
     if eqn.primitive.name in HEAVY:
         return True
-    return any(_is_heavy(e) for j in _sub_jaxprs(eqn) for e in j.eqns)
+    return any(_is_heavy(e) for j in sub_jaxprs(eqn) for e in j.eqns)
 
 
 def crossing_bytes(jaxpr) -> np.ndarray:
