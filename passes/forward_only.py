@@ -175,25 +175,17 @@ def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, s
 
 def _concat_problem(micro, full, var, m: int) -> str | None:
     """Why ``var`` (which keeps the batch) is not per-example rows, or None if it is."""
-    from meshshard.passes.reductions import _full_var, _normalizes, _shape
+    from meshshard.passes.reductions import (
+        _normalizes,
+        _shape,
+        full_batch_shape,
+        paired_producers,
+    )
 
-    mj, fj = micro.jaxpr, full.jaxpr
-    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
-    idx = {v: k for k, v in enumerate(mj.invars)}
-    ms, fs = _shape(var), _shape(_full_var(mj, fj, var, producer, idx))
+    ms, fs = _shape(var), full_batch_shape(micro, full, var)
     if not ms or fs != (ms[0] * m, *ms[1:]):
         return f"it has the batch as a dimension other than the first ({list(fs)} on the batch)"
-    seen, stack = set(), [var]
-    while stack:
-        v = stack.pop()
-        if is_literal(v) or v not in producer or producer[v] in seen:
-            continue
-        i = producer[v]
-        seen.add(i)
-        em, ef = mj.eqns[i], fj.eqns[i]
-        stack += list(em.invars)
-        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
-        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+    for em, ef, ins, outs in paired_producers(micro, full, var):
         name = em.primitive.name
         if (ins and not outs) or name in _MIXING or _normalizes(em, ef, m):
             return f"each row depends on other rows of the batch ({name})"

@@ -58,25 +58,12 @@ def _normalizes(em, ef, m: int) -> str:
 
 def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple[str, str]:
     """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars."""
-    mj, fj = micro.jaxpr, full.jaxpr
-    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
-    idx = {v: k for k, v in enumerate(mj.invars)}
-    full_shape = _shape(_full_var(mj, fj, var, producer, idx))
-    if full_shape != _shape(var):
+    if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
-    seen, stack, kinds, norms = set(), [var], set(), 0
-    while stack:
-        v = stack.pop()
-        if is_literal(v) or v not in producer or producer[v] in seen:
-            continue
-        i = producer[v]
-        seen.add(i)
-        em, ef = mj.eqns[i], fj.eqns[i]
-        stack += list(em.invars)
+    kinds, norms = set(), 0
+    for em, ef, ins, outs in paired_producers(micro, full, var):
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
-        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
-        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
         if ins and not outs:
             kinds.add(em.primitive.name)
         how = _normalizes(em, ef, m)
@@ -92,6 +79,35 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
         return kinds.pop()[len("reduce_") :], "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:
+    """The shape ``var`` of the micro-batch trace has in the full-batch trace."""
+    mj, fj = micro.jaxpr, full.jaxpr
+    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
+    idx = {v: k for k, v in enumerate(mj.invars)}
+    return _shape(_full_var(mj, fj, var, producer, idx))
+
+
+def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
+    """Every equation ``var`` depends on, once each, as ``(micro eqn, full eqn, ins, outs)``;
+    ``ins``/``outs``: whether its inputs / outputs change shape with the batch size.
+    The two traces match equation by equation, which is what lets a value's reduction
+    over the batch be read off its producers."""
+    mj, fj = micro.jaxpr, full.jaxpr
+    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
+    seen, stack = set(), [var]
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v not in producer or producer[v] in seen:
+            continue
+        i = producer[v]
+        seen.add(i)
+        em, ef = mj.eqns[i], fj.eqns[i]
+        stack += list(em.invars)
+        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
+        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+        yield em, ef, ins, outs
 
 
 def _same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
