@@ -4,12 +4,15 @@
     meshshard calibrate --out local.json
     meshshard clusters
     meshshard bench STEP_SCRIPT --steps 15 --trace out.json
+    meshshard profile STEP_SCRIPT --steps 5
 
 ``simulate`` prints the predicted iteration (summary table) and writes the Chrome
 trace; ``--cluster`` takes a preset name or a ClusterSpec JSON file (default: the
 cluster the plan was made for).  ``calibrate`` measures this machine into a
 ClusterSpec JSON.  ``clusters`` lists the presets with their figures.  ``bench`` times
 a step script's step (see :mod:`meshshard.bench`) and writes its measured timeline.
+``profile`` times each program of a step script's step on its real mesh and writes the
+profile cache that ``step.lower(..., profile=True)`` and ``step.profile`` read.
 """
 
 from __future__ import annotations
@@ -86,7 +89,44 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--backend", choices=("ray", "threads"), default="ray")
     b.add_argument("--hosts", type=int, help="host-actors (default 4)")
     b.add_argument("--devices-per-host", type=int, help="devices per host (default 2)")
+    _profile_parser(sub)
     return p
+
+
+def _profile_parser(sub) -> None:
+    f = sub.add_parser(
+        "profile", help="time each program of a step script's step on its real mesh (cached)"
+    )
+    f.add_argument("script", help="Python file defining setup() -> (parallelized step, args)")
+    f.add_argument("--steps", type=int, default=5, help="profiled calls (default 5)")
+    f.add_argument(
+        "--cache-dir",
+        help="profile cache (default $MESHSHARD_PROFILE_CACHE or ~/.cache/meshshard/profiles)",
+    )
+    f.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    f.add_argument("--json", dest="json_out", help='write {"s0.F": seconds, ...} here')
+    f.add_argument("--backend", choices=("ray", "threads"), default="ray")
+    f.add_argument("--hosts", type=int, help="host-actors (default 4)")
+    f.add_argument("--devices-per-host", type=int, help="devices per host (default 2)")
+
+
+def _profile(args) -> int:
+    from meshshard.profiling import ProfileCache, describe_profile, profile_script
+
+    plan, times, hit = profile_script(
+        args.script,
+        steps=args.steps,
+        cache_dir=args.cache_dir,
+        backend=args.backend,
+        num_hosts=args.hosts,
+        devices_per_host=args.devices_per_host,
+        refresh=args.refresh,
+    )
+    print(describe_profile(plan, times, ProfileCache(args.cache_dir).directory, hit))
+    if args.json_out:  # the format `meshshard simulate --program-times` reads
+        with open(args.json_out, "w") as f:
+            json.dump(times, f, indent=2)
+    return 0
 
 
 def _bench(args) -> int:
@@ -174,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate": _calibrate,
         "clusters": _clusters,
         "bench": _bench,
+        "profile": _profile,
     }
     try:
         return handlers[args.command](args)

@@ -19,7 +19,14 @@ import jax
 
 from meshshard.plan import Plan
 
-__all__ = ["ProfileCache", "profile_key", "profile_step", "program_collectives"]
+__all__ = [
+    "ProfileCache",
+    "describe_profile",
+    "profile_key",
+    "profile_script",
+    "profile_step",
+    "program_collectives",
+]
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "meshshard", "profiles")
 
@@ -139,3 +146,62 @@ def _tensors(plan: Plan, group):
     if group.kind is BufferKind.REDUCTION:
         return (plan.reduction(group).tensor,)
     return plan.buffer(group).tensors
+
+
+def profile_script(
+    path: str,
+    steps: int = 5,
+    cache_dir: str | None = None,
+    backend: str = "ray",
+    num_hosts: int | None = None,
+    devices_per_host: int | None = None,
+    refresh: bool = False,
+):
+    """``meshshard profile``: run a step script's step (see :mod:`meshshard.bench`) with
+    every program timed on its real mesh, median over ``steps`` calls, and store the
+    times in the profile cache (``cache_dir``, default the one ``lower(profile=True)``
+    and ``step.profile`` read), so a later ``lower(profile=True)`` of the same step on
+    the same cluster reads them instead of running.  Starts the cluster asked for if
+    the script did not; ``refresh`` measures again even when cached.  Returns
+    ``(plan, {program: seconds}, cache_hit)``."""
+    import meshshard
+    from meshshard.bench import load_script
+    from meshshard.runtime.cluster import current_cluster
+
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    module = load_script(path)
+    started = False
+    if current_cluster() is None:
+        meshshard.init(backend=backend, num_hosts=num_hosts, devices_per_host=devices_per_host)
+        started = True
+    try:
+        step, args = module.setup()
+        if getattr(step, "_two_bw", None) is not None:
+            raise ValueError(
+                "meshshard profile: schedule='2bw' runs two compiled variants; profile the "
+                "same step with schedule='1f1b' (the same programs)"
+            )
+        cache = ProfileCache(cache_dir)
+        plan = step._executable_for(args).plan
+        hit = not refresh and cache.get(plan) is not None
+        times = profile_step(step, args, steps, None if refresh else cache)
+        if refresh:
+            cache.put(plan, times)
+        step.release()
+        return plan, times, hit
+    finally:
+        if started:
+            meshshard.shutdown()
+
+
+def describe_profile(plan: Plan, times: dict[str, float], cache_dir: str, hit: bool) -> str:
+    """The table ``meshshard profile`` prints: each program's mesh and measured time."""
+    shapes = {m.id: m.shape for m in plan.meshes}
+    mesh_of = {str(p.name): p.mesh for p in plan.programs}
+    head = "cached" if hit else "measured"
+    lines = [f"{len(times)} programs, {head}; cache {cache_dir}", f"{'program':<16} mesh   ms"]
+    for name, seconds in times.items():
+        shape = "x".join(map(str, shapes[mesh_of[name]]))
+        lines.append(f"{name:<16} {shape:<6} {seconds * 1e3:.3f}")
+    return "\n".join(lines)
