@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -48,27 +49,39 @@ MODELS = {
 }
 
 
-def _pipe(m, stages, schedule):
-    return PipeshardParallel(num_micro_batches=m, stages=stages, schedule=schedule)
+def _pipe(m, stages, schedule, virtual=1):
+    return PipeshardParallel(
+        num_micro_batches=m, stages=stages, schedule=schedule, virtual_stages=virtual
+    )
 
 
 S2, S2W, S4 = [(1, 2)] * 2, [(2, 2)] * 2, [(1, 2)] * 4
-PLANS = [  # (name, set, model, method); (2,2) meshes last: they regroup the actors
+#: (name, set, model, method).  Calibration set "cal" = model A on 2 stages (and data
+#: parallel); held-out = model B (other size) on 4 stages, never profiled.  Every
+#: schedule that exists, M in {2, 4, 8}, meshes (1,2) and (2,2).  (2,2) meshes last:
+#: they regroup the actors.
+PLANS = [
     ("A 2x(1,2) 1f1b M=2", "cal", "A", _pipe(2, S2, "1f1b")),
-    ("A 2x(1,2) 1f1b M=4", "cal", "A", _pipe(4, S2, "1f1b")),
     ("A 2x(1,2) gpipe M=4", "cal", "A", _pipe(4, S2, "gpipe")),
     ("A 2x(1,2) 1f1b M=8", "cal", "A", _pipe(8, S2, "1f1b")),
+    ("A 2x(1,2) eager_1f1b M=4", "cal", "A", _pipe(4, S2, "eager_1f1b")),
     ("A dp (1,2)", "cal", "A", DataParallel(mesh_shape=(1, 2))),
     ("B 4x(1,2) gpipe M=4", "held-out", "B", _pipe(4, S4, "gpipe")),
     ("B 4x(1,2) 1f1b M=4", "held-out", "B", _pipe(4, S4, "1f1b")),
+    ("B 4x(1,2) eager_1f1b M=4", "held-out", "B", _pipe(4, S4, "eager_1f1b")),
+    ("B 4x(1,2) interleaved_1f1b M=4", "held-out", "B", _pipe(4, S4, "interleaved_1f1b", 2)),
+    ("B 4x(1,2) zb_h1 M=4", "held-out", "B", _pipe(4, S4, "zb_h1")),
+    ("B 4x(1,2) 2bw M=4", "held-out", "B", _pipe(4, S4, "2bw")),
     ("B 4x(1,2) 1f1b M=8", "held-out", "B", _pipe(8, S4, "1f1b")),
     ("B 4x(1,2) gpipe M=2", "held-out", "B", _pipe(2, S4, "gpipe")),
-    ("B 2x(1,2) gpipe M=8", "held-out", "B", _pipe(8, S2, "gpipe")),
-    ("B dp (1,2)", "held-out", "B", DataParallel(mesh_shape=(1, 2))),
     ("A 2x(2,2) 1f1b M=4", "cal", "A", _pipe(4, S2W, "1f1b")),
     ("B 2x(2,2) gpipe M=4", "held-out", "B", _pipe(4, S2W, "gpipe")),
     ("B dp (2,2)", "held-out", "B", DataParallel(mesh_shape=(2, 2))),
 ]
+#: --quick: one plan of each kind the fit needs, and a held-out plan of each mesh.
+QUICK = [0, 1, 4, 5, 6, 13, 14]
+#: The schedules ranked against each other (same model, stages and M).
+RANKED = [n for n, *_ in PLANS if n.startswith("B 4x(1,2)") and n.endswith("M=4")]
 
 
 def _setup(model_key):
@@ -102,6 +115,15 @@ def _overhead(step, state, batch, path, rounds=4, block=5):
     return statistics.median(on), statistics.median(off)
 
 
+def _inner(step, state, batch):
+    """The compiled step that runs and its arguments: under 2BW the steady variant,
+    called with the weight stash first (see meshshard.two_bw); else the step itself."""
+    two_bw = getattr(step, "_two_bw", None)
+    if two_bw is None:
+        return step, (state, batch)
+    return two_bw.steady, (two_bw.stash, state, batch)
+
+
 def measure_plan(name, kind, model_key, method, args, tmp):
     """Measure one plan; profile it too if it is in the calibration set."""
     from meshshard.passes.trace import trace_step
@@ -112,18 +134,22 @@ def measure_plan(name, kind, model_key, method, args, tmp):
     state, batch = _setup(model_key)
     step = meshshard.parallelize(gpt.train_step, method=method)
     t0 = time.perf_counter()
-    state, _ = _timed(step, state, batch, 2)
+    state, _ = _timed(step, state, batch, 3)  # 2BW compiles its steady variant at call 2
     compile_s = time.perf_counter() - t0
+    load = os.getloadavg()[0]
     state, times = _timed(step, state, batch, args.steps)
     rec = dict(name=name, set=kind, compile_s=compile_s, times=times)
+    rec["loadavg"] = (load, os.getloadavg()[0])
+    inner, inner_args = _inner(step, state, batch)
     if args.overhead_plan == name:
-        rec["traced_s"], rec["untraced_s"] = _overhead(step, state, batch, f"{tmp}/ovh.json")
-    step.record(f"{tmp}/m.json")
+        rec["traced_s"], rec["untraced_s"] = _overhead(inner, state, batch, f"{tmp}/ovh.json")
+    inner.record(f"{tmp}/m.json")
     state, _ = _timed(step, state, batch, 3)
-    exe = step.executable
+    exe = inner.executable
     rec["measured_steps"] = list(exe.trace_log.steps)
-    step.record(None)
-    plan = step.lower(state, batch)  # the same plan, with each program's cost analysis
+    inner.record(None)
+    inner, inner_args = _inner(step, state, batch)
+    plan = inner.lower(*inner_args)  # the same plan, with each program's cost analysis
     assert [str(p.name) for p in plan.programs] == [str(p.name) for p in exe.plan.programs]
     if kind == "cal":  # what step.profile() does, keeping the log for the isolated times
         log = TraceLog(os.devnull, keep=5)
@@ -139,8 +165,13 @@ def measure_plan(name, kind, model_key, method, args, tmp):
     )
     rec["collectives"] = program_collectives(plan, traced)
     rec["plan"] = plan
-    step.release()
+    step.release() if getattr(step, "_two_bw", None) is None else _release_2bw(step)
     return rec
+
+
+def _release_2bw(step):
+    step._two_bw.first.release()
+    step._two_bw.steady.release()
 
 
 def _collective_s(rec, cluster):
@@ -226,11 +257,59 @@ def report(records, preds, variant):
     return out
 
 
+def measure_all(plans, args, tmp):
+    """Measure every plan on a fresh local Ray cluster (shut down after); with
+    ``--save``, the records so far are pickled after each plan."""
+    meshshard.init()
+    records = []
+    try:
+        for name, kind, model_key, method in plans:
+            t0 = time.perf_counter()
+            try:
+                records.append(measure_plan(name, kind, model_key, method, args, tmp))
+            except Exception as e:  # one broken plan must not lose the others
+                print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
+                continue
+            r = records[-1]
+            if args.save:
+                with open(args.save, "wb") as f:
+                    pickle.dump(records, f)
+            print(
+                f"measured {name} in {time.perf_counter() - t0:.0f} s: median "
+                f"{statistics.median(r['times']) * 1e3:.1f} ms, load {r['loadavg']}",
+                flush=True,
+            )
+    finally:
+        meshshard.shutdown()
+    return records
+
+
+def ranking(records, preds, variant):
+    """The RANKED schedules fastest first, measured and predicted, and Kendall's tau."""
+    from scipy.stats import kendalltau
+
+    rows = [
+        (r["name"], statistics.median(r["times"]), p[variant])
+        for r, p in zip(records, preds, strict=True)
+        if r["name"] in RANKED
+    ]
+    if len(rows) < 2:
+        return None
+    short = {n: n.split()[2] for n, _, _ in rows}
+    measured = [short[n] for n, _, _ in sorted(rows, key=lambda x: x[1])]
+    predicted = [short[n] for n, _, _ in sorted(rows, key=lambda x: x[2])]
+    tau = kendalltau([m for _, m, _ in rows], [p for _, _, p in rows]).statistic
+    return dict(measured=measured, predicted=predicted, tau=float(tau))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default="fidelity_trace.json")
+    ap.add_argument("--save", default=None, help="pickle the measurements here")
+    ap.add_argument("--load", default=None, help="predict from pickled measurements")
+    ap.add_argument("--quick", action="store_true", help=f"plans {QUICK} only")
     ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
     ap.add_argument("--select", default=None, help="comma-separated plan indices to run")
     ap.add_argument("--overhead-plan", default=PLANS[1][0])
@@ -239,17 +318,15 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="meshshard-fidelity-")
     plans = PLANS[: args.only] if args.only else PLANS
+    if args.quick:
+        plans = [PLANS[i] for i in QUICK]
     if args.select:
         plans = [PLANS[int(i)] for i in args.select.split(",")]
-    meshshard.init()
-    records = []
-    try:
-        for name, kind, model_key, method in plans:
-            t0 = time.perf_counter()
-            records.append(measure_plan(name, kind, model_key, method, args, tmp))
-            print(f"measured {name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    finally:
-        meshshard.shutdown()
+    if args.load:
+        with open(args.load, "rb") as f:
+            records = pickle.load(f)
+    else:
+        records = measure_all(plans, args, tmp)
     cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
     overheads, fits = fit(records, cluster)
     preds = [predict(r, cluster, overheads, fits) for r in records]
@@ -268,12 +345,13 @@ def _print(records, preds, overheads, fits):
     print(f"\nhost ms per instruction: {per_op}; driver {overheads[1] * 1e3:.2f} ms per step")
     for v, f in fits.items():
         print(f"{v}: {f}")
-    head = f"{'plan':<24} {'set':<9} {'measured ms':>11} " + " ".join(f"{v:>15}" for v in VARIANTS)
-    print(head)
+    head = f"{'plan':<31} {'set':<9} {'load':>9} {'measured ms':>11} "
+    print(head + " ".join(f"{v:>15}" for v in VARIANTS))
     for r, p in zip(records, preds, strict=True):
         m = statistics.median(r["times"])
         cells = " ".join(f"{p[v] * 1e3:7.1f} ({p[v] / m:4.2f})" for v in VARIANTS)
-        print(f"{r['name']:<24} {r['set']:<9} {m * 1e3:>11.1f} {cells}")
+        load = "{:.0f}-{:.0f}".format(*r["loadavg"])
+        print(f"{r['name']:<31} {r['set']:<9} {load:>9} {m * 1e3:>11.1f} {cells}")
     for v in VARIANTS:
         s = report(records, preds, v)
         print(
@@ -283,6 +361,13 @@ def _print(records, preds, overheads, fits):
                 for kind, e in s.items()
             )
         )
+    for v in VARIANTS:
+        rank = ranking(records, preds, v)
+        if rank:
+            print(f"ranking ({v}): measured {rank['measured']}")
+            print(
+                f"{'':>{len(v) + 11}}predicted {rank['predicted']} (Kendall tau {rank['tau']:.2f})"
+            )
     for r in records:
         if "traced_s" in r:
             ovh = r["traced_s"] / r["untraced_s"] - 1
@@ -297,6 +382,7 @@ def _write_json(path, records, preds, overheads, fits, args):
     for r, p in zip(records, preds, strict=True):
         m = statistics.median(r["times"])
         row = dict(plan=r["name"], set=r["set"], measured_s=m, times_s=r["times"])
+        row["loadavg_1min_before_after"] = r["loadavg"]
         row.update({f"predicted_{v}_s": p[v] for v in VARIANTS})
         row.update({f"ratio_{v}": p[v] / m for v in VARIANTS})
         for k in ("traced_s", "untraced_s"):
@@ -310,6 +396,7 @@ def _write_json(path, records, preds, overheads, fits, args):
         dispatch_overhead_s=overheads[1],
         fits={v: dict(coef=f.coef, samples=f.samples) for v, f in fits.items()},
         summary={v: report(records, preds, v) for v in VARIANTS},
+        ranking={v: ranking(records, preds, v) for v in VARIANTS},
         plans=rows,
     )
     with open(path, "w") as f:

@@ -110,20 +110,22 @@ def check_recorded_interleaving(step, args) -> None:
 def test_calibrated_roofline_recovers_known_costs():
     from meshshard.sim.fidelity import CalibratedRoofline, ProgramSample
 
-    truth = (2e-3, 1 / 5e9, 0.0, 3.0, 40.0)  # launch, 5 GFLOP/s, no memory term, fabrics
+    # launch, 20 us per op, 5 GFLOP/s, no memory term, fabrics
+    truth = (2e-3, 2e-5, 1 / 5e9, 0.0, 3.0, 40.0)
     samples = []
-    for i, (flops, d, intra, cross) in enumerate(
+    for i, (ops, flops, d, intra, cross) in enumerate(
         [
-            (1e8, 2, 0, 0),
-            (4e8, 2, 1e-4, 0),
-            (2e9, 4, 0, 5e-4),
-            (8e8, 2, 2e-4, 0),
-            (3e9, 4, 1e-4, 1e-3),
+            (40, 1e8, 2, 0, 0),
+            (90, 4e8, 2, 1e-4, 0),
+            (60, 2e9, 4, 0, 5e-4),
+            (200, 8e8, 2, 2e-4, 0),
+            (120, 3e9, 4, 1e-4, 1e-3),
+            (300, 5e8, 2, 0, 0),
         ]
     ):
-        feats = [1.0, flops / d, 0.0, intra, cross]
+        feats = [1.0, ops, flops / d, 0.0, intra, cross]
         t = sum(c * f for c, f in zip(truth, feats, strict=True))
-        samples.append(ProgramSample(f"p{i}", flops, 0.0, d, (intra, cross), t))
+        samples.append(ProgramSample(f"p{i}", flops, 0.0, d, (intra, cross), t, ops))
     fit = CalibratedRoofline.fit(samples)
     assert fit.coef == pytest.approx(truth, rel=1e-6, abs=1e-12)
     assert "5 GFLOP/s" in str(fit)

@@ -10,7 +10,9 @@ Three ingredients turn a measured run into simulator inputs:
 - **host overheads** (:func:`opcode_overheads`, :func:`dispatch_overhead`): the
   runtime's seconds per non-program instruction and the driver's per-step dispatch;
 - a **calibrated roofline** (:class:`CalibratedRoofline`) for programs never profiled:
-  ``t = c0 + c1 * flops/D + c2 * bytes/D + c3 * intra_s + c4 * cross_s``, fitted by
+  ``t = c0 + c_ops * ops + c1 * flops/D + c2 * bytes/D + c3 * intra_s + c4 * cross_s``
+  (``ops``: the program's traced equations, each a kernel XLA's CPU runtime launches
+  with a fixed cost that dominates at small sizes), fitted by
   non-negative least squares on relative error over profiled programs, where
   ``intra_s``/``cross_s`` price the collectives XLA put inside the program (read from
   its compiled HLO, :mod:`meshshard.hlo_collectives`) on the mesh's fabric
@@ -173,31 +175,36 @@ class ProgramSample:
     devices: int
     collective_s: tuple[float, float]  # (within a host, across hosts)
     seconds: float
+    ops: int = 0  # the program's traced equations
 
     def features(self) -> list[float]:
-        """The fit's regressors: 1, flops/D, bytes/D, collective seconds in and across hosts."""
+        """The fit's regressors: 1, ops, flops/D, bytes/D, collective seconds in and
+        across hosts."""
         d = max(self.devices, 1)
-        return [1.0, self.flops / d, self.bytes_accessed / d, *self.collective_s]
+        return [1.0, float(self.ops), self.flops / d, self.bytes_accessed / d, *self.collective_s]
 
 
 @dataclass(frozen=True)
 class CalibratedRoofline:
-    """``t = c0 + c1 flops/D + c2 bytes/D + c3 intra_s + c4 cross_s``, coefficients >= 0.
+    """``t = c0 + c_ops ops + c1 flops/D + c2 bytes/D + c3 intra_s + c4 cross_s``, all
+    coefficients >= 0.
 
     ``c1`` is 1 / (effective FLOP/s per device), ``c2`` 1 / (effective bytes/s), ``c0``
-    the per-program launch and host cost, ``c3``/``c4`` how much slower the fabric
-    within / across hosts really is than the cluster's alpha-beta figures.
+    the per-program launch and host cost, ``c_ops`` the cost of each operation,
+    ``c3``/``c4`` how much slower the fabric within / across hosts really is than the
+    cluster's alpha-beta figures.
     """
 
-    coef: tuple[float, float, float, float, float]
+    coef: tuple[float, float, float, float, float, float]
     samples: int
 
     def __str__(self) -> str:
-        c0, c1, c2, c3, c4 = self.coef
+        c0, cop, c1, c2, c3, c4 = self.coef
         rate = f"{1 / c1 / 1e9:.3g} GFLOP/s" if c1 > 0 else "inf FLOP/s"
         bw = f"{1 / c2 / 1e9:.3g} GB/s" if c2 > 0 else "inf B/s"
         return (
             f"calibrated roofline ({self.samples} programs): launch {c0 * 1e6:.4g} us, "
+            f"{cop * 1e6:.3g} us per op, "
             f"{rate}, {bw} per device, collectives x{c3:.3g} within / x{c4:.3g} across hosts"
         )
 
@@ -243,6 +250,7 @@ def sample_of(
         _mesh(plan, program.mesh).num_devices,
         collective_s,
         seconds,
+        len(program.eqns),
     )
 
 
