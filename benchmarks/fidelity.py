@@ -188,14 +188,20 @@ def _collective_s(rec, cluster):
 
 def fit(records, cluster):
     """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration set."""
-    from meshshard.sim.fidelity import CalibratedRoofline, dispatch_overhead, sample_of
+    from meshshard.sim.fidelity import (
+        CalibratedRoofline,
+        dispatch_overhead,
+        fit_dispatch,
+        sample_of,
+    )
 
     cal = [r for r in records if r["set"] == "cal"]
     ops = sorted({op for r in cal for op in r["opcodes"]})
     opcodes = {
         op: statistics.median(r["opcodes"][op] for r in cal if op in r["opcodes"]) for op in ops
     }
-    overheads = (opcodes, statistics.median(dispatch_overhead(r["measured_steps"]) for r in cal))
+    dispatch = [(len(r["plan"].workers), dispatch_overhead(r["measured_steps"])) for r in cal]
+    overheads = (opcodes, fit_dispatch(dispatch))
     fits = {}
     for variant, key in (("in-situ", "profiled"), ("cores", "isolated")):
         samples = []
@@ -208,13 +214,20 @@ def fit(records, cluster):
     return overheads, fits
 
 
+def _host(cluster, overheads, plan):
+    """``cluster`` with the fitted host overheads, the dispatch for ``plan``'s workers."""
+    d0, d1 = overheads[1]
+    dispatch = d0 + d1 * len(plan.workers)
+    return replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=dispatch)
+
+
 def predict(rec, cluster, overheads, fits):
     """Predicted step seconds per model variant."""
     from meshshard.sim import simulate
 
     plan = rec["plan"]
     out = {"local roofline": simulate(plan, replace(cluster, host_cores=0)).iteration_time}
-    host = replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=overheads[1])
+    host = _host(cluster, overheads, plan)
     coll = _collective_s(rec, cluster)
     for variant, key, cores in (("in-situ", "profiled", 0), ("cores", "isolated", os.cpu_count())):
         times = rec.get(key) or fits[variant].program_times(plan, coll)
@@ -230,7 +243,7 @@ def side_by_side(rec, cluster, overheads, fits, path):
 
     plan = rec["plan"]
     measured = measured_trace(rec["measured_steps"][-1:])
-    host = replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=overheads[1])
+    host = _host(cluster, overheads, plan)
     times = rec.get("profiled") or fits["in-situ"].program_times(plan, _collective_s(rec, cluster))
     predicted = simulate(plan, host, program_times=times).to_chrome_trace()
     for e in predicted["traceEvents"]:
@@ -342,7 +355,8 @@ VARIANTS = ("in-situ", "cores", "local roofline")
 
 def _print(records, preds, overheads, fits):
     per_op = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in overheads[0].items())
-    print(f"\nhost ms per instruction: {per_op}; driver {overheads[1] * 1e3:.2f} ms per step")
+    d0, d1 = (x * 1e3 for x in overheads[1])
+    print(f"\nhost ms per instruction: {per_op}; driver {d0:.2f} + {d1:.2f} ms/worker per step")
     for v, f in fits.items():
         print(f"{v}: {f}")
     head = f"{'plan':<31} {'set':<9} {'load':>9} {'measured ms':>11} "
@@ -393,7 +407,7 @@ def _write_json(path, records, preds, overheads, fits, args):
         steps=args.steps,
         cpu_count=os.cpu_count(),
         opcode_overheads_s=overheads[0],
-        dispatch_overhead_s=overheads[1],
+        dispatch_overhead_s_plus_per_worker=overheads[1],
         fits={v: dict(coef=f.coef, samples=f.samples) for v, f in fits.items()},
         summary={v: report(records, preds, v) for v in VARIANTS},
         ranking={v: ranking(records, preds, v) for v in VARIANTS},

@@ -83,15 +83,16 @@ def profile_step(
 ) -> dict[str, float]:
     """Median seconds of every program of parallelized ``step`` over ``steps`` profiled
     calls on ``args`` (compiling first if needed; the step's own recording is restored
-    after); read from and written to ``cache`` when given."""
+    after); read from and written to ``cache`` when given (a hit only plans the step:
+    nothing is compiled or run)."""
     from meshshard.runtime.trace_record import TraceLog
     from meshshard.sim.fidelity import program_times
 
-    exe = step._executable_for(args)
-    if cache is not None:
-        hit = cache.get(exe.plan)
+    if cache is not None:  # planning alone gives the keys: a hit compiles nothing
+        hit = cache.get(step.lower(*args, costs=False))
         if hit is not None:
             return hit
+    exe = step._executable_for(args)
     before, before_sync = exe.trace_log, exe._sync
     log = TraceLog(path=os.devnull, keep=steps)
     exe.record(log, sync=True)
@@ -183,7 +184,7 @@ def profile_script(
                 "same step with schedule='1f1b' (the same programs)"
             )
         cache = ProfileCache(cache_dir)
-        plan = step._executable_for(args).plan
+        plan = step.lower(*args, costs=False)
         hit = not refresh and cache.get(plan) is not None
         times = profile_step(step, args, steps, None if refresh else cache)
         if refresh:

@@ -38,6 +38,7 @@ __all__ = [
     "isolated_program_times",
     "opcode_overheads",
     "dispatch_overhead",
+    "fit_dispatch",
     "collective_seconds",
     "CalibratedRoofline",
     "ProgramSample",
@@ -128,6 +129,28 @@ def dispatch_overhead(steps) -> float:
         outside = named.get("prepare", 0.0) + named.get("outputs", 0.0)
         dispatch.append(outside + max(0.0, named.get("workers", 0.0) - busiest))
     return statistics.median(dispatch) if dispatch else 0.0
+
+
+def fit_dispatch(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(d0, d1)`` of the driver's dispatch ``d0 + d1 * workers`` seconds per step, from
+    ``(workers, measured dispatch seconds)`` of several plans (non-negative least
+    squares): the driver hands inputs to and collects outputs from each worker in turn,
+    so a plan with more workers pays more per step.  One distinct worker count fits a
+    constant.
+
+    >>> [round(c, 6) for c in fit_dispatch([(1, 0.003), (2, 0.005), (4, 0.009)])]
+    [0.001, 0.002]
+    """
+    from scipy.optimize import nnls
+
+    if not samples:
+        raise ValueError("fit_dispatch needs at least one (workers, seconds) sample")
+    if len({w for w, _ in samples}) < 2:
+        return statistics.median(t for _, t in samples), 0.0
+    x = np.array([[1.0, float(w)] for w, _ in samples])
+    y = np.array([t for _, t in samples], dtype=np.float64)
+    coef, _ = nnls(x, y)
+    return float(coef[0]), float(coef[1])
 
 
 def _mesh(plan: Plan, mesh_id: int) -> MeshSpec:
