@@ -221,19 +221,44 @@ def _host(cluster, overheads, plan):
     return replace(cluster, opcode_overheads=overheads[0], dispatch_overhead=dispatch)
 
 
-def predict(rec, cluster, overheads, fits):
-    """Predicted step seconds per model variant."""
+VARIANTS = ("in-situ", "cores", "local roofline")
+
+
+def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
+    """Predicted step seconds per model variant (``cores``: the cores the ``cores``
+    variant shares, default this machine's)."""
     from meshshard.sim import simulate
 
     plan = rec["plan"]
-    out = {"local roofline": simulate(plan, replace(cluster, host_cores=0)).iteration_time}
+    out = {}
+    if "local roofline" in variants:
+        out["local roofline"] = simulate(plan, replace(cluster, host_cores=0)).iteration_time
     host = _host(cluster, overheads, plan)
     coll = _collective_s(rec, cluster)
-    for variant, key, cores in (("in-situ", "profiled", 0), ("cores", "isolated", os.cpu_count())):
+    table = (("in-situ", "profiled", 0), ("cores", "isolated", cores or os.cpu_count()))
+    for variant, key, n in table:
+        if variant not in variants:
+            continue
         times = rec.get(key) or fits[variant].program_times(plan, coll)
-        c = replace(host, host_cores=cores or 0)
-        out[variant] = simulate(plan, c, program_times=times).iteration_time
+        out[variant] = simulate(plan, replace(host, host_cores=n), program_times=times)
+        out[variant] = out[variant].iteration_time
     return out
+
+
+def fit_cores(records, cluster, overheads, fits, choices=(1, 2, 3, 4)):
+    """The cores the ``cores`` variant shares, fitted on the calibration set: the count
+    with the least median error there (a loaded machine leaves a run fewer than it has)."""
+
+    def err(n):
+        cal = [r for r in records if r["set"] == "cal"]
+        ratios = [
+            predict(r, cluster, overheads, fits, n, ("cores",))["cores"]
+            / statistics.median(r["times"])
+            for r in cal
+        ]
+        return statistics.median(abs(x - 1) for x in ratios)
+
+    return min(choices, key=err)
 
 
 def side_by_side(rec, cluster, overheads, fits, path):
@@ -342,15 +367,14 @@ def main(argv=None) -> int:
         records = measure_all(plans, args, tmp)
     cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
     overheads, fits = fit(records, cluster)
-    preds = [predict(r, cluster, overheads, fits) for r in records]
+    cores = fit_cores(records, cluster, overheads, fits)
+    print(f"cores shared, fitted on the calibration set: {cores}")
+    preds = [predict(r, cluster, overheads, fits, cores) for r in records]
     side_by_side(records[1], cluster, overheads, fits, args.trace)
     _print(records, preds, overheads, fits)
     if args.json:
         _write_json(args.json, records, preds, overheads, fits, args)
     return 0
-
-
-VARIANTS = ("in-situ", "cores", "local roofline")
 
 
 def _print(records, preds, overheads, fits):
