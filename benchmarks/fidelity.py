@@ -245,6 +245,22 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
     return out
 
 
+def split(rec, cluster, overheads):
+    """Where the step's time goes, measured (recorded steps, medians) vs predicted: the
+    driver's own dispatch and the workers' span (first instruction to last)."""
+    from meshshard.sim.fidelity import dispatch_overhead
+
+    steps = rec["measured_steps"]
+    workers = statistics.median(
+        next(b - a for n, a, b in step.driver if n == "workers") / 1e9 for _, step in steps
+    )
+    return dict(
+        measured_dispatch_s=dispatch_overhead(steps),
+        measured_workers_s=workers,
+        predicted_dispatch_s=_host(cluster, overheads, rec["plan"]).dispatch_overhead,
+    )
+
+
 def fit_cores(records, cluster, overheads, fits, choices=(1, 2, 3, 4)):
     """The cores the ``cores`` variant shares, fitted on the calibration set: the count
     with the least median error there (a loaded machine leaves a run fewer than it has)."""
@@ -370,6 +386,8 @@ def main(argv=None) -> int:
     cores = fit_cores(records, cluster, overheads, fits)
     print(f"cores shared, fitted on the calibration set: {cores}")
     preds = [predict(r, cluster, overheads, fits, cores) for r in records]
+    for r in records:
+        r["split"] = split(r, cluster, overheads)
     side_by_side(records[1], cluster, overheads, fits, args.trace)
     _print(records, preds, overheads, fits)
     if args.json:
@@ -399,6 +417,13 @@ def _print(records, preds, overheads, fits):
                 for kind, e in s.items()
             )
         )
+    print("\nwhere the time goes (ms): measured dispatch / workers span; predicted dispatch")
+    for r in records:
+        x = {k: v * 1e3 for k, v in r["split"].items()}
+        print(
+            f"{r['name']:<31} {x['measured_dispatch_s']:7.1f} / {x['measured_workers_s']:7.1f}"
+            f"; {x['predicted_dispatch_s']:7.1f}"
+        )
     for v in VARIANTS:
         rank = ranking(records, preds, v)
         if rank:
@@ -421,6 +446,7 @@ def _write_json(path, records, preds, overheads, fits, args):
         m = statistics.median(r["times"])
         row = dict(plan=r["name"], set=r["set"], measured_s=m, times_s=r["times"])
         row["loadavg_1min_before_after"] = r["loadavg"]
+        row.update(r.get("split", {}))
         row.update({f"predicted_{v}_s": p[v] for v in VARIANTS})
         row.update({f"ratio_{v}": p[v] / m for v in VARIANTS})
         for k in ("traced_s", "untraced_s"):
