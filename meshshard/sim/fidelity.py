@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshshard.cluster import ClusterSpec
-from meshshard.instructions import Run
+from meshshard.instructions import Run, Zeros
 from meshshard.plan import MeshSpec, Plan, ProgramSpec
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "opcode_overheads",
     "dispatch_overhead",
     "fit_dispatch",
+    "zeros_tensors",
     "collective_seconds",
     "CalibratedRoofline",
     "ProgramSample",
@@ -129,6 +130,19 @@ def dispatch_overhead(steps) -> float:
         outside = named.get("prepare", 0.0) + named.get("outputs", 0.0)
         dispatch.append(outside + max(0.0, named.get("workers", 0.0) - busiest))
     return statistics.median(dispatch) if dispatch else 0.0
+
+
+def zeros_tensors(plan: Plan) -> float:
+    """Mean tensors per ``ZEROS`` instruction of ``plan`` (0 without any): the runtime
+    places each accumulator tensor on the mesh one by one, so a ``ZEROS`` costs about
+    its tensor count times a per-tensor time (fit that from one plan, price another)."""
+    counts = [
+        len(plan.buffer(ins.buffer).tensors)
+        for stream in plan.streams
+        for ins in stream.instructions
+        if isinstance(ins, Zeros)
+    ]
+    return sum(counts) / len(counts) if counts else 0.0
 
 
 def fit_dispatch(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
