@@ -39,7 +39,7 @@ def test_profile_cli_fills_the_cache_lower_profile_reads(
     model = mlp.MLP(num_layers=2, hidden=32)
     batch = mlp.make_batch(batch_size=8)
     step = meshshard.parallelize(mlp.train_step, method=meshshard.PipeshardParallel(**METHOD))
-    plan = step.lower(mlp.make_state(model, batch["x"]), batch, profile=True)
+    plan = step.lower(mlp.make_state(model, batch["x"]), batch, profile=True, costs=False)
     assert step.program_times == times
     assert sorted(times) == sorted(str(p.name) for p in plan.programs)
     assert all(t > 0 for t in times.values())
