@@ -62,6 +62,7 @@ class ParallelizedFunction:
         if trace is not None:
             self.record(trace)
         functools.update_wrapper(self, fn)
+        self.pipelined = False  # run calls pipelined: 2BW's steady step (meshshard.two_bw)
         self._two_bw = None
         stale = isinstance(method, PipeshardParallel) and method.schedule == "2bw"
         if stale and not _one_2bw_variant:
@@ -204,6 +205,7 @@ class ParallelizedFunction:
             )
             self._executables[key] = exe
             exe.keyed_step = fn  # restores typed keys in the results
+            exe.pipelined = self.pipelined
             if self.trace_log is not None:
                 exe.record(self.trace_log)
         return exe
