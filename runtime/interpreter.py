@@ -11,6 +11,7 @@ transfer-only run.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -187,6 +188,8 @@ class StreamInterpreter:
         self.recorder: Recorder | None = None
         self._sync = False
         self._threads: list = []  # comm and prefetch threads (overlapped mode)
+        self._active = 0  # steps running now (two when pipelined)
+        self._active_lock = threading.Lock()
         weakref.finalize(self, _close_all, self._threads)
 
     def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
@@ -220,6 +223,15 @@ class StreamInterpreter:
         arrays or a :class:`Lazy` of one (waited for when first read); returns all live
         buffers.  ``seq``: the number of a pipelined step, which may run beside step
         ``seq - 1`` (its messages carry other tags)."""
+        with self._active_lock:
+            self._active += 1
+        try:
+            return self._run(buffers, load, seq)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _run(self, buffers: dict, load: Callable, seq: int | None) -> dict[BufferRef, tuple]:
         step = _Step(self, buffers, load, seq)
         rec = self.recorder
         if rec is not None:
@@ -252,7 +264,11 @@ class StreamInterpreter:
         return self._threads[0], self._threads[1]
 
     def _drop_helpers(self) -> None:
-        _close_all(self._threads)
+        """After a failed step: stop the comm and prefetch threads (ops of that step may
+        still be queued), unless another (pipelined) step still uses them."""
+        with self._active_lock:
+            if self._active <= 1:
+                _close_all(self._threads)
 
     def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
         """:func:`message_tag` from tables built once per plan."""
