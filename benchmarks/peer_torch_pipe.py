@@ -164,7 +164,14 @@ def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list
     p.join()
     ref = statistics.median(ref_times)
     rows = [
-        dict(framework="torch", schedule="single process", stages=1, step_s=ref, loss0=ref_loss)
+        dict(
+            framework="torch",
+            schedule="single process",
+            stages=1,
+            step_s=ref,
+            loss0=ref_loss,
+            load=round(os.getloadavg()[0], 1),
+        )
     ]
     for world in stage_counts:
         for name, (per, _) in TORCH_SCHEDULES.items():
@@ -202,6 +209,7 @@ def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list
                     step_s=med,
                     efficiency=ref / med,
                     loss0=loss,
+                    load=round(os.getloadavg()[0], 1),
                 )
             )
     return rows
@@ -216,10 +224,15 @@ def _meshshard_method(schedule: str, stages: int, micro_batches: int):
     return meshshard.PipeshardParallel(**kw)
 
 
-def run_meshshard(steps: int, warmup: int, micro_batches: int, stage_counts) -> list[dict]:
-    """``jax.jit`` in this process, then every meshshard schedule on the Ray cluster."""
+def run_meshshard(
+    steps: int, warmup: int, micro_batches: int, stage_counts, schedules=None
+) -> list[dict]:
+    """``jax.jit`` in this process, then each meshshard schedule (default: every one) on
+    the Ray cluster."""
     import meshshard
     from meshshard.methods import SCHEDULES
+
+    schedules = SCHEDULES if schedules is None else schedules
 
     meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
     try:
@@ -250,10 +263,13 @@ def run_meshshard(steps: int, warmup: int, micro_batches: int, stage_counts) -> 
                 stages=1,
                 step_s=ref,
                 loss0=loss,
+                load=round(os.getloadavg()[0], 1),
             )
         ]
         for stages in stage_counts:
-            for schedule in SCHEDULES:
+            for schedule in schedules:
+                if schedule == "interleaved_1f1b" and MODEL["num_layers"] % (2 * stages):
+                    continue  # as in torch: the blocks must divide into 2 x stages pieces
                 try:
                     method = _meshshard_method(schedule, stages, micro_batches)
                     step = meshshard.parallelize(gpt.train_step, method=method)
@@ -283,6 +299,7 @@ def run_meshshard(steps: int, warmup: int, micro_batches: int, stage_counts) -> 
                         step_s=med,
                         efficiency=ref / med,
                         loss0=loss,
+                        load=round(os.getloadavg()[0], 1),
                     )
                 )
         return rows
@@ -293,7 +310,7 @@ def run_meshshard(steps: int, warmup: int, micro_batches: int, stage_counts) -> 
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'framework':<10} {'schedule':<30} {'S':>2} {'step ms':>9} {'efficiency':>10} "
-        f"{'loss step 1':>11}"
+        f"{'loss step 1':>11} {'load':>5}"
     )
     for r in rows:
         if "skipped" in r:
@@ -305,7 +322,7 @@ def print_table(rows: list[dict]) -> None:
         eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "1 (ref)"
         print(
             f"{r['framework']:<10} {r['schedule']:<30} {r['stages']:>2} "
-            f"{r['step_s'] * 1e3:>9.1f} {eff:>10} {r['loss0']:>11.4f}"
+            f"{r['step_s'] * 1e3:>9.1f} {eff:>10} {r['loss0']:>11.4f} {r.get('load', 0):>5}"
         )
 
 
@@ -316,9 +333,15 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--all-schedules",
+        action="store_true",
+        help="every meshshard schedule, not only those torch also has",
+    )
     args = ap.parse_args(argv)
+    paired = None if args.all_schedules else [m for _, m in TORCH_SCHEDULES.values() if m]
     # Ray first: its workers must not fork a process that already runs JAX threads.
-    rows = run_meshshard(args.steps, args.warmup, args.micro_batches, args.stages)
+    rows = run_meshshard(args.steps, args.warmup, args.micro_batches, args.stages, paired)
     rows += run_torch(args.steps, args.warmup, args.micro_batches, args.stages)
     print_table(rows)
     if args.json:

@@ -62,6 +62,7 @@ class ParallelizedFunction:
         if trace is not None:
             self.record(trace)
         functools.update_wrapper(self, fn)
+        self.pipelined = False  # run calls pipelined: 2BW's steady step (meshshard.two_bw)
         self._two_bw = None
         stale = isinstance(method, PipeshardParallel) and method.schedule == "2bw"
         if stale and not _one_2bw_variant:
@@ -169,19 +170,19 @@ class ParallelizedFunction:
 
         cluster = require_cluster()
         fn, args = physical_call(_layered(self.fn, self.method), args)  # keys as raw data
-        abstract = _abstract(args, self.batch_argnums)
+        # the cache key from the leaves themselves: building ShapeDtypeStructs for every
+        # leaf on every call was the driver's largest own cost (runtime_overhead.py)
+        leaves, tree = jax.tree.flatten(args)
         key = (
-            jax.tree.structure(abstract),
-            tuple(
-                (getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
-                for a in jax.tree.leaves(abstract)
-            ),
+            tree,
+            tuple((getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves),
         )
         exe = self._executables.get(key)
         if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
             exe = None  # compiled for a cluster that was shut down: compile on this one
         if exe is None:
             t0 = time.perf_counter()
+            abstract = _abstract(args, self.batch_argnums)
             plan, traced = plan_step(
                 fn,
                 abstract,
@@ -204,6 +205,7 @@ class ParallelizedFunction:
             )
             self._executables[key] = exe
             exe.keyed_step = fn  # restores typed keys in the results
+            exe.pipelined = self.pipelined
             if self.trace_log is not None:
                 exe.record(self.trace_log)
         return exe

@@ -13,14 +13,25 @@ stale weights, as in PipeDream-2BW.
 How: the step is traced with the differentiated argument of its ``meshshard.grad``
 replaced by a stashed copy, an extra step input; the step also returns the value it
 replaced, which becomes the stash of the next call.  The first call compiles a plan
-without the stash (``W(-1) = W(0)``), the later calls one with it.  Each call runs as one
-flushed pipeline step in 1F1B order; the flush-free overlap of consecutive steps is
-what :func:`meshshard.passes.schedules.two_bw` generates and the simulator times.
+without the stash (``W(-1) = W(0)``), the later calls one with it.
+
+No flush between steps: the later calls run *pipelined* (``Executable.pipelined``).
+Call ``k`` submits step ``k`` to the workers, waits for step ``k - 1`` to finish and
+returns step ``k``'s outputs as arrays still being computed (fetching one waits), so
+step ``k + 1`` (the next call) starts while step ``k``'s last backwards drain.  On a
+worker the two steps run side by side: step ``k + 1``'s forwards and backwards read the
+stash ``W(k)`` (step ``k``'s input, already there) and only its update waits for
+``W(k + 1)``, which step ``k`` writes.  At most two steps are in flight, so two weight
+versions per stage.  ``MESHSHARD_2BW_PIPELINE=0`` runs every call as one flushed step
+(same numbers, no overlap); plans with collectives (broadcasts or all-reduces) always
+do.  The step order of the grid is what :func:`meshshard.passes.schedules.two_bw`
+generates and the simulator times.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 from collections.abc import Callable
 
 from meshshard.errors import MeshshardInputError
@@ -108,6 +119,7 @@ class TwoBWStep:
             )
         self.first = make(first_step(fn), tuple(batch_argnums))
         self.steady = make(steady_step(fn), tuple(b + 1 for b in batch_argnums))
+        self.steady.pipelined = os.environ.get("MESHSHARD_2BW_PIPELINE", "1") != "0"
         self.stash = None
 
     def __call__(self, *args):
@@ -116,6 +128,12 @@ class TwoBWStep:
         else:
             out, self.stash = self.steady(self.stash, *args)
         return out
+
+    def settle(self) -> None:
+        """Wait for every step still in flight (a checkpoint of the state needs it)."""
+        exe = self.steady.executable
+        if exe is not None:
+            exe.settle()
 
     @property
     def last(self):

@@ -574,9 +574,17 @@ class RayBackend:
         self.cluster.arrays.add(array)
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
+        return self.submit_step(per_worker).result()
+
+    def submit_step(self, per_worker: dict[int, tuple]) -> RayStep:
+        """Send the step to every host-actor now; :meth:`RayStep.result` waits."""
         refs = {
             w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()
         }
+        return RayStep(self, refs)
+
+    def collect(self, refs: dict) -> dict[int, dict]:
+        """The workers' results of a submitted step (their seconds and traces kept)."""
         out = self.cluster._call(refs, f"step of plan {self.plan_id}")
         results = {}
         self.last_traces = {}
@@ -647,6 +655,17 @@ class RayBackend:
             for w, req in per_worker.items()
         }
         return self.cluster._call(refs, "checkpoint restore")
+
+
+class RayStep:
+    """A step sent to the host-actors (:meth:`RayBackend.submit_step`)."""
+
+    def __init__(self, backend: RayBackend, refs: dict):
+        self.backend, self.refs = backend, refs
+
+    def result(self) -> dict[int, dict]:
+        """Wait for every host-actor; their results (raises their failures)."""
+        return self.backend.collect(self.refs)
 
 
 @contextlib.contextmanager

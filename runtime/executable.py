@@ -7,9 +7,11 @@ step is one message per worker; workers run their whole stream without the drive
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -41,6 +43,9 @@ class Backend(Protocol):
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]: ...
 
+    def submit_step(self, per_worker: dict[int, tuple]) -> StepHandle:
+        """Start a step without waiting for it (pipelined 2BW steps)."""
+
     def fetch(self, worker: int, key: int) -> list: ...
 
     def free(self, worker: int, keys: Sequence[int]) -> None: ...
@@ -59,6 +64,13 @@ class Backend(Protocol):
 
     def clock_offsets(self, workers) -> dict[int, tuple[int, int]]:
         """Each worker's (clock minus driver clock, ping round trip), ns."""
+
+
+class StepHandle(Protocol):
+    """A step started by :meth:`Backend.submit_step`."""
+
+    def result(self) -> dict[int, dict]:
+        """Wait for every worker; their results (raises the workers' failures)."""
 
 
 class RemoteArray:
@@ -115,6 +127,9 @@ class RemoteArray:
             raise MeshshardRuntimeError(self._lost)
         if self._host is not None:
             return self._host
+        owner = self._owner()
+        if owner is not None and owner._inflight:  # a pipelined step still writes it
+            owner.settle()
         if getattr(self._backend, "closed", False):
             raise MeshshardRuntimeError(
                 f"{self!r} lived on a meshshard cluster that was shut down (meshshard.shutdown() "
@@ -167,6 +182,9 @@ class RemoteArray:
                 )
         self.keys = {w: k for w, k in self.keys.items() if w not in set(hosts)}
         return copied
+
+    def __float__(self) -> float:
+        return float(self.fetch())
 
     def __array__(self, dtype=None, copy=None):
         a = self.fetch()
@@ -221,6 +239,10 @@ class Executable:
         self.trace_log = None  # a runtime.trace_record.TraceLog while recording
         self._sync = False
         self._offsets: tuple = ()
+        #: run steps pipelined (set for 2BW's steady step; see :meth:`_submit`)
+        self.pipelined = False
+        self._inflight: deque = deque()  # _InFlight of submitted pipelined steps
+        self._seq = itertools.count()
 
     def recompile(self) -> None:
         """Compile the plan again on the workers (they were restarted or lost their
@@ -300,6 +322,9 @@ class Executable:
             w: (per_worker_batch[w], per_worker_state[w], out_keys[w], frees.get(w, []))
             for w in plan.workers
         }
+        if self.pipelined and marks is None and self.can_pipeline:
+            return self._submit(args, flat, requests, out_keys)
+        self.settle()
         if marks is not None:
             from meshshard.runtime.trace_record import clock_ns
 
@@ -311,10 +336,59 @@ class Executable:
             r._release()
         return self._outputs(args, flat, results, out_keys)
 
+    @functools.cached_property
+    def can_pipeline(self) -> bool:
+        """Whether two steps of this plan may run at once: its communication is point to
+        point (collectives would need every member to order two steps' ops alike)."""
+        plan = self.plan
+        broadcasts = any(m.is_broadcast for t in plan.transfers for m in t.messages)
+        return not broadcasts and not plan.reductions
+
+    def _submit(self, args, flat, requests, out_keys):
+        """Pipelined call: start this step, then wait for the one before it, and return
+        this step's outputs as arrays still being computed (fetching one waits).
+
+        So step ``k + 1`` (the next call) is submitted while step ``k`` drains: at most two
+        steps are in flight, each worker starts a step after the previous one started and
+        a step reads the state the previous one writes only when its program needs it
+        (2BW: the update; forwards and backwards read the stashed weights).
+        """
+        seq = next(self._seq)
+        handle = self.backend.submit_step({w: (*r, seq) for w, r in requests.items()})
+        written = {(w, k) for w, keys in out_keys.items() for k in keys.values()}
+        with self._lock:  # args stay referenced until the step ends
+            self._inflight.append(_InFlight(handle, args, written))
+        while len(self._inflight) > 1:
+            self._settle_one()
+        results = {w: {gi: StoreKey(k) for gi, k in keys.items()} for w, keys in out_keys.items()}
+        return self._outputs(args, flat, results, out_keys)
+
+    def _settle_one(self) -> None:
+        step = self._inflight[0]
+        try:
+            step.handle.result()
+        finally:
+            with self._lock:
+                self._inflight.popleft()
+                for w, key in step.deferred:  # dropped before the step stored them
+                    self._pending_free.setdefault(w, []).append(key)
+            if step.deferred:
+                RELEASER.call(self.flush_frees)
+
+    def settle(self) -> None:
+        """Wait until every pipelined step submitted so far has finished (raises the
+        first failure); a no-op when none is in flight."""
+        while self._inflight:
+            self._settle_one()
+
     def schedule_free(self, worker: int, key: int) -> None:
         """Drop a stored array on ``worker``: with the next step, or from the releaser
         thread at once if no step takes it first (safe to call from a finalizer)."""
         with self._lock:
+            for step in self._inflight:
+                if (worker, key) in step.written:  # freed once its step has stored it
+                    step.deferred.append((worker, key))
+                    return
             self._pending_free.setdefault(worker, []).append(key)
         RELEASER.call(self.flush_frees)
 
@@ -330,6 +404,7 @@ class Executable:
         valid); a released step cannot run again.  Idempotent."""
         if not self.released:
             self.released = True
+            self.settle()
             self.flush_frees()
             self.backend.release()
 
@@ -378,25 +453,47 @@ class Executable:
         self._out_tree = tree
 
 
+class _InFlight:
+    """A pipelined step submitted and not yet waited for: its handle, its arguments (kept
+    alive until it ends), the (worker, key)s it writes, and frees of those deferred."""
+
+    __slots__ = ("handle", "args", "written", "deferred")
+
+    def __init__(self, handle: StepHandle, args, written: set):
+        self.handle, self.args, self.written = handle, args, written
+        self.deferred: list[tuple[int, int]] = []
+
+
 def run_in_threads(workers, fn) -> dict:
     """``{w: fn(w)}`` with every worker in its own thread; a failure of any worker is
     raised after all have finished, with every worker's message."""
-    results: dict = {}
-    errors: dict[int, BaseException] = {}
+    return ThreadsStep(workers, fn).result()
 
-    def one(w) -> None:
-        try:
-            results[w] = fn(w)
-        except BaseException as exc:  # reported below with every worker's failure
-            errors[w] = exc
 
-    threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    raise_worker_errors(errors)
-    return results
+class ThreadsStep:
+    """``fn(w)`` for every worker, each in its own thread, started now; :meth:`result`
+    waits for all (a :class:`StepHandle` of the in-process backend)."""
+
+    def __init__(self, workers, fn):
+        self.results: dict = {}
+        self.errors: dict[int, BaseException] = {}
+
+        def one(w) -> None:
+            try:
+                self.results[w] = fn(w)
+            except BaseException as exc:  # reported by result() with every failure
+                self.errors[w] = exc
+
+        self.threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
+        for t in self.threads:
+            t.start()
+
+    def result(self) -> dict:
+        """``{w: fn(w)}`` once every thread ended; raises every worker's failure."""
+        for t in self.threads:
+            t.join()
+        raise_worker_errors(self.errors)
+        return self.results
 
 
 def raise_worker_errors(errors: dict[int, BaseException]) -> None:

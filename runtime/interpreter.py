@@ -11,8 +11,10 @@ transfer-only run.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -179,10 +181,15 @@ class StreamInterpreter:
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
+        self.timelines: deque = deque(maxlen=8)  # (seq, Timeline) of the last steps
+        #: tags of two pipelined steps in flight differ by this much (step parity)
+        self.tag_span = len(plan.transfers) * plan.num_micro_batches * self._max_msgs
         self._untimed = transport
         self.recorder: Recorder | None = None
         self._sync = False
         self._threads: list = []  # comm and prefetch threads (overlapped mode)
+        self._active = 0  # steps running now (two when pipelined)
+        self._active_lock = threading.Lock()
         weakref.finalize(self, _close_all, self._threads)
 
     def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
@@ -207,10 +214,25 @@ class StreamInterpreter:
             self.recorder, self.transport = None, self._untimed
 
     def run(
-        self, buffers: dict[BufferRef, tuple], load: Callable[[BufferRef, int], tuple]
+        self,
+        buffers: dict[BufferRef, tuple],
+        load: Callable[[BufferRef, int], tuple],
+        seq: int | None = None,
     ) -> dict[BufferRef, tuple]:
-        """Run one step.  ``buffers`` holds the persistent groups (P, S); returns all live buffers."""
-        step = _Step(self, buffers, load)
+        """Run one step.  ``buffers`` holds the persistent groups (P, S), each a tuple of
+        arrays or a :class:`Lazy` of one (waited for when first read); returns all live
+        buffers.  ``seq``: the number of a pipelined step, which may run beside step
+        ``seq - 1`` (its messages carry other tags)."""
+        with self._active_lock:
+            self._active += 1
+        try:
+            return self._run(buffers, load, seq)
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _run(self, buffers: dict, load: Callable, seq: int | None) -> dict[BufferRef, tuple]:
+        step = _Step(self, buffers, load, seq)
         rec = self.recorder
         if rec is not None:
             rec.reset()
@@ -242,7 +264,11 @@ class StreamInterpreter:
         return self._threads[0], self._threads[1]
 
     def _drop_helpers(self) -> None:
-        _close_all(self._threads)
+        """After a failed step: stop the comm and prefetch threads (ops of that step may
+        still be queued), unless another (pipelined) step still uses them."""
+        with self._active_lock:
+            if self._active <= 1:
+                _close_all(self._threads)
 
     def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
         """:func:`message_tag` from tables built once per plan."""
@@ -312,9 +338,13 @@ class _Step:
     :class:`Prefetcher`, and a ``RUN`` waits only for the buffers it reads.
     """
 
-    def __init__(self, interp: StreamInterpreter, buffers: dict, load: Callable):
+    def __init__(self, interp: StreamInterpreter, buffers: dict, load: Callable, seq=None):
         self.interp, self.buffers, self.load = interp, buffers, load
+        self.seq = seq
+        self.tag_base = 0 if seq is None else (seq % 2) * interp.tag_span
         self.later: dict[BufferRef, Lazy] = {}  # buffers still being received
+        # persistent groups a previous pipelined step has not stored yet
+        self.pending = {n: buffers.pop(n) for n, v in list(buffers.items()) if type(v) is Lazy}
         self.posted: dict[BufferRef, list] = {}  # (message, handle future, key) per buffer
         self.sends: list = []  # futures of issued send handles
         w = interp.worker
@@ -345,7 +375,15 @@ class _Step:
         lazy = self.later.pop(name, None)
         if lazy is not None:
             self.buffers[name] = (lazy.get(),)
+        elif self.pending:
+            group = self.pending.pop(name, None)
+            if group is not None:
+                self.buffers[name] = group.get()
         return self.buffers[name]
+
+    def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
+        """This step's tag of one message (:func:`message_tag`, offset by step parity)."""
+        return self.interp.tag(transfer, mb, message) + self.tag_base
 
     def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None):
         """Issue one communication op: on the comm thread, or here when sequential."""
@@ -421,7 +459,7 @@ class _Step:
         value = self.value(ins.buffer)[0]
         msg = interp._transfers[ins.transfer].messages[ins.message]
         mb = ins.buffer.mb
-        tag = interp.tag(ins.transfer, mb, ins.message)
+        tag = self.tag(ins.transfer, mb, ins.message)
         key = (str(ins.transfer), mb, ins.message)
 
         def fn():
@@ -437,7 +475,7 @@ class _Step:
         msg = interp._transfers[ins.transfer].messages[ins.message]
         mb = ins.buffer.mb
         handle = interp.transport.irecv(
-            msg.nbytes, ins.peer, interp.tag(ins.transfer, mb, ins.message)
+            msg.nbytes, ins.peer, self.tag(ins.transfer, mb, ins.message)
         )
         key = (str(ins.transfer), mb, ins.message)
         self.posted.setdefault(ins.buffer, []).append((msg, _Sent(handle), key))
@@ -451,7 +489,7 @@ class _Step:
         interp = self.interp
         msg = interp._transfers[ins.transfer].messages[ins.message]
         mb = ins.buffer.mb
-        tag = interp.tag(ins.transfer, mb, ins.message)
+        tag = self.tag(ins.transfer, mb, ins.message)
         chan = group_key(ins.transfer, msg.group)
         key = (str(ins.transfer), mb, ins.message)
         if interp.worker == ins.root:
@@ -524,13 +562,14 @@ class _Step:
     # --- end of step -------------------------------------------------------------------
     def finish(self) -> None:
         """Complete what the stream left in flight; keep the timeline when recording."""
-        for name in list(self.later):
+        for name in list(self.later) + list(self.pending):
             self.value(name)
         if self.tl is not None:
             for i, t0, done in self.runs:
                 done.result()
                 self.tl.runs.append((i, t0, done.at_ns))
             self.interp.last_timeline = self.tl
+            self.interp.timelines.append((self.seq, self.tl))
 
     def close(self, failed: bool) -> None:
         """Stop this step's watcher; after a failure also the interpreter's helpers

@@ -16,7 +16,7 @@ import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
-from meshshard.runtime.executable import CLOSED_STEP, run_in_threads
+from meshshard.runtime.executable import CLOSED_STEP, ThreadsStep, run_in_threads
 from meshshard.runtime.transport import QueueTransport
 from meshshard.runtime.worker import Worker
 
@@ -69,6 +69,11 @@ class LocalBackend:
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
+
+    def submit_step(self, per_worker: dict[int, tuple]) -> ThreadsStep:
+        """Start a step in the workers' threads without waiting (pipelined 2BW)."""
+        workers = dict(self.workers)  # a later recompile does not change this step's
+        return ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]))
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just

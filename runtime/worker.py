@@ -7,6 +7,7 @@ ids the driver hands out; only small results travel back by value.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -17,12 +18,16 @@ from meshshard.passes.trace import trace_step
 from meshshard.plan import Plan
 from meshshard.refs import BufferRef
 from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
+from meshshard.runtime.overlap import Lazy
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.transport import Transport
 
 #: Results up to this many bytes come back to the driver by value (losses, counters),
 #: when replicated (a split one, from inferred sharding, is kept like a large one).
 BY_VALUE_BYTES = 64
+
+#: Seconds a pipelined step waits for the previous step's outputs (its state inputs).
+PIPELINE_WAIT_S = 600.0
 
 
 class StoreKey(int):
@@ -50,6 +55,10 @@ class Worker:
         self.plan: Plan | None = None
         self.interp: StreamInterpreter | None = None
         self.last_trace = None  # the last step's WorkerTrace while recording
+        # pipelined steps (2BW without flushes): in-order starts, outputs announced
+        self._cv = threading.Condition()
+        self._last_started: int | None = None
+        self._failed: BaseException | None = None
 
     # --- compile -----------------------------------------------------------------
     def compile(
@@ -100,18 +109,108 @@ class Worker:
         state: dict[int, object],
         out_keys: dict[tuple[BufferRef, int], int],
         free: Sequence[int] = (),
+        seq: int | None = None,
     ) -> dict[tuple[BufferRef, int], object]:
-        """Run one step; returns small outputs by value, keeps the rest under ``out_keys``."""
+        """Run one step; returns small outputs by value, keeps the rest under ``out_keys``.
+
+        ``seq`` (pipelined steps, 2BW without flushes): the step's number; it may run
+        while step ``seq - 1`` still runs here (it starts after that one started), a
+        state input that step has not stored yet is waited for when first read, and
+        every output is kept in the store (none returned by value).
+        """
         if self.interp is None:
             raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
-        m = self.plan.num_micro_batches
-        buffers: dict[BufferRef, tuple] = {}
+        pipelined = seq is not None
+        if pipelined:
+            self._wait_turn(seq)
+        try:
+            buffers = self._persistent(state, pipelined)
+            if pipelined:
+                with self._cv:
+                    self._last_started = seq
+                    self._cv.notify_all()
+            buffers = self.interp.run(buffers, self._loader(batch), seq)
+        except BaseException as exc:
+            if pipelined:
+                with self._cv:
+                    self._failed = exc
+                    self._cv.notify_all()
+            raise
+        if self.interp.recorder is not None:
+            self.last_trace = self.interp.recorder.snapshot(self.worker)
+        result = {}
+        with self._cv:
+            for (group, idx), key in out_keys.items():
+                arr = buffers[group][idx]
+                small = arr.nbytes <= BY_VALUE_BYTES and arr.sharding.is_fully_replicated
+                if small and not pipelined:
+                    result[(group, idx)] = np.asarray(
+                        jax.device_get(arr.addressable_shards[0].data)
+                    )
+                else:
+                    self.store[key] = arr
+                    result[(group, idx)] = StoreKey(key)
+            self._cv.notify_all()
+        for key in free:
+            self.store.pop(key, None)
+        return result
+
+    def _persistent(self, state: dict[int, object], pipelined: bool) -> dict:
+        """The persistent groups (P, S) of this step; pipelined, a group whose stored
+        arrays the previous step has not written yet is a :class:`Lazy` that waits."""
+        buffers: dict = {}
         for name, spec in self._groups.items():
             if name.kind.persistent:
                 slots = self._leaf_slot[name]
+                values = [state[slots[i]] for i in range(len(spec.tensors))]
+                if pipelined and any(
+                    isinstance(v, StoreKey) and int(v) not in self.store for v in values
+                ):
+                    buffers[name] = Lazy(
+                        lambda values=values, spec=spec: self._await_group(values, spec)
+                    )
+                    continue
                 buffers[name] = tuple(
-                    self._state_array(state[slots[i]], t) for i, t in enumerate(spec.tensors)
+                    self._state_array(v, t) for v, t in zip(values, spec.tensors, strict=True)
                 )
+        return buffers
+
+    def _await_group(self, values: list, spec) -> tuple:
+        """One persistent group once the step before has stored its arrays."""
+
+        def stored() -> bool:
+            return self._failed is not None or all(
+                int(v) in self.store for v in values if isinstance(v, StoreKey)
+            )
+
+        with self._cv:
+            if not self._cv.wait_for(stored, timeout=PIPELINE_WAIT_S):
+                raise MeshshardRuntimeError(
+                    f"worker w{self.worker}: the previous pipelined step did not store this "
+                    f"step's state inputs within {PIPELINE_WAIT_S:.0f}s"
+                )
+            if self._failed is not None:
+                raise MeshshardRuntimeError(
+                    f"worker w{self.worker}: the previous pipelined step failed, so this "
+                    f"step has no state inputs: {self._failed}"
+                )
+        return tuple(self._state_array(v, t) for v, t in zip(values, spec.tensors, strict=True))
+
+    def _wait_turn(self, seq: int) -> None:
+        """Start pipelined step ``seq`` only after step ``seq - 1`` started here."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: (
+                    self._last_started is None
+                    or seq <= self._last_started + 1
+                    or self._failed is not None
+                ),
+                timeout=PIPELINE_WAIT_S,
+            )
+
+    def _loader(self, batch: dict[int, np.ndarray]) -> Callable[[BufferRef, int], tuple]:
+        """``load(group, mb)``: micro-batch ``mb`` of a batch group on this mesh."""
+        m = self.plan.num_micro_batches
 
         def load(group: BufferRef, mb: int) -> tuple:
             spec = self._groups[group]
@@ -124,20 +223,7 @@ class Worker:
                 arrays.append(array_from_host(part, sharding(self.mesh, t.spec)))
             return tuple(arrays)
 
-        buffers = self.interp.run(buffers, load)
-        if self.interp.recorder is not None:
-            self.last_trace = self.interp.recorder.snapshot(self.worker)
-        result = {}
-        for (group, idx), key in out_keys.items():
-            arr = buffers[group][idx]
-            if arr.nbytes <= BY_VALUE_BYTES and arr.sharding.is_fully_replicated:
-                result[(group, idx)] = np.asarray(jax.device_get(arr.addressable_shards[0].data))
-            else:
-                self.store[key] = arr
-                result[(group, idx)] = StoreKey(key)
-        for key in free:
-            self.store.pop(key, None)
-        return result
+        return load
 
     def record(self, on: bool, sync: bool = False) -> None:
         """Record each step's per-instruction timeline (``last_trace``) from now on;

@@ -16,6 +16,7 @@ CASES = [
     ("mlp", "eager_1f1b", [(1, 1)] * 4, 8),
     ("mlp", "zb_h1", [(1, 2)] * 2, 4),
     ("mlp", "interleaved_1f1b", [(1, 2)] * 2, 2),
+    ("mlp", "1f1b", [(1, 1)] * 4, 1),  # one micro-batch: no steady phase at all
 ]
 
 

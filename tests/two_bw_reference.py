@@ -43,12 +43,14 @@ def check_2bw(method, steps: int = 5):
     state = mlp.make_state(model, batches[0]["x"], learning_rate=0.05)
     want = reference_2bw(state, batches, method.num_micro_batches)
     step = meshshard.parallelize(mlp.train_step, method=method)
-    got = state
-    for i, batch in enumerate(batches):
+    got, outs = state, []
+    for batch in batches:  # no fetch in between: later calls run pipelined, unflushed
         got, loss = step(got, batch)
-        assert_trees_close(want[i][0].params, got.params)
-        assert_trees_close(want[i][0].opt_state, got.opt_state)
-        assert_trees_close(want[i][1], loss)
+        outs.append((got, loss))
+    for (want_state, want_loss), (got_state, got_loss) in zip(want, outs, strict=True):
+        assert_trees_close(want_state.params, got_state.params)
+        assert_trees_close(want_state.opt_state, got_state.opt_state)
+        assert_trees_close(want_loss, got_loss)
     # and it is not plain synchronous training: from step 2 on the weights differ
     sync = state
     for batch in batches[:2]:
