@@ -40,6 +40,7 @@ from meshshard.jaxpr_util import is_marker  # noqa: E402
 from meshshard.passes.layer_cluster import cluster_layers  # noqa: E402
 from meshshard.passes.stage_cost import AnalyticCost, CostOptions, layer_stats  # noqa: E402
 from meshshard.passes.stage_dp import fits, grid_plans, stage_dp, zero3_plan  # noqa: E402
+from meshshard.passes.stage_ilp_cost import IlpCost  # noqa: E402
 
 MODELS = {  # name: (d_model, layers, heads), GPT-3 paper Table 2.1
     "350M": (1024, 24, 16),
@@ -71,20 +72,30 @@ def marker_cuts(jaxpr) -> tuple[int, ...]:
     return tuple(i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "mark", "fwd"))
 
 
-def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
+def make_cost(costs: str, jaxpr, cuts, params, stats, cluster, opts):
+    """The stage cost model: ``ilp`` (per-layer sharding ILP plans) or ``analytic``."""
+    if costs == "analytic":
+        return AnalyticCost(stats, cluster, opts)
+    bounds = [0, *cuts, len(jaxpr.eqns)]
+    eqns = [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return IlpCost(jaxpr, eqns, params, stats, cluster, opts)
+
+
+def run_case(model: str, preset: str, hosts: int, auto_layers: bool, costs: str = "ilp") -> dict:
     cluster = ClusterSpec.preset(preset, num_hosts=hosts)
     opts = CostOptions(compute_dtype="float16", act_scale=0.5)
+    load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     jaxpr, params = trace_gpt(model)
     trace_s = time.perf_counter() - t0
     n_blocks = MODELS[model][1]
     cuts = cluster_layers(jaxpr, n_blocks) if auto_layers else marker_cuts(jaxpr)
     stats = layer_stats(jaxpr, cuts, params)
-    cost = AnalyticCost(stats, cluster, opts)
+    cost = make_cost(costs, jaxpr, cuts, params, stats, cluster, opts)
     try:
         auto = stage_dp(cost, MICRO)
     except MeshshardInputError:  # nothing fits: every plan recomputes activations
-        cost = AnalyticCost(stats, cluster, replace(opts, remat=True))
+        cost = make_cost(costs, jaxpr, cuts, params, stats, cluster, replace(opts, remat=True))
         auto = stage_dp(cost, MICRO)
     compile_s = time.perf_counter() - t0
     compile_cpu_s = time.process_time() - c0
@@ -109,7 +120,10 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
         "compile_s": compile_s,
         "compile_cpu_s": compile_cpu_s,
         "trace_s": trace_s,
-        "notes": list(auto.notes),
+        "notes": list(auto.notes) + ([cost.summary()] if costs == "ilp" else []),
+        "costs": costs,
+        "load_before": load,
+        "load_after": os.getloadavg()[0],
     }
 
 
@@ -122,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--clusters", default=",".join(f"{p}:{h}" for p, h in CLUSTERS))
     ap.add_argument("--auto-layers", action="store_true", help="also rows with layers='auto'")
+    ap.add_argument("--costs", default="ilp", choices=("ilp", "analytic"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -131,13 +146,14 @@ def main(argv=None) -> int:
         for spec in args.clusters.split(","):
             preset, hosts = spec.split(":")
             for auto_layers in (False, True) if args.auto_layers else (False,):
-                r = run_case(model, preset, int(hosts), auto_layers)
+                r = run_case(model, preset, int(hosts), auto_layers, args.costs)
                 rows.append(r)
                 print(
                     f"{r['model']:>5} {r['cluster']:>18} {r['layers']:>7} {str(r['remat']):>5} {_fmt(r['auto_s'])} "
                     f"{_fmt(r['best_grid_s']):>8} {_fmt(r['ratio_vs_grid'], spec='.4f'):>9} "
                     f"{_fmt(r['pure_dp_s']):>8} {_fmt(r['zero3_s']):>8} {r['compile_s']:7.2f} {r['compile_cpu_s']:6.2f}  "
-                    f"{r['best_grid']} / {'; '.join(r['auto_plan'])}",
+                    f"{r['best_grid']} / {'; '.join(r['auto_plan'])}  "
+                    f"[load {r['load_before']:.1f}; {'; '.join(r['notes'][1:])}]",
                     flush=True,
                 )
     if args.json:

@@ -51,7 +51,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers ``lo..hi-1`` on a ``submesh`` (hosts, devices) viewed as ``logical`` (dp, tp)."""
+    """Layers ``lo..hi-1`` on a ``submesh`` (hosts, devices) viewed as ``logical`` (dp, tp);
+    a cost model with several plans per view (``cost.views``) adds the plan's name."""
 
     lo: int
     hi: int
@@ -60,8 +61,9 @@ class Stage:
 
     def __str__(self) -> str:
         h, d = self.submesh
-        dp, tp = self.logical
-        return f"layers {self.lo}..{self.hi - 1} on ({h},{d}) as dp{dp} x tp{tp}"
+        dp, tp = self.logical[:2]
+        how = f" ({self.logical[2]})" if len(self.logical) > 2 else ""
+        return f"layers {self.lo}..{self.hi - 1} on ({h},{d}) as dp{dp} x tp{tp}{how}"
 
 
 @dataclass(frozen=True)
@@ -184,10 +186,7 @@ class _Tables:
 
 def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: str) -> _Tables:
     big_l, k = len(cost.layers), len(choices)
-    views = tuple(
-        logical_shapes(c, cost.cluster.devices_per_host) if how == "all" else ((c[0] * c[1], 1),)
-        for c in choices
-    )
+    views = tuple(_views(cost, c) if how == "all" else ((c[0] * c[1], 1),) for c in choices)
     v_max = max(len(v) for v in views)
     shape = (big_l, big_l + 1, k, v_max)
     t, st, ac = (np.full(shape, np.inf) for _ in range(3))
@@ -213,6 +212,14 @@ def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: s
             for j, c2 in enumerate(choices):
                 reshard[b, i, j] = 2 * reshard_seconds(nb, a, c2, cost.cluster)
     return _Tables(sec, view, reshard, views)
+
+
+def _views(cost, submesh: tuple[int, int]) -> tuple[tuple, ...]:
+    """The logical views of ``submesh`` the cost model offers (``cost.views`` when it has
+    several plans per view, else every ``(dp, tp)``)."""
+    if hasattr(cost, "views"):
+        return cost.views(submesh)
+    return logical_shapes(submesh, cost.cluster.devices_per_host)
 
 
 def _dp_once(tab: _Tables, sizes, n_dev: int, t_max: float, max_stages: int):
@@ -365,9 +372,7 @@ def _raise_no_fit(cost: AnalyticCost, choices, m_b: int):
     need_devices = math.ceil(state / usable)
     largest = max(choices, key=lambda sh: sh[0] * sh[1])
     smallest = min(
-        cost(lo, lo + 1, largest, v).memory(1)
-        for lo in range(big_l)
-        for v in logical_shapes(largest, c.devices_per_host)
+        cost(lo, lo + 1, largest, v).memory(1) for lo in range(big_l) for v in _views(cost, largest)
     )
     raise MeshshardInputError(
         f"no stage plan fits device memory: the model's parameter state needs "
@@ -394,8 +399,13 @@ def grid_plan(
         return None
     sub = (1, n) if n <= c.devices_per_host else (n // c.devices_per_host, c.devices_per_host)
     per = big_l // pp
-    stages = [Stage(i * per, (i + 1) * per, sub, (dp, tp)) for i in range(pp)]
-    return evaluate(stages, cost, num_micro_batches, name=f"grid dp{dp} tp{tp} pp{pp}")
+    name = f"grid dp{dp} tp{tp} pp{pp}"
+    plans = []
+    for view in (v for v in _views(cost, sub) if tuple(v[:2]) == (dp, tp)):
+        stages = [Stage(i * per, (i + 1) * per, sub, view) for i in range(pp)]
+        plans.append(evaluate(stages, cost, num_micro_batches, name=name))
+    fitting = [p for p in plans if fits(p, cost)] or plans
+    return min(fitting, key=lambda p: p.seconds)
 
 
 def grid_plans(cost: AnalyticCost, num_micro_batches: int) -> list[StagePlan]:
