@@ -363,26 +363,39 @@ def _first_feasible(tab, sizes, n_dev: int, cands: np.ndarray, max_stages: int) 
     return lo
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (B, KiB, ..., TiB)."""
+    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 2**k:
+            return f"{nbytes / 2**k:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
 def _raise_no_fit(cost: AnalyticCost, choices, m_b: int):
-    """Name the need, the budget and what would fit (the state over every device, and
-    the smallest per-device need of one layer on the largest submesh)."""
+    """Name the model's memory, the cluster and what would fit: the state over every
+    device, the smallest per-device need of one layer on the largest submesh, how many
+    such devices the state needs and how many parameters this cluster can hold."""
     c, big_l = cost.cluster, len(cost.layers)
-    usable = c.device_memory * cost.options.memory_fraction
-    state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param
+    o = cost.options
+    usable = c.device_memory * o.memory_fraction
+    params = cost.total("param_count", 0, big_l)
+    state = params * o.bytes_per_param
     need_devices = math.ceil(state / usable)
     largest = max(choices, key=lambda sh: sh[0] * sh[1])
     smallest = min(
         cost(lo, lo + 1, largest, v).memory(1) for lo in range(big_l) for v in _views(cost, largest)
     )
+    holds = usable * c.num_devices / o.bytes_per_param
     raise MeshshardInputError(
-        f"no stage plan fits device memory: the model's parameter state needs "
-        f"{state / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} bytes/parameter), at best "
-        f"{state / c.num_devices / 2**30:.3g} GiB per device over all {c.num_devices} devices "
-        f"of {c}, and a device holds {usable / 2**30:.3g} GiB usable (memory_fraction "
-        f"{cost.options.memory_fraction:g}); even one layer on a {largest} submesh needs "
-        f"{smallest / 2**30:.3g} GiB per device. The state alone needs at least "
-        f"{need_devices} such devices: use more or larger devices, fewer micro-batches in "
-        "flight, or a smaller model"
+        f"no stage plan fits device memory: the model ({params:,.0f} parameters, {big_l} "
+        f"layers) needs {_size(state)} of parameter state ({o.bytes_per_param:g} "
+        f"bytes/parameter), at best {_size(state / c.num_devices)} per device over all "
+        f"{c.num_devices} devices of {c}, and a device holds {_size(usable)} usable "
+        f"(memory_fraction {o.memory_fraction:g}); even one layer on a {largest} submesh "
+        f"needs {_size(smallest)} per device with one micro-batch in flight. The state "
+        f"alone needs at least {need_devices} such devices, and this cluster holds at most "
+        f"~{holds:,.0f} parameters' state: use more or larger devices, fewer micro-batches "
+        "in flight, or a smaller model"
     )
 
 
