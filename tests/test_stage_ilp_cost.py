@@ -56,8 +56,10 @@ def test_identical_layers_share_one_signature_and_one_solve_per_mesh():
     assert cost.distinct_layers == 2
     cost(0, 4, (1, 4), (4, 1, "fast"))
     cost(0, 4, (1, 4), (4, 1, "fast"))
-    cost(1, 3, (1, 4), (1, 4, "fast"))  # the same one-host mesh as (4, 1)
-    assert cost.solves == 2
+    assert cost.solves == 2  # dp4 x tp1: the two signatures' plans on one device
+    cost(1, 3, (2, 4), (2, 4, "fast"))  # tp4: one signature (layers 1, 2), one more solve
+    cost(0, 3, (1, 4), (1, 4, "fast"))
+    assert cost.solves == 3
 
 
 def test_tensor_parallel_wins_for_big_weights_and_data_parallel_for_big_batches():
