@@ -11,16 +11,21 @@ allocated), cut into layers (the example's pipeline boundaries, one per block; t
 (:mod:`meshshard.passes.stage_cost`, resharding from our planner): the auto plan, every
 valid grid plan ``dp x tp x pp`` (1F1B, tp inside a host, uniform stages, those that fit
 memory), pure data parallelism and ZeRO-3.  When no plan fits without it, every plan
-of that row (auto and grid alike) recomputes activations (Megatron's full recompute).  Mixed precision is assumed (fp16 compute at
+of that row (auto and grid alike) recomputes activations (Megatron's full recompute);
+when the auto plan fits without it and no grid plan does, the grid plans recompute
+(marked "(remat)").  ``--costs ilp`` (default) prices every plan with the sharding ILP's
+per-layer plans (:mod:`meshshard.passes.stage_ilp_cost`), ``--costs analytic`` with
+:mod:`meshshard.passes.stage_cost`'s Megatron model.  Mixed precision is assumed (fp16 compute at
 the device's fp16 peak, 16 bytes of state per parameter, activations at 2 bytes).
 ``compile_s`` is the whole automatic plan's wall time on this machine: tracing, layer
-statistics (and clustering), the stage DP with its resharding plans; ``compile_cpu_s``
-its CPU time (the machine is shared, so wall time includes waiting for a core).
+statistics (and clustering), the per-layer ILP solves, the stage DP with its resharding
+plans; ``compile_cpu_s`` its CPU time (the machine is shared, so wall time includes waiting for a core).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -100,6 +105,12 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool, costs: str 
     compile_s = time.perf_counter() - t0
     compile_cpu_s = time.process_time() - c0
     grid = [p for p in grid_plans(cost, MICRO) if fits(p, cost)]
+    grid_remat = False
+    if not grid and not cost.options.remat:  # the grid only fits with recomputation
+        remat = copy.copy(cost)  # shares the ILP's memo: remat changes no layer plan
+        remat.options = replace(cost.options, remat=True)
+        grid = [p for p in grid_plans(remat, MICRO) if fits(p, remat)]
+        grid_remat = bool(grid)
     best = min(grid, key=lambda p: p.seconds) if grid else None
     dp = next((p for p in grid if p.name.endswith("tp1 pp1")), None)
     z3 = zero3_plan(cost, MICRO)
@@ -111,7 +122,7 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool, costs: str 
         "remat": cost.options.remat,
         "auto_s": auto.seconds,
         "auto_plan": [str(s) for s in auto.stages],
-        "best_grid": best.name if best else None,
+        "best_grid": (best.name + (" (remat)" if grid_remat else "")) if best else None,
         "best_grid_s": best.seconds if best else None,
         "grid_plans_fit": len(grid),
         "pure_dp_s": dp.seconds if dp else None,
