@@ -10,10 +10,10 @@ allocated), cut into layers (the example's pipeline boundaries, one per block; t
 :mod:`meshshard.passes.stage_dp`.  Every plan is scored by the same model
 (:mod:`meshshard.passes.stage_cost`, resharding from our planner): the auto plan, every
 valid grid plan ``dp x tp x pp`` (1F1B, tp inside a host, uniform stages, those that fit
-memory), pure data parallelism and ZeRO-3.  When no plan fits without it, every plan
-of that row (auto and grid alike) recomputes activations (Megatron's full recompute);
-when the auto plan fits without it and no grid plan does, the grid plans recompute
-(marked "(remat)").  ``--costs ilp`` (default) prices every plan with the sharding ILP's
+memory), pure data parallelism and ZeRO-3.  The auto plan and the grid plans are each
+searched with and without full activation recomputation (Megatron's; "remat" says
+whether the auto plan recomputes, "(remat)" whether the best grid plan does); pure DP
+and ZeRO-3 are scored like the auto plan.  ``--costs ilp`` (default) prices every plan with the sharding ILP's
 per-layer plans (:mod:`meshshard.passes.stage_ilp_cost`), ``--costs analytic`` with
 :mod:`meshshard.passes.stage_cost`'s Megatron model.  Mixed precision is assumed (fp16 compute at
 the device's fp16 peak, 16 bytes of state per parameter, activations at 2 bytes).
@@ -96,22 +96,24 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool, costs: str 
     n_blocks = MODELS[model][1]
     cuts = cluster_layers(jaxpr, n_blocks) if auto_layers else marker_cuts(jaxpr)
     stats = layer_stats(jaxpr, cuts, params)
-    cost = make_cost(costs, jaxpr, cuts, params, stats, cluster, opts)
-    try:
-        auto = stage_dp(cost, MICRO)
-    except MeshshardInputError:  # nothing fits: every plan recomputes activations
-        cost = make_cost(costs, jaxpr, cuts, params, stats, cluster, replace(opts, remat=True))
-        auto = stage_dp(cost, MICRO)
+    plain = make_cost(costs, jaxpr, cuts, params, stats, cluster, opts)
+    remat = copy.copy(plain)  # shares the ILP's memo: recomputation changes no layer plan
+    remat.options = replace(opts, remat=True)
+    autos = []
+    for cost in (plain, remat):
+        try:
+            autos.append((stage_dp(cost, MICRO), cost))
+        except MeshshardInputError:  # this one fits nowhere; the other may
+            pass
+    if not autos:
+        raise MeshshardInputError(f"no plan fits {model} on {cluster}, even recomputing")
+    auto, cost = min(autos, key=lambda a: a[0].seconds)
     compile_s = time.perf_counter() - t0
     compile_cpu_s = time.process_time() - c0
-    grid = [p for p in grid_plans(cost, MICRO) if fits(p, cost)]
-    grid_remat = False
-    if not grid and not cost.options.remat:  # the grid only fits with recomputation
-        remat = copy.copy(cost)  # shares the ILP's memo: remat changes no layer plan
-        remat.options = replace(cost.options, remat=True)
-        grid = [p for p in grid_plans(remat, MICRO) if fits(p, remat)]
-        grid_remat = bool(grid)
-    best = min(grid, key=lambda p: p.seconds) if grid else None
+    grid = [(p, c) for c in (plain, remat) for p in grid_plans(c, MICRO) if fits(p, c)]
+    best, best_cost = min(grid, key=lambda g: g[0].seconds) if grid else (None, None)
+    grid_remat = best_cost is remat
+    grid = [p for p, c in grid if c is cost]
     dp = next((p for p in grid if p.name.endswith("tp1 pp1")), None)
     z3 = zero3_plan(cost, MICRO)
     z3_fits = fits(z3, cost)

@@ -156,9 +156,18 @@ class IlpCost(AnalyticCost):
         sigs = [layer_signature(self.jaxpr, e, self.params) for e in self.layer_eqns]
         first: dict = {}
         self._rep = tuple(first.setdefault(s, i) for i, s in enumerate(sigs))
-        self._memo: dict = {}
-        self.solves = 0
-        self.solve_seconds = 0.0
+        self._memo: dict = {}  # shared by copies (e.g. one with other CostOptions)
+        self._work = {"solves": 0, "seconds": 0.0}
+
+    @property
+    def solves(self) -> int:
+        """ILP solves run so far (this model and its copies)."""
+        return self._work["solves"]
+
+    @property
+    def solve_seconds(self) -> float:
+        """Wall seconds of those solves."""
+        return self._work["seconds"]
 
     @property
     def distinct_layers(self) -> int:
@@ -241,8 +250,8 @@ class IlpCost(AnalyticCost):
                 self.jaxpr, mesh, None, eqns=eqns, time_limit=self.time_limit,
                 mip_rel_gap=self.mip_rel_gap,
             )  # fmt: skip
-        self.solves += 1
-        self.solve_seconds += time.perf_counter() - t0
+        self._work["solves"] += 1
+        self._work["seconds"] += time.perf_counter() - t0
         return sol, self._costs(sol, eqns, mesh)
 
     def _costs(self, sol, eqns, mesh: LogicalMesh) -> LayerPlanCost:
