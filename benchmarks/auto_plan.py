@@ -10,17 +10,22 @@ allocated), cut into layers (the example's pipeline boundaries, one per block; t
 :mod:`meshshard.passes.stage_dp`.  Every plan is scored by the same model
 (:mod:`meshshard.passes.stage_cost`, resharding from our planner): the auto plan, every
 valid grid plan ``dp x tp x pp`` (1F1B, tp inside a host, uniform stages, those that fit
-memory), pure data parallelism and ZeRO-3.  When no plan fits without it, every plan
-of that row (auto and grid alike) recomputes activations (Megatron's full recompute).  Mixed precision is assumed (fp16 compute at
+memory), pure data parallelism and ZeRO-3.  The auto plan and the grid plans are each
+searched with and without full activation recomputation (Megatron's; "remat" says
+whether the auto plan recomputes, "(remat)" whether the best grid plan does); pure DP
+and ZeRO-3 are scored like the auto plan.  ``--costs ilp`` (default) prices every plan with the sharding ILP's
+per-layer plans (:mod:`meshshard.passes.stage_ilp_cost`), ``--costs analytic`` with
+:mod:`meshshard.passes.stage_cost`'s Megatron model.  Mixed precision is assumed (fp16 compute at
 the device's fp16 peak, 16 bytes of state per parameter, activations at 2 bytes).
 ``compile_s`` is the whole automatic plan's wall time on this machine: tracing, layer
-statistics (and clustering), the stage DP with its resharding plans; ``compile_cpu_s``
-its CPU time (the machine is shared, so wall time includes waiting for a core).
+statistics (and clustering), the per-layer ILP solves, the stage DP with its resharding
+plans; ``compile_cpu_s`` its CPU time (the machine is shared, so wall time includes waiting for a core).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -40,6 +45,7 @@ from meshshard.jaxpr_util import is_marker  # noqa: E402
 from meshshard.passes.layer_cluster import cluster_layers  # noqa: E402
 from meshshard.passes.stage_cost import AnalyticCost, CostOptions, layer_stats  # noqa: E402
 from meshshard.passes.stage_dp import fits, grid_plans, stage_dp, zero3_plan  # noqa: E402
+from meshshard.passes.stage_ilp_cost import IlpCost  # noqa: E402
 
 MODELS = {  # name: (d_model, layers, heads), GPT-3 paper Table 2.1
     "350M": (1024, 24, 16),
@@ -71,25 +77,43 @@ def marker_cuts(jaxpr) -> tuple[int, ...]:
     return tuple(i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "mark", "fwd"))
 
 
-def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
+def make_cost(costs: str, jaxpr, cuts, params, stats, cluster, opts):
+    """The stage cost model: ``ilp`` (per-layer sharding ILP plans) or ``analytic``."""
+    if costs == "analytic":
+        return AnalyticCost(stats, cluster, opts)
+    bounds = [0, *cuts, len(jaxpr.eqns)]
+    eqns = [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return IlpCost(jaxpr, eqns, params, stats, cluster, opts)
+
+
+def run_case(model: str, preset: str, hosts: int, auto_layers: bool, costs: str = "ilp") -> dict:
     cluster = ClusterSpec.preset(preset, num_hosts=hosts)
     opts = CostOptions(compute_dtype="float16", act_scale=0.5)
+    load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), time.process_time()
     jaxpr, params = trace_gpt(model)
     trace_s = time.perf_counter() - t0
     n_blocks = MODELS[model][1]
     cuts = cluster_layers(jaxpr, n_blocks) if auto_layers else marker_cuts(jaxpr)
     stats = layer_stats(jaxpr, cuts, params)
-    cost = AnalyticCost(stats, cluster, opts)
-    try:
-        auto = stage_dp(cost, MICRO)
-    except MeshshardInputError:  # nothing fits: every plan recomputes activations
-        cost = AnalyticCost(stats, cluster, replace(opts, remat=True))
-        auto = stage_dp(cost, MICRO)
+    plain = make_cost(costs, jaxpr, cuts, params, stats, cluster, opts)
+    remat = copy.copy(plain)  # shares the ILP's memo: recomputation changes no layer plan
+    remat.options = replace(opts, remat=True)
+    autos = []
+    for cost in (plain, remat):
+        try:
+            autos.append((stage_dp(cost, MICRO), cost))
+        except MeshshardInputError:  # this one fits nowhere; the other may
+            pass
+    if not autos:
+        raise MeshshardInputError(f"no plan fits {model} on {cluster}, even recomputing")
+    auto, cost = min(autos, key=lambda a: a[0].seconds)
     compile_s = time.perf_counter() - t0
     compile_cpu_s = time.process_time() - c0
-    grid = [p for p in grid_plans(cost, MICRO) if fits(p, cost)]
-    best = min(grid, key=lambda p: p.seconds) if grid else None
+    grid = [(p, c) for c in (plain, remat) for p in grid_plans(c, MICRO) if fits(p, c)]
+    best, best_cost = min(grid, key=lambda g: g[0].seconds) if grid else (None, None)
+    grid_remat = best_cost is remat
+    grid = [p for p, c in grid if c is cost]
     dp = next((p for p in grid if p.name.endswith("tp1 pp1")), None)
     z3 = zero3_plan(cost, MICRO)
     z3_fits = fits(z3, cost)
@@ -100,7 +124,7 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
         "remat": cost.options.remat,
         "auto_s": auto.seconds,
         "auto_plan": [str(s) for s in auto.stages],
-        "best_grid": best.name if best else None,
+        "best_grid": (best.name + (" (remat)" if grid_remat else "")) if best else None,
         "best_grid_s": best.seconds if best else None,
         "grid_plans_fit": len(grid),
         "pure_dp_s": dp.seconds if dp else None,
@@ -109,7 +133,10 @@ def run_case(model: str, preset: str, hosts: int, auto_layers: bool) -> dict:
         "compile_s": compile_s,
         "compile_cpu_s": compile_cpu_s,
         "trace_s": trace_s,
-        "notes": list(auto.notes),
+        "notes": list(auto.notes) + ([cost.summary()] if costs == "ilp" else []),
+        "costs": costs,
+        "load_before": load,
+        "load_after": os.getloadavg()[0],
     }
 
 
@@ -122,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--clusters", default=",".join(f"{p}:{h}" for p, h in CLUSTERS))
     ap.add_argument("--auto-layers", action="store_true", help="also rows with layers='auto'")
+    ap.add_argument("--costs", default="ilp", choices=("ilp", "analytic"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = []
@@ -131,13 +159,14 @@ def main(argv=None) -> int:
         for spec in args.clusters.split(","):
             preset, hosts = spec.split(":")
             for auto_layers in (False, True) if args.auto_layers else (False,):
-                r = run_case(model, preset, int(hosts), auto_layers)
+                r = run_case(model, preset, int(hosts), auto_layers, args.costs)
                 rows.append(r)
                 print(
                     f"{r['model']:>5} {r['cluster']:>18} {r['layers']:>7} {str(r['remat']):>5} {_fmt(r['auto_s'])} "
                     f"{_fmt(r['best_grid_s']):>8} {_fmt(r['ratio_vs_grid'], spec='.4f'):>9} "
                     f"{_fmt(r['pure_dp_s']):>8} {_fmt(r['zero3_s']):>8} {r['compile_s']:7.2f} {r['compile_cpu_s']:6.2f}  "
-                    f"{r['best_grid']} / {'; '.join(r['auto_plan'])}",
+                    f"{r['best_grid']} / {'; '.join(r['auto_plan'])}  "
+                    f"[load {r['load_before']:.1f}; {'; '.join(r['notes'][1:])}]",
                     flush=True,
                 )
     if args.json:

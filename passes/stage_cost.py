@@ -12,13 +12,16 @@ simulator's device roofline and alpha-beta collectives of the :class:`ClusterSpe
   (or the memory roofline when heavier);
 * tensor parallelism (Megatron pairs): the all-reduces :func:`layer_stats` counted, each
   over the ``tp`` devices of one host, on the activations of one data-parallel shard;
+* collectives priced by :meth:`LogicalMesh.collective_time` (the simulator's alpha-beta
+  ring closed forms, the same price the sharding ILP pays);
 * data parallelism: one all-reduce of the stage's gradients (``1/tp`` of its parameter
   bytes) over the ``dp`` replicas per step (accumulated locally between micro-batches),
   hierarchical across hosts;
 * memory per device: parameter state (weights, gradients, optimizer) over ``tp``, plus
   each in-flight micro-batch's saved activations over ``dp * tp``.
 
-It is the intra-op cost until the sharding ILP's per-stage interface is merged.
+:class:`~meshshard.passes.stage_ilp_cost.IlpCost` answers the same question from the
+sharding ILP's plan of each layer instead (Alpa's intra-op pass inside the stage DP).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.passes.layer_cluster import aval_nbytes, eqn_flops
+from meshshard.passes.shard_costs import LogicalMesh
 
 __all__ = ["LayerStats", "StageCost", "CostOptions", "layer_stats", "AnalyticCost"]
 
@@ -211,11 +215,12 @@ def _saved(eqns, derived: set) -> int:
 
 
 def ring_allreduce_s(nbytes: float, members: int, bandwidth: float, latency: float) -> float:
-    """Alpha-beta ring all-reduce: ``2(p-1)`` steps of ``n/p`` bytes."""
-    if members <= 1 or nbytes <= 0:
-        return 0.0
-    p = members
-    return 2 * (p - 1) * latency + 2 * (p - 1) / p * nbytes / bandwidth
+    """All-reduce of ``nbytes`` over ``members`` devices on links of ``bandwidth`` and
+    ``latency``, priced by the one collective model of the compiler
+    (:meth:`~meshshard.passes.shard_costs.LogicalMesh.collective_time`, the closed form of
+    the simulator's ring), which the sharding ILP uses too."""
+    mesh = LogicalMesh(("ring",), (max(1, int(members)),), (latency,), (1.0 / bandwidth,))
+    return mesh.collective_time("all-reduce", ("ring",), nbytes)
 
 
 class AnalyticCost:
@@ -276,7 +281,9 @@ class AnalyticCost:
         t = max(compute, memory_traffic) + 2 * c.launch_overhead
         if tp > 1:
             tp_bytes = self.total("tp_fwd_bytes", lo, hi) + self.total("tp_bwd_bytes", lo, hi)
-            t += ring_allreduce_s(tp_bytes * o.act_scale / dp, tp, c.intra_bandwidth, 0.0)
+            t += ring_allreduce_s(
+                tp_bytes * o.act_scale / dp, tp, c.intra_bandwidth, c.intra_latency
+            )
         grads = self.total("param_count", lo, hi) * 2.0 / tp  # fp16/bf16-sized gradients
         if o.compute_dtype == "float32":
             grads *= 2

@@ -51,7 +51,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stage:
-    """Layers ``lo..hi-1`` on a ``submesh`` (hosts, devices) viewed as ``logical`` (dp, tp)."""
+    """Layers ``lo..hi-1`` on a ``submesh`` (hosts, devices) viewed as ``logical`` (dp, tp);
+    a cost model with several plans per view (``cost.views``) adds the plan's name."""
 
     lo: int
     hi: int
@@ -60,8 +61,9 @@ class Stage:
 
     def __str__(self) -> str:
         h, d = self.submesh
-        dp, tp = self.logical
-        return f"layers {self.lo}..{self.hi - 1} on ({h},{d}) as dp{dp} x tp{tp}"
+        dp, tp = self.logical[:2]
+        how = f" ({self.logical[2]})" if len(self.logical) > 2 else ""
+        return f"layers {self.lo}..{self.hi - 1} on ({h},{d}) as dp{dp} x tp{tp}{how}"
 
 
 @dataclass(frozen=True)
@@ -184,10 +186,7 @@ class _Tables:
 
 def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: str) -> _Tables:
     big_l, k = len(cost.layers), len(choices)
-    views = tuple(
-        logical_shapes(c, cost.cluster.devices_per_host) if how == "all" else ((c[0] * c[1], 1),)
-        for c in choices
-    )
+    views = tuple(_views(cost, c) if how == "all" else ((c[0] * c[1], 1),) for c in choices)
     v_max = max(len(v) for v in views)
     shape = (big_l, big_l + 1, k, v_max)
     t, st, ac = (np.full(shape, np.inf) for _ in range(3))
@@ -213,6 +212,14 @@ def _tables(cost: AnalyticCost, choices, m_batches: int, max_stages: int, how: s
             for j, c2 in enumerate(choices):
                 reshard[b, i, j] = 2 * reshard_seconds(nb, a, c2, cost.cluster)
     return _Tables(sec, view, reshard, views)
+
+
+def _views(cost, submesh: tuple[int, int]) -> tuple[tuple, ...]:
+    """The logical views of ``submesh`` the cost model offers (``cost.views`` when it has
+    several plans per view, else every ``(dp, tp)``)."""
+    if hasattr(cost, "views"):
+        return cost.views(submesh)
+    return logical_shapes(submesh, cost.cluster.devices_per_host)
 
 
 def _dp_once(tab: _Tables, sizes, n_dev: int, t_max: float, max_stages: int):
@@ -356,28 +363,39 @@ def _first_feasible(tab, sizes, n_dev: int, cands: np.ndarray, max_stages: int) 
     return lo
 
 
+def _size(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (B, KiB, ..., TiB)."""
+    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 2**k:
+            return f"{nbytes / 2**k:.3g} {unit}"
+    return f"{nbytes:.3g} B"
+
+
 def _raise_no_fit(cost: AnalyticCost, choices, m_b: int):
-    """Name the need, the budget and what would fit (the state over every device, and
-    the smallest per-device need of one layer on the largest submesh)."""
+    """Name the model's memory, the cluster and what would fit: the state over every
+    device, the smallest per-device need of one layer on the largest submesh, how many
+    such devices the state needs and how many parameters this cluster can hold."""
     c, big_l = cost.cluster, len(cost.layers)
-    usable = c.device_memory * cost.options.memory_fraction
-    state = cost.total("param_count", 0, big_l) * cost.options.bytes_per_param
+    o = cost.options
+    usable = c.device_memory * o.memory_fraction
+    params = cost.total("param_count", 0, big_l)
+    state = params * o.bytes_per_param
     need_devices = math.ceil(state / usable)
     largest = max(choices, key=lambda sh: sh[0] * sh[1])
     smallest = min(
-        cost(lo, lo + 1, largest, v).memory(1)
-        for lo in range(big_l)
-        for v in logical_shapes(largest, c.devices_per_host)
+        cost(lo, lo + 1, largest, v).memory(1) for lo in range(big_l) for v in _views(cost, largest)
     )
+    holds = usable * c.num_devices / o.bytes_per_param
     raise MeshshardInputError(
-        f"no stage plan fits device memory: the model's parameter state needs "
-        f"{state / 2**30:.3g} GiB ({cost.options.bytes_per_param:g} bytes/parameter), at best "
-        f"{state / c.num_devices / 2**30:.3g} GiB per device over all {c.num_devices} devices "
-        f"of {c}, and a device holds {usable / 2**30:.3g} GiB usable (memory_fraction "
-        f"{cost.options.memory_fraction:g}); even one layer on a {largest} submesh needs "
-        f"{smallest / 2**30:.3g} GiB per device. The state alone needs at least "
-        f"{need_devices} such devices: use more or larger devices, fewer micro-batches in "
-        "flight, or a smaller model"
+        f"no stage plan fits device memory: the model ({params:,.0f} parameters, {big_l} "
+        f"layers) needs {_size(state)} of parameter state ({o.bytes_per_param:g} "
+        f"bytes/parameter), at best {_size(state / c.num_devices)} per device over all "
+        f"{c.num_devices} devices of {c}, and a device holds {_size(usable)} usable "
+        f"(memory_fraction {o.memory_fraction:g}); even one layer on a {largest} submesh "
+        f"needs {_size(smallest)} per device with one micro-batch in flight. The state "
+        f"alone needs at least {need_devices} such devices, and this cluster holds at most "
+        f"~{holds:,.0f} parameters' state: use more or larger devices, fewer micro-batches "
+        "in flight, or a smaller model"
     )
 
 
@@ -394,8 +412,13 @@ def grid_plan(
         return None
     sub = (1, n) if n <= c.devices_per_host else (n // c.devices_per_host, c.devices_per_host)
     per = big_l // pp
-    stages = [Stage(i * per, (i + 1) * per, sub, (dp, tp)) for i in range(pp)]
-    return evaluate(stages, cost, num_micro_batches, name=f"grid dp{dp} tp{tp} pp{pp}")
+    name = f"grid dp{dp} tp{tp} pp{pp}"
+    plans = []
+    for view in (v for v in _views(cost, sub) if tuple(v[:2]) == (dp, tp)):
+        stages = [Stage(i * per, (i + 1) * per, sub, view) for i in range(pp)]
+        plans.append(evaluate(stages, cost, num_micro_batches, name=name))
+    fitting = [p for p in plans if fits(p, cost)] or plans
+    return min(fitting, key=lambda p: p.seconds)
 
 
 def grid_plans(cost: AnalyticCost, num_micro_batches: int) -> list[StagePlan]:

@@ -127,3 +127,27 @@ def test_step_layer_stats_of_the_mlp():
     assert [s.out_bytes for s in stats] == [4 * 16 * 4] * 3 + [0]
     assert [s.flops_fwd >= 2 * 4 * 8 * 16 for s in stats[:1]] == [True]
     assert all(s.flops_bwd > s.flops_fwd for s in stats)
+
+
+def test_stages_auto_on_a_cluster_too_small_says_what_would_fit():
+    """Through the API: the 4-layer MLP's 756 parameters (16 bytes each) on 4 devices
+    of 2 KiB: no split fits; the error names the model, the cluster and what fits."""
+    from examples import mlp
+    from meshshard.cluster import ClusterSpec
+
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(model, batch["x"])
+    step = meshshard.parallelize(
+        mlp.train_step, method=PipeshardParallel(num_micro_batches=2, stages="auto")
+    )
+    tiny = ClusterSpec(num_hosts=2, devices_per_host=2, device_memory=2048)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"no stage plan fits device memory: the model \(756 parameters, 4 layers\) "
+        r"needs 11.8 KiB of parameter state \(16 bytes/parameter\), at best 2.95 KiB per "
+        r"device over all 4 devices of local \(2 hosts x 2 devices\), and a device holds "
+        r"1.8 KiB usable .* at least 7 such devices, and this cluster holds at most ~461 "
+        r"parameters' state: use more or larger devices",
+    ):
+        step.lower(state, batch, cluster=tiny, costs=False)

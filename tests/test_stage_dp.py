@@ -110,9 +110,11 @@ def test_a_model_too_large_for_any_split_names_sizes_and_cluster():
     cost = AnalyticCost([_layer(1e12, 4 * 10**9, 2**20)] * 4, CLUSTER, OPTS)
     with pytest.raises(
         MeshshardInputError,
-        match=r"no stage plan fits device memory: .* needs 238 GiB .* at best 29.8 GiB per "
+        match=r"no stage plan fits device memory: the model \(16,000,000,000 parameters, 4 "
+        r"layers\) needs 238 GiB of parameter state .* at best 29.8 GiB per "
         r"device over all 8 devices of aws-p3.8xlarge \(2 hosts x 4 devices\), and a device "
-        r"holds 14.4 GiB usable .* at least 17 such devices",
+        r"holds 14.4 GiB usable .* at least 17 such devices, and this cluster holds at most "
+        r"~7,730,941,13\d parameters' state",
     ):
         stage_dp(cost, 4)
 
