@@ -39,6 +39,7 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.replica_grads import chunk_counts, grads_groups, issue_chunk, wait_grads
 from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
@@ -79,6 +80,7 @@ def broadcast_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
         if m.is_broadcast
     }
     keys.update({reduction_key(r.name, r.group): tuple(sorted(r.group)) for r in plan.reductions})
+    keys.update(grads_groups(plan.streams))  # data-parallel replicas' gradients
     return sorted(keys.items())
 
 
@@ -176,6 +178,7 @@ class StreamInterpreter:
         self._buffers_spec = {b.name: b for b in plan.buffers}
         self._t_index = {t.name: i for i, t in enumerate(plan.transfers)}
         self._max_msgs = max((len(t.messages) for t in plan.transfers), default=1)
+        self.grad_chunks = chunk_counts(stream)  # replicas' gradient all-reduce chunks
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
@@ -317,6 +320,7 @@ class _Step:
         self.later: dict[BufferRef, Lazy] = {}  # buffers still being received
         self.posted: dict[BufferRef, list] = {}  # (message, handle future, key) per buffer
         self.sends: list = []  # futures of issued send handles
+        self.grads: dict = {}  # replicas' gradient all-reduces in flight (replica_grads)
         w = interp.worker
         self.comm, self.prefetch = interp._helpers() if interp.overlap else (None, None)
         self.tl = Timeline(w) if interp.timeline else None
@@ -344,7 +348,8 @@ class _Step:
         """Buffer ``name``, waiting for its receive if it is still arriving."""
         lazy = self.later.pop(name, None)
         if lazy is not None:
-            self.buffers[name] = (lazy.get(),)
+            grads = name.kind is BufferKind.ACCUMULATORS  # already a tuple (replica_grads)
+            self.buffers[name] = lazy.get() if grads else (lazy.get(),)
         return self.buffers[name]
 
     def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None):
@@ -472,6 +477,9 @@ class _Step:
     def allreduce(self, i: int, ins: Collective) -> None:
         """Contribute this mesh's partial (its leader worker) or the identity (the
         mesh's other workers) to the all-reduce of ``ins.buffer``."""
+        if ins.buffer.kind is BufferKind.ACCUMULATORS:  # data-parallel replicas
+            issue_chunk(self, i, ins)
+            return
         interp = self.interp
         r = interp.plan.reduction(ins.buffer)
         value = self.value(ins.buffer)[0]
@@ -490,6 +498,14 @@ class _Step:
 
     def wait(self, ins: Wait) -> None:
         interp, name = self.interp, ins.buffer
+        if name.kind is BufferKind.ACCUMULATORS:  # data-parallel replicas' gradients
+            fn = wait_grads(self, name)
+            if self.prefetch is None:
+                self.buffers[name] = fn()
+            else:
+                self.later[name] = lazy = Lazy(fn)
+                self.prefetch.add(lazy)
+            return
         posted = self.posted.pop(name)
 
         def arrived(handle, key):
