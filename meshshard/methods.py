@@ -126,6 +126,8 @@ class PipeshardParallel:
             ``j``-th ``1/d`` of the micro-batches, and the replicas all-reduce their
             gradient accumulators once per step before the update
             (:mod:`meshshard.passes.replicas`).
+        comm_chunk_bytes: with ``comm_schedule`` ``"allreduce"``, the size of the chunks a
+            replicas' gradient all-reduce is cut into (default 4 MiB).
     """
 
     num_micro_batches: int
@@ -139,10 +141,16 @@ class PipeshardParallel:
     virtual_stages: int = field(default=1, repr=False)
     comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
     data_parallel: int = field(default=1, repr=False)
+    comm_chunk_bytes: int = field(default=4 << 20, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
         _check_data_parallel(self.data_parallel, self.num_micro_batches, self.stages)
+        c = self.comm_chunk_bytes
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise MeshshardInputError(
+                f"PipeshardParallel.comm_chunk_bytes must be a positive int (bytes), got {c!r}"
+            )
         _check_sharding(self.sharding, "PipeshardParallel")
         if self.submeshes is not None:
             if self.stages != "auto" or not self.submeshes:
@@ -213,6 +221,7 @@ class PipeshardParallel:
             "virtual_stages": 1,
             "comm_schedule": frozenset(),
             "data_parallel": 1,
+            "comm_chunk_bytes": 4 << 20,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -188,7 +188,8 @@ def _comm_schedule(st: CompileState) -> CompileState:
     switches = getattr(st.method, "comm_schedule", frozenset())
     if not switches:
         return st
-    return replace(st, plan=schedule_comm(st.plan, switches))
+    chunk = getattr(st.method, "comm_chunk_bytes", 4 << 20)
+    return replace(st, plan=schedule_comm(st.plan, switches, chunk_bytes=chunk))
 
 
 def _annotate_costs(st: CompileState) -> CompileState:

@@ -19,6 +19,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from meshshard.admission import PROCESS_TABLE, comm_links, plan_admits
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.instructions import (
     Collective,
@@ -179,6 +180,7 @@ class StreamInterpreter:
         self._t_index = {t.name: i for i, t in enumerate(plan.transfers)}
         self._max_msgs = max((len(t.messages) for t in plan.transfers), default=1)
         self.grad_chunks = chunk_counts(stream)  # replicas' gradient all-reduce chunks
+        self.admission = plan_admits(plan)  # topology-aware comm thread (overlap.py)
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
@@ -241,7 +243,8 @@ class StreamInterpreter:
         (stopped when the interpreter is dropped)."""
         if not self._threads:
             w = self.worker
-            self._threads.extend([CommQueue(f"w{w}-comm"), Prefetcher(f"w{w}-recv")])
+            table = PROCESS_TABLE if self.admission else None
+            self._threads.extend([CommQueue(f"w{w}-comm", table), Prefetcher(f"w{w}-recv")])
         return self._threads[0], self._threads[1]
 
     def _drop_helpers(self) -> None:
@@ -352,14 +355,25 @@ class _Step:
             self.buffers[name] = lazy.get() if grads else (lazy.get(),)
         return self.buffers[name]
 
-    def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None):
-        """Issue one communication op: on the comm thread, or here when sequential."""
+    def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None, peers=()):
+        """Issue one communication op: on the comm thread, or here when sequential.
+        ``peers``: the workers it talks to (its links, when the comm thread admits)."""
         if self.comm is None:
             return _Sent(fn())
         interp = self.interp
+        links = comm_links(interp.plan.cluster, interp.worker, peers) if interp.admission else ()
+        log = None
+        if self.tl is not None:  # (index, traffic kind, priority, queued, issued)
+            ins = interp.stream.instructions[i]
+            kind = "allreduce" if ins.buffer.kind is BufferKind.ACCUMULATORS else "p2p"
+            kind = "reduction" if ins.buffer.kind is BufferKind.REDUCTION else kind
+            log = [i, kind, priority, time.perf_counter_ns(), 0]
+            self.tl.issues.append(log)
 
         def at_i():
             try:
+                if log is not None:
+                    log[4] = time.perf_counter_ns()
                 handle = fn()
                 if type(handle) is _TimedHandle:
                     handle.index = i  # issued here, not at the recorder's current index
@@ -367,7 +381,7 @@ class _Step:
             except Exception as exc:
                 raise MeshshardRuntimeError(interp._where(i, exc)) from exc
 
-        return self.comm.submit(priority, at_i, channel)
+        return self.comm.submit(priority, at_i, channel, links)
 
     def stamp(self, table: str, key) -> None:
         if self.tl is not None:
@@ -434,7 +448,7 @@ class _Step:
             self.stamp("sent", key)
             return interp.transport.isend(data, ins.peer, tag)
 
-        self.sends.append(self.issue(i, ins.priority, fn))
+        self.sends.append(self.issue(i, ins.priority, fn, peers=(ins.peer,)))
 
     def recv(self, ins: Recv) -> None:
         """Post the receive now (it moves no bytes until the sender's are there)."""
@@ -467,11 +481,11 @@ class _Step:
                 self.stamp("sent", key)
                 return interp.transport.ibroadcast(data, msg.nbytes, msg.group, chan, tag)
 
-            self.sends.append(self.issue(i, ins.priority, root, chan))
+            self.sends.append(self.issue(i, ins.priority, root, chan, msg.group))
         else:
             fn = lambda: interp.transport.ibroadcast(None, msg.nbytes, msg.group, chan, tag)  # noqa: E731
             self.posted.setdefault(ins.buffer, []).append(
-                (msg, self.issue(i, ins.priority, fn, chan), key)
+                (msg, self.issue(i, ins.priority, fn, chan, msg.group), key)
             )
 
     def allreduce(self, i: int, ins: Collective) -> None:
@@ -494,7 +508,8 @@ class _Step:
             self.stamp("sent", (chan, None, 0))
             return interp.transport.iallreduce(data, r.op, r.group, chan)
 
-        self.posted[ins.buffer] = [(None, self.issue(i, ins.priority, fn, chan), (chan, None, 0))]
+        handle = self.issue(i, ins.priority, fn, chan, r.group)
+        self.posted[ins.buffer] = [(None, handle, (chan, None, 0))]
 
     def wait(self, ins: Wait) -> None:
         interp, name = self.interp, ins.buffer

@@ -97,7 +97,7 @@ def issue_chunk(step, i: int, ins: Collective) -> None:
         step.stamp("sent", key)
         return interp.transport.iallreduce(part, "sum", ins.group, chan)
 
-    pend.handles.append((c, step.issue(i, ins.priority, fn, chan), key))
+    pend.handles.append((c, step.issue(i, ins.priority, fn, chan, ins.group), key))
 
 
 def wait_grads(step, name: BufferRef):
