@@ -102,40 +102,51 @@ def run_real(steps: int, schedule: str, chunk_kib: int) -> dict:
     try:
         state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
         for name, sw in VARIANTS.items():
-            step = meshshard.parallelize(
-                gpt.train_step, method=_method(schedule, sw, chunk_kib << 10)
-            )
-            state, _ = _time_steps(step, state0, 0, 2)  # compile + warm-up
-            if times is None:
-                times = step.profile(state0, make_batch(0), steps=3)
-            load = os.getloadavg()[0]
-            state, walls = _time_steps(step, state, 2, steps)
-            state, n_over, logs[name] = _overtakes(step, state, 2 + steps, 2)
-            pred = _predict(step, state0, times, sw)
-            colls = sum(
-                1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL"
-            )
-            rows.append(
-                dict(
-                    variant=name,
-                    switches=list(sw),
-                    step_s=statistics.median(walls),
-                    steps=walls,
-                    predicted_s=pred,
-                    overtakes=n_over,
-                    collectives=colls,
-                    load1=load,
+            try:
+                row, logs[name], times = _variant(
+                    name, sw, state0, schedule, chunk_kib, steps, times
                 )
-            )
-            print(f"{name}: {rows[-1]}", flush=True)
-            step.release()
+            except Exception as exc:  # keep the other rows
+                rows.append(dict(variant=name, switches=list(sw), error=str(exc)[:300]))
+                print(f"{name}: failed: {exc}", flush=True)
+                continue
+            rows.append(row)
+            print(f"{name}: {row}", flush=True)
     finally:
         meshshard.shutdown()
-    base = rows[0]
-    for r in rows:
-        r["vs_none"] = base["step_s"] / r["step_s"]
-        r["predicted_vs_none"] = base["predicted_s"] / r["predicted_s"]
+    ok = [r for r in rows if "step_s" in r]
+    for r in ok:
+        r["vs_none"] = ok[0]["step_s"] / r["step_s"]
+        r["predicted_vs_none"] = ok[0]["predicted_s"] / r["predicted_s"]
     return {"rows": rows, "issue_logs": logs, "program_times": times}
+
+
+def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
+    """One variant: (row, issue logs of its last recorded step, program times)."""
+    import meshshard
+    from examples import gpt
+
+    step = meshshard.parallelize(gpt.train_step, method=_method(schedule, sw, chunk_kib << 10))
+    state, _ = _time_steps(step, state0, 0, 2)  # compile + warm-up
+    if times is None:  # the same programs in every variant: profile once
+        times = step.profile(state0, make_batch(0), steps=3)
+    load = os.getloadavg()[0]
+    state, walls = _time_steps(step, state, 2, steps)
+    state, n_over, logs = _overtakes(step, state, 2 + steps, 2)
+    pred = _predict(step, state0, times, sw)
+    colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
+    step.release()
+    row = dict(
+        variant=name,
+        switches=list(sw),
+        step_s=statistics.median(walls),
+        steps=walls,
+        predicted_s=pred,
+        overtakes=n_over,
+        collectives=colls,
+        load1=load,
+    )
+    return row, logs, times
 
 
 def print_real(res: dict) -> None:
@@ -144,6 +155,9 @@ def print_real(res: dict) -> None:
         f"{'COLLs':>6} {'overtakes':>9} {'load1':>6}"
     )
     for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['variant']:>14} failed: {r['error']}")
+            continue
         print(
             f"{r['variant']:>14} {r['step_s'] * 1e3:>8.1f} {r['vs_none']:>7.2f}x "
             f"{r['predicted_s'] * 1e3:>8.1f} {r['predicted_vs_none']:>7.2f}x "

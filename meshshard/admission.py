@@ -8,7 +8,7 @@ description) and what is in flight on them (:class:`InFlight` at run time, the e
 own table in simulation).
 
     >>> from meshshard.cluster import ClusterSpec
-    >>> comm_links(ClusterSpec(num_hosts=2), 0, (1,))
+    >>> comm_links(ClusterSpec(num_hosts=2), 0, (1,), both_ways=False)  # a send
     ('h0.d0.out', 'h0.nic0.out', 'h1.d0.in', 'h1.nic0.in')
     >>> table = InFlight()
     >>> token = table.add(30_000, ("h0.nic0.out",))
@@ -51,15 +51,19 @@ def _topology(cluster: ClusterSpec):
     return Topology(cluster)
 
 
-def comm_links(cluster: ClusterSpec, worker: int, peers: Iterable[int]) -> tuple[str, ...]:
-    """The links a communication of ``worker`` with ``peers`` uses both ways (device 0
-    of each host stands for the host), sorted; empty for a worker alone."""
+def comm_links(
+    cluster: ClusterSpec, worker: int, peers: Iterable[int], both_ways: bool = True
+) -> tuple[str, ...]:
+    """The links a communication of ``worker`` with ``peers`` uses (device 0 of each host
+    stands for the host), sorted; empty for a worker alone.  ``both_ways``: a collective
+    (data flows to and from every peer); a send uses the outgoing direction only."""
     topo = _topology(cluster)
     ids: set[int] = set()
     for p in peers:
         if p != worker and 0 <= p < cluster.num_hosts and 0 <= worker < cluster.num_hosts:
             ids.update(topo.path((worker, 0), (p, 0)))
-            ids.update(topo.path((p, 0), (worker, 0)))
+            if both_ways:
+                ids.update(topo.path((p, 0), (worker, 0)))
     return tuple(sorted(topo.links[i].name for i in ids))
 
 

@@ -361,7 +361,10 @@ class _Step:
         if self.comm is None:
             return _Sent(fn())
         interp = self.interp
-        links = comm_links(interp.plan.cluster, interp.worker, peers) if interp.admission else ()
+        links = ()
+        if interp.admission:  # a SEND's peer is its receiver; a collective's group both ways
+            send = isinstance(interp.stream.instructions[i], Send)
+            links = comm_links(interp.plan.cluster, interp.worker, peers, both_ways=not send)
         log = None
         if self.tl is not None:  # (index, traffic kind, priority, queued, issued)
             ins = interp.stream.instructions[i]
