@@ -32,7 +32,7 @@ from meshshard.instructions import Collective, Instruction, Load, Recv, Run, Sen
 from meshshard.plan import MeshSpec, Plan, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
-__all__ = ["replicate_stages", "replica_group"]
+__all__ = ["replicate_stages"]
 
 
 class _Rename:
@@ -104,12 +104,6 @@ class _Rename:
             consumer=self.prog(t.consumer),
             messages=msgs,
         )
-
-
-def replica_group(plan: Plan, worker: int, d: int) -> tuple[int, ...]:
-    """The workers that hold replicas of base worker ``worker`` (the all-reduce group)."""
-    H = 1 + max(h for m in plan.meshes for h in m.hosts)
-    return tuple(worker + H * j for j in range(d))
 
 
 def _check(plan: Plan, d: int) -> None:

@@ -22,6 +22,7 @@ from meshshard.passes.trace import trace_step
 from meshshard.refs import BufferKind, Phase
 from meshshard.runtime.overlap import CommQueue, overtakes
 from meshshard.verify import verify
+from tests.conftest import assert_trees_close
 from tests.parity import check_parity
 from tests.two_bw_reference import check_2bw
 
@@ -127,12 +128,11 @@ def test_bad_replica_requests_are_named(kw, match):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,schedule", [("mlp", "1f1b"), ("gpt", "gpipe")])
-def test_replicas_match_single_device(threads_cluster, model, schedule):
+def test_replicas_match_single_device_gpt(threads_cluster):
     method = PipeshardParallel(
-        num_micro_batches=4, stages=[(1, 1)] * 2, schedule=schedule, data_parallel=2
+        num_micro_batches=4, stages=[(1, 1)] * 2, schedule="gpipe", data_parallel=2
     )
-    step = check_parity(model, method, steps=2)
+    step = check_parity("gpt", method, steps=2)
     assert len(step.plan.meshes) == 4
 
 
@@ -146,8 +146,9 @@ def test_replicas_under_2bw_follow_the_2bw_rule(threads_cluster):
 
 @pytest.mark.slow
 def test_chunked_admitted_allreduce_is_bit_identical(threads_cluster):
-    """All switches (chunks of 256 B, the comm thread admitting by the in-flight table)
-    give the same bits as none, and the timeline records every chunk's issue."""
+    """MLP, 1F1B: without switches it equals jax.jit on the full batch; all switches
+    (chunks of 256 B, the comm thread admitting by the in-flight table) give the same
+    bits as none."""
     model = mlp.MLP(num_layers=4)
     batches = [mlp.make_batch(batch_size=16, seed=s) for s in range(2)]
     outs = []
@@ -166,6 +167,11 @@ def test_chunked_admitted_allreduce_is_bit_identical(threads_cluster):
             state, loss = step(state, b)
             losses.append(np.asarray(loss))
         outs.append((jax.tree.map(np.asarray, state.params), losses))
+    ref = mlp.make_state(model, batches[0]["x"])
+    for b in batches:
+        ref, ref_loss = jax.jit(mlp.train_step)(ref, b)
+    assert_trees_close(ref.params, outs[0][0])
+    assert_trees_close(ref_loss, outs[0][1][-1])
     jax.tree.map(np.testing.assert_array_equal, outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
 
