@@ -168,11 +168,12 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=6, help="--real: timed steps per variant")
     ap.add_argument("--schedule", default="1f1b", help="--real: the pipeline schedule")
     ap.add_argument("--chunk-kib", type=int, default=1024, help="--real: all-reduce chunk")
+    ap.add_argument("--variants", nargs="+", default=None, help="--real: only these rows")
     args = ap.parse_args(argv)
     if args.real:
         from benchmarks.trirace_real import print_real, run_real
 
-        res = run_real(args.steps, args.schedule, args.chunk_kib)
+        res = run_real(args.steps, args.schedule, args.chunk_kib, args.variants)
         print_real(res)
         if args.json:
             with open(args.json, "w") as f:

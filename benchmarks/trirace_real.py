@@ -5,7 +5,10 @@
 A large-vocabulary GPT (vocab 16384, d_model 128, 4 layers, untied: the embedding on
 stage 0, the 2 M-parameter head on stage 1) as ``PipeshardParallel(data_parallel=2)``:
 2 stages x 2 replicas, one CPU device per host-actor (4 Ray actors), M = 4
-micro-batches (2 per replica).  Variants, measured side by side in one run: no
+micro-batches (2 per replica); ``--schedule interleaved_1f1b`` runs 2 virtual stages
+per mesh, where a mesh's later chunk finishes its gradients while its earlier chunk
+still sends activation gradients (the case where a P2P can meet queued chunks; under
+1F1B every P2P of a replica precedes its all-reduce in the stream).  Variants, measured side by side in one run: no
 communication scheduling, each switch alone, all three, all three + topology-aware
 admission.  ``sparse`` has nothing to act on in a real plan (no (indices, rows) twin of
 the embedding gradient is compiled), so its row measures the unchanged plan.  Chunks:
@@ -47,10 +50,12 @@ def make_batch(i: int):
 def _method(schedule: str, switches, chunk: int):
     from meshshard import PipeshardParallel
 
+    kw = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
     return PipeshardParallel(
         num_micro_batches=4,
         stages=[(1, 1)] * 2,
         schedule=schedule,
+        **kw,
         data_parallel=2,
         comm_schedule=frozenset(switches),
         comm_chunk_bytes=chunk,
@@ -92,7 +97,7 @@ def _predict(step, state, times, switches) -> float:
     return simulate(plan, plan.cluster, program_times=times, options=opts).iteration_time
 
 
-def run_real(steps: int, schedule: str, chunk_kib: int) -> dict:
+def run_real(steps: int, schedule: str, chunk_kib: int, only=None) -> dict:
     """Every variant measured in one Ray session; rows plus the last issue logs."""
     import meshshard
     from examples import gpt
@@ -102,6 +107,8 @@ def run_real(steps: int, schedule: str, chunk_kib: int) -> dict:
     try:
         state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
         for name, sw in VARIANTS.items():
+            if only and name not in only:
+                continue
             try:
                 row, logs[name], times = _variant(
                     name, sw, state0, schedule, chunk_kib, steps, times
