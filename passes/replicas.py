@@ -4,8 +4,9 @@ Pure: a plan of ``S`` stage meshes whose schedule runs ``M/d`` micro-batches in,
 of ``d`` copies of it out.  Replica ``j`` of mesh ``m`` is mesh ``m + L j`` (``L`` meshes
 per replica) on the hosts of ``m`` shifted by ``H j`` (``H`` hosts per replica); its
 buffers, programs, transfers and cross-mesh reductions are renamed the same way, and it
-loads micro-batches ``j M/d .. (j+1) M/d - 1`` of the step's batch (its ``LOAD``s name
-the global micro-batch, its buffers keep the local index).  Activations move only
+runs micro-batches ``j M/d .. (j+1) M/d - 1`` of the step's batch (its ``LOAD``s,
+``RUN``s and per-micro-batch buffers name them by these global numbers, so a stream
+prints and parses back as it runs).  Activations move only
 between the meshes of one replica.  Before the first update phase that reads a stage's
 gradient accumulators ``A``, every replica all-reduces them over the stage's ``d``
 workers, once per step (the traffic TriRace schedules)::
@@ -50,6 +51,8 @@ class _Rename:
         return worker + self.H * self.j
 
     def buf(self, b: BufferRef) -> BufferRef:
+        if b.mb is not None:  # a replica's micro-batches by their global numbers
+            b = replace(b, mb=b.mb + self.K * self.j)
         if b.kind is BufferKind.TRANSFER:
             return replace(b, owner=b.owner + self.T * self.j)
         if b.kind is BufferKind.REDUCTION:
@@ -68,6 +71,7 @@ class _Rename:
             return replace(
                 x,
                 program=self.prog(x.program),
+                mb=None if x.mb is None else x.mb + self.K * self.j,
                 inputs=tuple(map(self.buf, x.inputs)),
                 outputs=tuple(map(self.buf, x.outputs)),
             )

@@ -14,7 +14,7 @@ from meshshard import PipeshardParallel
 from meshshard.admission import InFlight, comm_links
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.instructions import Collective, Load, Run, Wait
+from meshshard.instructions import Collective, Load, Run, Wait, WorkerStream
 from meshshard.methods import SCHEDULES
 from meshshard.passes.comm_schedule import COMM_SWITCHES
 from meshshard.passes.pipeline import plan_step, plan_traced
@@ -63,6 +63,8 @@ def test_each_replica_loads_its_micro_batches_and_all_reduces_once(plan):
             i for i, x in enumerate(ins) if isinstance(x, Run) and x.program.phase is Phase.APPLY
         )
         assert colls[0] < apply
+    # the streams travel to Ray actors as text: they must parse back as they run
+    assert all(WorkerStream.parse(st.worker, st.tokens()) == st for st in plan.streams)
     # state goes to both replicas, results come from both
     assert {str(g) for g, _ in plan.inputs[1].slots} == {"P0", "P2"}
     assert "data_parallel=2" in str(plan)
