@@ -1,6 +1,8 @@
 """TriRace-like setups, simulated: communication scheduling on 2BW + data parallelism.
 
     python benchmarks/trirace.py [--json OUT.json] [--quick]
+    python benchmarks/trirace.py --real [--steps 6] [--json OUT.json]   (measured on Ray:
+        benchmarks/trirace_real.py)
 
 Models (fp16, sequence s, micro-batch of b sequences split over the d replicas):
 GPT 1.3B-like (24 layers, d 2048, vocab 51200, s 1024, b 8) and BERT-large-like (24
@@ -162,7 +164,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--quick", action="store_true", help="one model, one setup, one NIC")
+    ap.add_argument("--real", action="store_true", help="measure on the local Ray cluster")
+    ap.add_argument("--steps", type=int, default=6, help="--real: timed steps per variant")
+    ap.add_argument("--schedule", default="1f1b", help="--real: the pipeline schedule")
+    ap.add_argument("--chunk-kib", type=int, default=1024, help="--real: all-reduce chunk")
+    ap.add_argument("--variants", nargs="+", default=None, help="--real: only these rows")
     args = ap.parse_args(argv)
+    if args.real:
+        from benchmarks.trirace_real import print_real, run_real
+
+        res = run_real(args.steps, args.schedule, args.chunk_kib, args.variants)
+        print_real(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "trirace --real", "args": vars(args), **res}, f, indent=1)
+        return
     rows = measure(args.quick)
     _print(rows)
     if args.json:

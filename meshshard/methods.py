@@ -121,6 +121,13 @@ class PipeshardParallel:
         comm_schedule: communication-scheduling switches, any of ``"allreduce"``,
             ``"sparse"``, ``"p2p"``, ``"topology"`` (default none; only the order and
             priority of communication change, results are bit-identical).
+        data_parallel: replicas of every stage (default 1).  Replica ``j`` of stage ``s``
+            runs on its own mesh (the stage meshes repeated on the next hosts), takes the
+            ``j``-th ``1/d`` of the micro-batches, and the replicas all-reduce their
+            gradient accumulators once per step before the update
+            (:mod:`meshshard.passes.replicas`).
+        comm_chunk_bytes: with ``comm_schedule`` ``"allreduce"``, the size of the chunks a
+            replicas' gradient all-reduce is cut into (default 4 MiB).
     """
 
     num_micro_batches: int
@@ -133,9 +140,17 @@ class PipeshardParallel:
     submeshes: tuple[tuple[int, int], ...] | None = None
     virtual_stages: int = field(default=1, repr=False)
     comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
+    data_parallel: int = field(default=1, repr=False)
+    comm_chunk_bytes: int = field(default=4 << 20, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        _check_data_parallel(self.data_parallel, self.num_micro_batches, self.stages)
+        c = self.comm_chunk_bytes
+        if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+            raise MeshshardInputError(
+                f"PipeshardParallel.comm_chunk_bytes must be a positive int (bytes), got {c!r}"
+            )
         _check_sharding(self.sharding, "PipeshardParallel")
         if self.submeshes is not None:
             if self.stages != "auto" or not self.submeshes:
@@ -205,6 +220,8 @@ class PipeshardParallel:
             "sharding": "data_parallel",
             "virtual_stages": 1,
             "comm_schedule": frozenset(),
+            "data_parallel": 1,
+            "comm_chunk_bytes": 4 << 20,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"
@@ -227,6 +244,23 @@ def check_comm_switches(switches) -> frozenset[str]:
             f"comm_schedule has unknown switches {bad}; pick from {COMM_SWITCHES}"
         )
     return frozenset(switches)
+
+
+def _check_data_parallel(d, m: int, stages) -> None:
+    if not isinstance(d, int) or isinstance(d, bool) or d < 1:
+        raise MeshshardInputError(
+            f"PipeshardParallel.data_parallel must be a positive int, got {d!r}"
+        )
+    if m % d:
+        raise MeshshardInputError(
+            f"PipeshardParallel.data_parallel={d} must divide num_micro_batches={m}: each "
+            "replica runs an equal share of the micro-batches"
+        )
+    if d > 1 and stages == "auto":
+        raise MeshshardInputError(
+            f"PipeshardParallel(data_parallel={d}, stages='auto'): the stage DP does not "
+            "plan replicas; list the mesh shapes of one replica, e.g. stages=[(1, 2), (1, 2)]"
+        )
 
 
 def _check_virtual_stages(v, schedule: str) -> None:

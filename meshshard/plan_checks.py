@@ -82,7 +82,10 @@ def _micro_batch_problems(plan) -> list[str]:
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         return [f"num_micro_batches is {m!r}; it must be a positive integer"]
     problems = []
-    if plan.schedule.num_micro_batches != m:
+    sched = plan.schedule
+    per = sched.num_stages * sched.virtual_stages
+    replicas = len(plan.meshes) // per if per else 1  # data-parallel replicas of the grid
+    if sched.num_micro_batches != m and sched.num_micro_batches * replicas != m:
         problems.append(
             f"num_micro_batches is {m} but the schedule {plan.schedule.name!r} runs "
             f"{plan.schedule.num_micro_batches}"

@@ -23,8 +23,11 @@ __all__ = ["annotate_costs", "strip_annotations"]
 def annotate_costs(plan: Plan, traced: TracedStep, graph: StageGraph, cluster: ClusterSpec) -> Plan:
     """``plan`` with program FLOPs/bytes and simulated transfer times filled in."""
     cost = program_costs(traced, graph)
+    n = graph.num_stages  # data-parallel replica j of program s is s + n j (passes/replicas)
+    base = {p.name: replace(p.name, owner=p.name.owner % n) for p in plan.programs}
     programs = tuple(
-        replace(p, flops=cost[p.name][0], bytes_accessed=cost[p.name][1]) for p in plan.programs
+        replace(p, flops=cost[base[p.name]][0], bytes_accessed=cost[base[p.name]][1])
+        for p in plan.programs
     )
     transfers = tuple(_simulated(plan, t, cluster) for t in plan.transfers)
     return replace(plan, programs=programs, transfers=transfers)

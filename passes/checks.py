@@ -168,7 +168,8 @@ def _provisional_plan(state: CompileState) -> Plan:
     return Plan(
         method=repr(state.method),
         cluster=state.cluster,
-        num_micro_batches=state.traced.num_micro_batches,
+        # a data-parallel replica's schedule runs its share of the micro-batches
+        num_micro_batches=(state.schedule or state.traced).num_micro_batches,
         fingerprint=state.traced.fingerprint,
         meshes=state.meshes or (),
         stages=(),

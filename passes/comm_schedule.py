@@ -18,7 +18,11 @@ buffer a gradient collective moves change).  Switches, each usable alone for abl
     (lower mesh, then lower bucket first: P3/ByteScheduler priority), and the update
     that waits for them (``WAIT`` + ``RUN *.apply``) sinks to just before the first
     instruction that needs what it writes (under 2BW: the first forward that reads the
-    new weight version), so the all-reduce overlaps the compute in between.
+    new weight version), so the all-reduce overlaps the compute in between.  The
+    all-reduce of a data-parallel replicas' accumulator group (``A``,
+    :mod:`meshshard.passes.replicas`) is cut into ``ceil(bytes / chunk_bytes)`` chunks
+    (``COLL allreduce A1 #0 .. #n-1``), each its own operation, so higher-priority
+    traffic passes between them at run time.
 ``"topology"``
     nothing in the streams: the runtime and the simulator admit each flow by
     :func:`admit` (what is in flight on the links it uses), recorded in the plan notes.
@@ -36,6 +40,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from meshshard.admission import ADMISSION_NOTE, admit
 from meshshard.instructions import (
     Collective,
     Free,
@@ -48,8 +53,8 @@ from meshshard.instructions import (
     WorkerStream,
 )
 from meshshard.methods import COMM_SWITCHES, check_comm_switches
-from meshshard.plan import Plan
-from meshshard.refs import BufferRef, CollectiveKind, Phase
+from meshshard.plan import Plan, fmt_bytes
+from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase
 
 __all__ = [
     "COMM_SWITCHES",
@@ -100,21 +105,6 @@ def traffic_kind(ins: Instruction, sparse_rows: frozenset[BufferRef] = frozenset
 def unversioned(b: BufferRef) -> BufferRef:
     """``b``'s group without its weight version (both 2BW copies are one gradient)."""
     return replace(b.group, version=None)
-
-
-def admit(priority: int, links: Iterable, in_flight: Mapping[object, Iterable[int]]) -> bool:
-    """The topology-aware admission rule, shared by the simulator and the runtime.
-
-    A communication of ``priority`` that will use ``links`` is admitted now unless some
-    operation of strictly higher priority is in flight on one of them
-    (``in_flight[link]`` lists the priorities there); otherwise it is delayed until
-    that one finishes.  Bulk traffic is cut into chunks, so a high-priority transfer
-    waits at most for the chunks already on the wire.
-
-    >>> admit(10, ["nic0"], {"nic0": [30_000]}), admit(30_000, ["nic0"], {"nic0": [10]})
-    (False, True)
-    """
-    return all(p <= priority for link in links for p in in_flight.get(link, ()))
 
 
 # --- reordering ------------------------------------------------------------------------
@@ -179,18 +169,46 @@ def _sink_updates(ins: list[Instruction]) -> list[Instruction]:
     return out
 
 
+def chunk_allreduce(ins: list[Instruction], plan: Plan, chunk_bytes: int) -> list[Instruction]:
+    """Each replicas' gradient all-reduce (``COLL allreduce A{s}``) as its chunks
+    ``#0 .. #n-1`` of at most ``chunk_bytes`` each (the runtime splits the flat
+    accumulator vector into ``n`` equal parts)."""
+    out: list[Instruction] = []
+    for x in ins:
+        if (
+            isinstance(x, Collective)
+            and x.kind is CollectiveKind.ALLREDUCE
+            and x.buffer.kind is BufferKind.ACCUMULATORS
+        ):
+            n = max(1, math.ceil(_nbytes(plan, x.buffer) / chunk_bytes))
+            out += [replace(x, message=c) for c in range(n)]
+        else:
+            out.append(x)
+    return out
+
+
 # --- priorities ------------------------------------------------------------------------
-def _need_rank(plan: Plan, sparse_rows) -> dict[BufferRef, int]:
-    """Rank of each gradient collective's buffer: needed earlier by the next forward
-    (lower mesh, then lower index) gets the larger rank."""
-    bufs = set()
+def _rank_key(x: Collective):
+    """What a gradient collective is ranked by: its buffer, or for the replicas'
+    accumulators (every replica names its own ``A``) the group they share."""
+    if x.buffer.kind is BufferKind.ACCUMULATORS:
+        return tuple(sorted(x.group))
+    return unversioned(x.buffer)
+
+
+def _need_rank(plan: Plan, sparse_rows) -> dict:
+    """Rank of each gradient collective (:func:`_rank_key`): needed earlier by the next
+    forward (lower mesh, then lower index) gets the larger rank."""
+    first: dict = {}
+    owner = {unversioned(b.name): b.mesh for b in plan.buffers}
     for s in plan.streams:
         for x in s.instructions:
             if isinstance(x, Collective) and traffic_kind(x, sparse_rows) != "p2p":
-                bufs.add(unversioned(x.buffer))
-    owner = {unversioned(b.name): b.mesh for b in plan.buffers}
-    order = sorted(bufs, key=lambda b: (owner.get(b, 0), str(b.kind), b.owner))
-    return {b: len(order) - i for i, b in enumerate(order)}
+                b = unversioned(x.buffer)
+                key = (owner.get(b, 0), str(b.kind), b.owner)
+                first[_rank_key(x)] = min(first.get(_rank_key(x), key), key)
+    order = sorted(first, key=first.__getitem__)
+    return {k: len(order) - i for i, k in enumerate(order)}
 
 
 def _prioritise(x: Instruction, switches, rank, sparse_rows) -> Instruction:
@@ -199,7 +217,7 @@ def _prioritise(x: Instruction, switches, rank, sparse_rows) -> Instruction:
         return x
     if kind == "p2p":
         return replace(x, priority=PRIORITY["p2p"])
-    return replace(x, priority=PRIORITY[kind] + rank.get(unversioned(x.buffer), 0))
+    return replace(x, priority=PRIORITY[kind] + rank.get(_rank_key(x), 0))
 
 
 def _substitute(x: Instruction, sub: Mapping[BufferRef, BufferRef]) -> Instruction:
@@ -251,6 +269,8 @@ def schedule_comm(
     streams = []
     for st in plan.streams:
         ins = list(st.instructions)
+        if "allreduce" in sw:
+            ins = chunk_allreduce(ins, plan, chunk_bytes)
         if kinds:
             ins = _hoist(ins, kinds, sparse_rows)
         if "allreduce" in sw:
@@ -280,12 +300,17 @@ def _nbytes(plan: Plan, ref: BufferRef) -> int:
             return 0
 
 
+def _same_coll(x: Instruction, y: Instruction) -> bool:
+    """``y`` is another chunk of collective ``x``."""
+    return isinstance(y, Collective) and y.buffer == x.buffer and y.kind == x.kind
+
+
 def comm_table(plan: Plan, switches, sparse_rows, chunk_bytes: int) -> list[str]:
     """One line per gradient collective (priority, chunks, bounding reader) and one per
     point-to-point transfer, after the switch line."""
-    lines = [f"comm_schedule: {', '.join(sorted(switches))} (chunks of {chunk_bytes >> 20} MiB)"]
+    lines = [f"comm_schedule: {', '.join(sorted(switches))} (chunks of {fmt_bytes(chunk_bytes)})"]
     if "topology" in switches:
-        lines.append("comm admission: a flow waits while a higher-priority one is on its links")
+        lines.append(f"{ADMISSION_NOTE} a flow waits while a higher-priority one is on its links")
     p2p: dict[tuple, list[int]] = {}
     for st in plan.streams:
         ins = st.instructions
@@ -294,9 +319,12 @@ def comm_table(plan: Plan, switches, sparse_rows, chunk_bytes: int) -> list[str]
             if kind == "p2p":
                 key = (str(x.transfer), x.priority)
                 p2p.setdefault(key, []).append(st.worker)
-            elif kind is not None:
+            elif kind is not None and getattr(x, "message", 0) == 0:
                 n = max(1, math.ceil(_nbytes(plan, x.buffer) / chunk_bytes))
-                bound = next((y for y in ins[i + 1 :] if x.buffer in y.reads), None)
+                bound = next(
+                    (y for y in ins[i + 1 :] if x.buffer in y.reads and not _same_coll(x, y)),
+                    None,
+                )
                 lines.append(
                     f"  w{st.worker}[{i}] {kind} {x} chunks={n} bound by "
                     f"{bound.opcode.value + ' ' + str(getattr(bound, 'program', '')) if bound else 'end of step'}"

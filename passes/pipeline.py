@@ -25,6 +25,7 @@ from meshshard.passes.forward_only import (
 )
 from meshshard.passes.meshes import auto_layout, stage_layout
 from meshshard.passes.reductions import reduction_notes
+from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
 from meshshard.passes.shard_plan import (
     infer_shardings,
@@ -76,7 +77,11 @@ def _layout(st: CompileState) -> CompileState:
         groups, meshes, dp = auto_layout(st.method, st.cluster, stats)
         notes = tuple(str(dp).splitlines())
         return replace(st, layer_groups=groups, meshes=meshes, layout_notes=notes)
-    groups, meshes = stage_layout(st.method, st.cluster, st.slicing.num_layers)
+    cluster = st.cluster
+    d = getattr(st.method, "data_parallel", 1)
+    if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
+        cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
+    groups, meshes = stage_layout(st.method, cluster, st.slicing.num_layers)
     v = getattr(st.method, "virtual_stages", 1)
     if v > 1:  # interleaved 1F1B: v logical stages per mesh
         groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v)
@@ -125,7 +130,8 @@ def _schedule(st: CompileState) -> CompileState:
     name = "1f1b" if isinstance(st.method, DataParallel) else st.method.schedule
     name = "inference" if is_forward_only(st.traced.jaxpr) else name  # forward-only
     v = getattr(st.method, "virtual_stages", 1)
-    S, M = st.graph.num_stages // v, st.traced.num_micro_batches
+    d = getattr(st.method, "data_parallel", 1)  # each replica runs M/d micro-batches
+    S, M = st.graph.num_stages // v, st.traced.num_micro_batches // d
     check_runnable(name, S, M)
     opts = {"steps": 1} if name == "2bw" else {}  # each 2BW call runs one step
     opts = {"virtual_stages": v} if name == "interleaved_1f1b" else opts
@@ -173,6 +179,8 @@ def _assemble(st: CompileState) -> CompileState:
         notes=tuple(notes),
         reductions=plan_reductions(traced, graph, st.meshes),
     )
+    # data-parallel replicas of the stages, in the same pass: the plan is whole only then
+    plan = replicate_stages(plan, getattr(st.method, "data_parallel", 1))
     return replace(st, plan=plan)
 
 
@@ -180,7 +188,8 @@ def _comm_schedule(st: CompileState) -> CompileState:
     switches = getattr(st.method, "comm_schedule", frozenset())
     if not switches:
         return st
-    return replace(st, plan=schedule_comm(st.plan, switches))
+    chunk = getattr(st.method, "comm_chunk_bytes", 4 << 20)
+    return replace(st, plan=schedule_comm(st.plan, switches, chunk_bytes=chunk))
 
 
 def _annotate_costs(st: CompileState) -> CompileState:

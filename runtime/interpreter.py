@@ -21,6 +21,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from meshshard.admission import PROCESS_TABLE, comm_links, plan_admits
 from meshshard.errors import MeshshardRuntimeError
 from meshshard.instructions import (
     Collective,
@@ -41,6 +42,7 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.replica_grads import chunk_counts, grads_groups, issue_chunk, wait_grads
 from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
@@ -81,6 +83,7 @@ def broadcast_groups(plan: Plan) -> list[tuple[str, tuple[int, ...]]]:
         if m.is_broadcast
     }
     keys.update({reduction_key(r.name, r.group): tuple(sorted(r.group)) for r in plan.reductions})
+    keys.update(grads_groups(plan.streams))  # data-parallel replicas' gradients
     return sorted(keys.items())
 
 
@@ -178,6 +181,8 @@ class StreamInterpreter:
         self._buffers_spec = {b.name: b for b in plan.buffers}
         self._t_index = {t.name: i for i, t in enumerate(plan.transfers)}
         self._max_msgs = max((len(t.messages) for t in plan.transfers), default=1)
+        self.grad_chunks = chunk_counts(stream)  # replicas' gradient all-reduce chunks
+        self.admission = plan_admits(plan)  # topology-aware comm thread (overlap.py)
         self.overlap = default_overlap() if overlap is None else overlap
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
@@ -260,7 +265,8 @@ class StreamInterpreter:
         (stopped when the interpreter is dropped)."""
         if not self._threads:
             w = self.worker
-            self._threads.extend([CommQueue(f"w{w}-comm"), Prefetcher(f"w{w}-recv")])
+            table = PROCESS_TABLE if self.admission else None
+            self._threads.extend([CommQueue(f"w{w}-comm", table), Prefetcher(f"w{w}-recv")])
         return self._threads[0], self._threads[1]
 
     def _drop_helpers(self) -> None:
@@ -347,6 +353,7 @@ class _Step:
         self.pending = {n: buffers.pop(n) for n, v in list(buffers.items()) if type(v) is Lazy}
         self.posted: dict[BufferRef, list] = {}  # (message, handle future, key) per buffer
         self.sends: list = []  # futures of issued send handles
+        self.grads: dict = {}  # replicas' gradient all-reduces in flight (replica_grads)
         w = interp.worker
         self.comm, self.prefetch = interp._helpers() if interp.overlap else (None, None)
         self.tl = Timeline(w) if interp.timeline else None
@@ -374,7 +381,8 @@ class _Step:
         """Buffer ``name``, waiting for its receive if it is still arriving."""
         lazy = self.later.pop(name, None)
         if lazy is not None:
-            self.buffers[name] = (lazy.get(),)
+            grads = name.kind is BufferKind.ACCUMULATORS  # already a tuple (replica_grads)
+            self.buffers[name] = lazy.get() if grads else (lazy.get(),)
         elif self.pending:
             group = self.pending.pop(name, None)
             if group is not None:
@@ -385,14 +393,28 @@ class _Step:
         """This step's tag of one message (:func:`message_tag`, offset by step parity)."""
         return self.interp.tag(transfer, mb, message) + self.tag_base
 
-    def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None):
-        """Issue one communication op: on the comm thread, or here when sequential."""
+    def issue(self, i: int, priority: int, fn: Callable, channel: str | None = None, peers=()):
+        """Issue one communication op: on the comm thread, or here when sequential.
+        ``peers``: the workers it talks to (its links, when the comm thread admits)."""
         if self.comm is None:
             return _Sent(fn())
         interp = self.interp
+        links = ()
+        if interp.admission:  # a SEND's peer is its receiver; a collective's group both ways
+            send = isinstance(interp.stream.instructions[i], Send)
+            links = comm_links(interp.plan.cluster, interp.worker, peers, both_ways=not send)
+        log = None
+        if self.tl is not None:  # (index, traffic kind, priority, queued, issued)
+            ins = interp.stream.instructions[i]
+            kind = "allreduce" if ins.buffer.kind is BufferKind.ACCUMULATORS else "p2p"
+            kind = "reduction" if ins.buffer.kind is BufferKind.REDUCTION else kind
+            log = [i, kind, priority, time.perf_counter_ns(), 0]
+            self.tl.issues.append(log)
 
         def at_i():
             try:
+                if log is not None:
+                    log[4] = time.perf_counter_ns()
                 handle = fn()
                 if type(handle) is _TimedHandle:
                     handle.index = i  # issued here, not at the recorder's current index
@@ -400,7 +422,7 @@ class _Step:
             except Exception as exc:
                 raise MeshshardRuntimeError(interp._where(i, exc)) from exc
 
-        return self.comm.submit(priority, at_i, channel)
+        return self.comm.submit(priority, at_i, channel, links)
 
     def stamp(self, table: str, key) -> None:
         if self.tl is not None:
@@ -467,7 +489,7 @@ class _Step:
             self.stamp("sent", key)
             return interp.transport.isend(data, ins.peer, tag)
 
-        self.sends.append(self.issue(i, ins.priority, fn))
+        self.sends.append(self.issue(i, ins.priority, fn, peers=(ins.peer,)))
 
     def recv(self, ins: Recv) -> None:
         """Post the receive now (it moves no bytes until the sender's are there)."""
@@ -500,16 +522,19 @@ class _Step:
                 self.stamp("sent", key)
                 return interp.transport.ibroadcast(data, msg.nbytes, msg.group, chan, tag)
 
-            self.sends.append(self.issue(i, ins.priority, root, chan))
+            self.sends.append(self.issue(i, ins.priority, root, chan, msg.group))
         else:
             fn = lambda: interp.transport.ibroadcast(None, msg.nbytes, msg.group, chan, tag)  # noqa: E731
             self.posted.setdefault(ins.buffer, []).append(
-                (msg, self.issue(i, ins.priority, fn, chan), key)
+                (msg, self.issue(i, ins.priority, fn, chan, msg.group), key)
             )
 
     def allreduce(self, i: int, ins: Collective) -> None:
         """Contribute this mesh's partial (its leader worker) or the identity (the
         mesh's other workers) to the all-reduce of ``ins.buffer``."""
+        if ins.buffer.kind is BufferKind.ACCUMULATORS:  # data-parallel replicas
+            issue_chunk(self, i, ins)
+            return
         interp = self.interp
         r = interp.plan.reduction(ins.buffer)
         value = self.value(ins.buffer)[0]
@@ -524,10 +549,19 @@ class _Step:
             self.stamp("sent", (chan, None, 0))
             return interp.transport.iallreduce(data, r.op, r.group, chan)
 
-        self.posted[ins.buffer] = [(None, self.issue(i, ins.priority, fn, chan), (chan, None, 0))]
+        handle = self.issue(i, ins.priority, fn, chan, r.group)
+        self.posted[ins.buffer] = [(None, handle, (chan, None, 0))]
 
     def wait(self, ins: Wait) -> None:
         interp, name = self.interp, ins.buffer
+        if name.kind is BufferKind.ACCUMULATORS:  # data-parallel replicas' gradients
+            fn = wait_grads(self, name)
+            if self.prefetch is None:
+                self.buffers[name] = fn()
+            else:
+                self.later[name] = lazy = Lazy(fn)
+                self.prefetch.add(lazy)
+            return
         posted = self.posted.pop(name)
 
         def arrived(handle, key):

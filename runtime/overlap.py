@@ -20,6 +20,17 @@ communication a program does not read.  Next to it, per step:
 Both threads only wait for local compute or for messages, never for the dispatching
 thread, so they cannot deadlock with it.
 
+With a :class:`~meshshard.admission.InFlight` table (a plan scheduled with the
+``topology`` switch) the comm thread is also topology-aware: an op is issued only when
+:func:`~meshshard.admission.admit` lets it onto its links (no strictly higher-priority
+op in flight there, the simulator's rule) and, for an op of a channel, when the
+channel's previous op has finished, so the chunks of a large all-reduce go out one at a
+time and higher-priority traffic passes between them.  Each issued op stays in the
+table until its handle completes (a watcher thread per op waits for it; the handle
+keeps the result for its real reader).  Refused ops never block the thread: it takes
+the best admitted op, else waits briefly and looks again.  A higher-priority op never
+waits for a lower one, so the waits cannot form a cycle.
+
     >>> q = CommQueue("doc")
     >>> issued = []
     >>> futs = [q.submit(p, lambda p=p: issued.append(p) or p) for p in (0, 0, 0)]
@@ -35,7 +46,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline"]
+__all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline", "Tracked", "overtakes"]
+
+#: Seconds a comm thread with only refused ops waits before it looks again.
+ADMISSION_POLL_S = 0.0005
 
 
 class Lazy:
@@ -91,12 +105,36 @@ class Lazy:
         return self._done.is_set()
 
 
+class Tracked:
+    """A communication handle whose ``wait()`` runs once (by whichever thread asks
+    first); later calls return the same result.
+
+    >>> class H:
+    ...     n = 0
+    ...     def wait(self):
+    ...         H.n += 1
+    ...         return "bytes"
+    >>> t = Tracked(H())
+    >>> t.wait(), t.wait(), H.n
+    ('bytes', 'bytes', 1)
+    """
+
+    __slots__ = ("_lazy",)
+
+    def __init__(self, handle):
+        self._lazy = Lazy(handle.wait)
+
+    def wait(self):
+        return self._lazy.get()
+
+
 @dataclass(order=True)
 class _Op:
     key: tuple[int, int]  # (-priority, submission order)
     channel: str | None = field(compare=False)
     chan_seq: int = field(compare=False)
     lazy: Lazy = field(compare=False)
+    links: tuple[str, ...] = field(default=(), compare=False)
 
 
 class CommQueue:
@@ -105,9 +143,11 @@ class CommQueue:
 
     Args:
         name: the thread's name (shows in stack dumps).
+        table: the in-flight table to admit ops against (module docstring); None
+            issues by priority alone.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, table=None):
         self._cv = threading.Condition()
         self._ops: list[_Op] = []
         self._seq = 0
@@ -116,18 +156,28 @@ class CommQueue:
         self._closed = False
         self.issued: list[int] = []  # submission numbers in issue order (tests, traces)
         self.error: BaseException | None = None  # the first op that raised
+        self.table = table
+        self._chan_busy: set[str] = set()  # channels whose last op is in flight
+        self.refused = 0  # times an op was held back by admission (tests, traces)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, fn: Callable[[], object], channel: str | None = None) -> Lazy:
-        """Queue ``fn`` (it issues one op and returns its handle); returns its future."""
-        lazy = Lazy(fn)
+    def submit(
+        self,
+        priority: int,
+        fn: Callable[[], object],
+        channel: str | None = None,
+        links: tuple[str, ...] = (),
+    ) -> Lazy:
+        """Queue ``fn`` (it issues one op and returns its handle); returns its future.
+        ``links``: what the op uses, for admission (module docstring)."""
+        lazy = Lazy(fn if self.table is None else lambda: Tracked(fn()))
         with self._cv:
             chan_seq = 0
             if channel is not None:
                 chan_seq = self._chan_count.get(channel, 0)
                 self._chan_count[channel] = chan_seq + 1
-            self._ops.append(_Op((-priority, self._seq), channel, chan_seq, lazy))
+            self._ops.append(_Op((-priority, self._seq), channel, chan_seq, lazy, links))
             self._seq += 1
             self._cv.notify()
         return lazy
@@ -136,22 +186,56 @@ class CommQueue:
         ready = [
             op
             for op in self._ops
-            if op.channel is None or op.chan_seq == self._chan_next.get(op.channel, 0)
+            if op.channel is None
+            or (
+                op.chan_seq == self._chan_next.get(op.channel, 0)
+                and op.channel not in self._chan_busy
+            )
         ]
+        if self.table is not None:
+            admitted = [op for op in ready if self.table.admits(-op.key[0], op.links)]
+            self.refused += len(ready) - len(admitted)
+            ready = admitted
         return min(ready) if ready else None
+
+    def _track(self, op: _Op) -> None:
+        """Keep issued ``op`` in the in-flight table (and its channel busy) until its
+        handle completes."""
+        handle = op.lazy._value
+        if op.lazy._exc is not None or not isinstance(handle, Tracked):
+            return
+        token = self.table.add(-op.key[0], op.links)
+        if op.channel is not None:
+            self._chan_busy.add(op.channel)
+
+        def watch():
+            try:
+                handle.wait()
+            except BaseException:  # the reader of the handle reports it
+                pass
+            self.table.remove(token)
+            with self._cv:
+                self._chan_busy.discard(op.channel)
+                self._cv.notify_all()
+
+        threading.Thread(target=watch, name="comm-watch", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
                 op = self._pick()
                 while op is None and not (self._closed and not self._ops):
-                    self._cv.wait()
+                    held = self.table is not None and self._ops
+                    self._cv.wait(ADMISSION_POLL_S if held else None)
                     op = self._pick()
                 if op is None:
                     return
                 self._ops.remove(op)
                 self.issued.append(op.key[1])
             op.lazy.run()
+            if self.table is not None:
+                with self._cv:
+                    self._track(op)
             if op.lazy._exc is not None and self.error is None:
                 self.error = op.lazy._exc
             if op.channel is not None:
@@ -206,13 +290,15 @@ class Timeline:
 
     ``runs``: (instruction index, dispatched, finished) per ``RUN``; ``sent``: key ->
     time the bytes were handed to the transport; ``arrived``: key -> time the
-    receiver had them.
+    receiver had them; ``issues``: (instruction index, traffic kind, priority, time
+    queued, time issued) per op of the comm thread (:func:`overtakes` reads them).
     """
 
     worker: int
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     sent: dict[tuple, int] = field(default_factory=dict)
     arrived: dict[tuple, int] = field(default_factory=dict)
+    issues: list[list] = field(default_factory=list)
 
     def compute_spans(self) -> list[tuple[int, int]]:
         """Busy intervals of the devices: a program starts when dispatched or when the
@@ -227,3 +313,17 @@ class Timeline:
     def busy_ns(self) -> int:
         """Total device busy time of the step."""
         return sum(b - a for a, b in self.compute_spans())
+
+
+def overtakes(issues: list[list], fast: str = "p2p", slow: str = "allreduce") -> list[tuple]:
+    """Pairs (``fast`` op, ``slow`` op) of a :class:`Timeline`'s ``issues`` where the
+    ``fast`` one was queued after the ``slow`` one but issued before it: priorities at
+    work (a point-to-point transfer passing a queued all-reduce chunk)."""
+    done = [x for x in issues if x[4]]
+    return [
+        (tuple(a), tuple(b))
+        for a in done
+        if a[1] == fast
+        for b in done
+        if b[1] == slow and a[3] > b[3] and a[4] < b[4]
+    ]

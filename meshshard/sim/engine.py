@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from meshshard.admission import admit
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import (
     Collective,
@@ -60,8 +61,8 @@ from meshshard.instructions import (
     Run,
     Send,
 )
-from meshshard.passes.comm_schedule import admit
 from meshshard.plan import Message, Plan
+from meshshard.refs import BufferKind
 from meshshard.sim.collectives import decompose
 from meshshard.sim.cores import CorePool
 from meshshard.sim.costs import ProgramCost, program_cost
@@ -95,7 +96,7 @@ class SimOptions:
         record: keep spans and per-link load samples (for the trace).
         admission: topology-aware admission (TriRace): a flow starts only when no flow
             of higher instruction priority is on one of its links
-            (:func:`meshshard.passes.comm_schedule.admit`), else it waits for them.
+            (:func:`meshshard.admission.admit`), else it waits for them.
     """
 
     overlap: bool = True
@@ -415,10 +416,23 @@ class _Engine:
         except KeyError:
             pass
         try:
-            return float(self.plan.buffer(ins.buffer).nbytes)
+            nbytes = float(self.plan.buffer(ins.buffer).nbytes)
         except KeyError:
             self.notes.append(f"COLL {ins.kind} {ins.buffer}: size unknown, taken as 0 bytes")
             return 0.0
+        if ins.buffer.kind is BufferKind.ACCUMULATORS:  # replicas' gradients, in chunks
+            return nbytes / self._grad_chunks(ins.buffer)
+        return nbytes
+
+    def _grad_chunks(self, buffer) -> int:
+        """How many chunks (``COLL``s) the replicas' all-reduce of ``buffer`` has."""
+        if not hasattr(self, "_chunks"):
+            self._chunks: dict = {}
+            for st in self.plan.streams:
+                for x in st.instructions:
+                    if isinstance(x, Collective) and x.buffer.kind is BufferKind.ACCUMULATORS:
+                        self._chunks[x.buffer] = self._chunks.get(x.buffer, 0) + 1
+        return self._chunks.get(buffer, 1)
 
     # --- the event loop ------------------------------------------------------------
     def at(self, t: float, fn, arg) -> None:

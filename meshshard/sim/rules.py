@@ -33,6 +33,7 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.refs import (
+    BufferKind,
     BufferRef,
     CollectiveKind,
     ProgramRef,
@@ -165,7 +166,9 @@ def _build_recv(engine: _Engine, op: _Op, state: StreamState) -> None:
 def _build_collective(engine: _Engine, op: _Op, state: StreamState) -> None:
     ins: Collective = op.ins
     op.deps = state.writers_of(ins)
-    fields = (ins.kind, ins.transfer, ins.message, ins.buffer, ins.group, ins.root)
+    # data-parallel replicas all-reduce each their own ``A`` buffer: matched by group
+    buf = None if ins.buffer.kind is BufferKind.ACCUMULATORS else ins.buffer
+    fields = (ins.kind, ins.transfer, ins.message, buf, ins.group, ins.root)
     op.key = CollKey(*fields, state.nth((Collective, *fields)))
     state.unwaited.setdefault(ins.buffer, []).append(op.id)
 

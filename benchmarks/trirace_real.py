@@ -1,0 +1,172 @@
+"""TriRace's switches measured on the local Ray cluster (``trirace.py --real``).
+
+    python benchmarks/trirace.py --real [--steps 6] [--schedule 1f1b] [--json OUT.json]
+
+A large-vocabulary GPT (vocab 16384, d_model 128, 4 layers, untied: the embedding on
+stage 0, the 2 M-parameter head on stage 1) as ``PipeshardParallel(data_parallel=2)``:
+2 stages x 2 replicas, one CPU device per host-actor (4 Ray actors), M = 4
+micro-batches (2 per replica); ``--schedule interleaved_1f1b`` runs 2 virtual stages
+per mesh, where a mesh's later chunk finishes its gradients while its earlier chunk
+still sends activation gradients (the case where a P2P can meet queued chunks; under
+1F1B every P2P of a replica precedes its all-reduce in the stream).  Variants, measured side by side in one run: no
+communication scheduling, each switch alone, all three, all three + topology-aware
+admission.  ``sparse`` has nothing to act on in a real plan (no (indices, rows) twin of
+the embedding gradient is compiled), so its row measures the unchanged plan.  Chunks:
+``--chunk-kib`` (default 1024 KiB; the stage-1 gradients are ~9 MiB, so about 9 chunks).
+
+Per variant: the median step time over ``--steps`` steps after 2 warm-up steps, its
+ratio to the unscheduled plan, the simulator's prediction of the same plan (programs
+timed on their meshes once by ``step.profile``, the same programs in every variant;
+admission on for ``topology``), and from recorded timelines
+(:class:`~meshshard.runtime.overlap.Timeline`) the number of point-to-point ops that
+were queued after an all-reduce chunk and issued before it
+(:func:`~meshshard.runtime.overlap.overtakes`): the priorities at work.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+MODEL = dict(vocab=16384, d_model=128, num_heads=4, num_layers=4, max_len=32)
+BATCH, SEQ = 16, 32
+VARIANTS = {
+    "none": (),
+    "+p2p": ("p2p",),
+    "+sparse": ("sparse",),
+    "+allreduce": ("allreduce",),
+    "all3": ("allreduce", "sparse", "p2p"),
+    "all3+topology": ("allreduce", "sparse", "p2p", "topology"),
+}
+
+
+def make_batch(i: int):
+    from examples import gpt
+
+    return gpt.make_batch(batch_size=BATCH, seq_len=SEQ, vocab=MODEL["vocab"], seed=i)
+
+
+def _method(schedule: str, switches, chunk: int):
+    from meshshard import PipeshardParallel
+
+    kw = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
+    return PipeshardParallel(
+        num_micro_batches=4,
+        stages=[(1, 1)] * 2,
+        schedule=schedule,
+        **kw,
+        data_parallel=2,
+        comm_schedule=frozenset(switches),
+        comm_chunk_bytes=chunk,
+    )
+
+
+def _time_steps(step, state, first: int, n: int):
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        state, loss = step(state, make_batch(first + i))
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return state, times
+
+
+def _overtakes(step, state, first: int, n: int):
+    """Overtakes counted from ``n`` recorded steps; the issue logs of the last one."""
+    from meshshard.runtime.overlap import overtakes
+
+    backend = step.executable.backend
+    backend.runtime_options(timeline=True)
+    count, logs = 0, {}
+    for i in range(n):
+        state, _ = step(state, make_batch(first + i))
+        tls = {w: t for w, t in backend.runtime_options().items() if t is not None}
+        count += sum(len(overtakes(t.issues)) for t in tls.values())
+        logs = {w: [list(x) for x in t.issues] for w, t in tls.items()}
+    backend.runtime_options(timeline=False)
+    return state, count, logs
+
+
+def _predict(step, state, times, switches) -> float:
+    from meshshard.sim import simulate
+    from meshshard.sim.engine import SimOptions
+
+    plan = step.lower(state, make_batch(0))
+    opts = SimOptions(admission="topology" in switches, record=False)
+    return simulate(plan, plan.cluster, program_times=times, options=opts).iteration_time
+
+
+def run_real(steps: int, schedule: str, chunk_kib: int, only=None) -> dict:
+    """Every variant measured in one Ray session; rows plus the last issue logs."""
+    import meshshard
+    from examples import gpt
+
+    meshshard.init(num_hosts=4, devices_per_host=1)
+    rows, logs, times = [], {}, None
+    try:
+        state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
+        for name, sw in VARIANTS.items():
+            if only and name not in only:
+                continue
+            try:
+                row, logs[name], times = _variant(
+                    name, sw, state0, schedule, chunk_kib, steps, times
+                )
+            except Exception as exc:  # keep the other rows
+                rows.append(dict(variant=name, switches=list(sw), error=str(exc)[:300]))
+                print(f"{name}: failed: {exc}", flush=True)
+                continue
+            rows.append(row)
+            print(f"{name}: {row}", flush=True)
+    finally:
+        meshshard.shutdown()
+    ok = [r for r in rows if "step_s" in r]
+    for r in ok:
+        r["vs_none"] = ok[0]["step_s"] / r["step_s"]
+        r["predicted_vs_none"] = ok[0]["predicted_s"] / r["predicted_s"]
+    return {"rows": rows, "issue_logs": logs, "program_times": times}
+
+
+def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
+    """One variant: (row, issue logs of its last recorded step, program times)."""
+    import meshshard
+    from examples import gpt
+
+    step = meshshard.parallelize(gpt.train_step, method=_method(schedule, sw, chunk_kib << 10))
+    state, _ = _time_steps(step, state0, 0, 2)  # compile + warm-up
+    if times is None:  # the same programs in every variant: profile once
+        times = step.profile(state0, make_batch(0), steps=3)
+    load = os.getloadavg()[0]
+    state, walls = _time_steps(step, state, 2, steps)
+    state, n_over, logs = _overtakes(step, state, 2 + steps, 2)
+    pred = _predict(step, state0, times, sw)
+    colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
+    step.release()
+    row = dict(
+        variant=name,
+        switches=list(sw),
+        step_s=statistics.median(walls),
+        steps=walls,
+        predicted_s=pred,
+        overtakes=n_over,
+        collectives=colls,
+        load1=load,
+    )
+    return row, logs, times
+
+
+def print_real(res: dict) -> None:
+    print(
+        f"{'variant':>14} {'step ms':>8} {'speedup':>8} {'pred ms':>8} {'pred spd':>8} "
+        f"{'COLLs':>6} {'overtakes':>9} {'load1':>6}"
+    )
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['variant']:>14} failed: {r['error']}")
+            continue
+        print(
+            f"{r['variant']:>14} {r['step_s'] * 1e3:>8.1f} {r['vs_none']:>7.2f}x "
+            f"{r['predicted_s'] * 1e3:>8.1f} {r['predicted_vs_none']:>7.2f}x "
+            f"{r['collectives']:>6} {r['overtakes']:>9} {r['load1']:>6.1f}"
+        )

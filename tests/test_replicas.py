@@ -1,0 +1,273 @@
+"""Data-parallel replicas of pipeline stages (``PipeshardParallel(data_parallel=d)``),
+their chunked gradient all-reduce, and the topology-aware comm thread (TriRace)."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import meshshard
+from examples import mlp
+from meshshard import PipeshardParallel
+from meshshard.admission import InFlight, comm_links
+from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
+from meshshard.instructions import Collective, Load, Run, Wait, WorkerStream
+from meshshard.methods import SCHEDULES
+from meshshard.passes.comm_schedule import COMM_SWITCHES
+from meshshard.passes.pipeline import plan_step, plan_traced
+from meshshard.passes.trace import trace_step
+from meshshard.refs import BufferKind, Phase
+from meshshard.runtime.overlap import CommQueue, overtakes
+from meshshard.verify import verify
+from tests.conftest import assert_trees_close
+from tests.parity import check_parity
+from tests.two_bw_reference import check_2bw
+
+CLUSTER = ClusterSpec(num_hosts=4, devices_per_host=2)
+
+
+def mlp_plan(**kw):
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(model, batch["x"])
+    opts = dict(num_micro_batches=4, stages=[(1, 1)] * 2, data_parallel=2) | kw
+    plan, _ = plan_step(
+        mlp.train_step, (state, batch), method=PipeshardParallel(**opts), cluster=CLUSTER
+    )
+    return plan
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return mlp_plan()
+
+
+@pytest.mark.fast
+def test_each_replica_loads_its_micro_batches_and_all_reduces_once(plan):
+    assert verify(plan) == []
+    assert [m.hosts for m in plan.meshes] == [(0,), (1,), (2,), (3,)]
+    for st in plan.streams:
+        ins = st.instructions
+        loads = sorted({x.mb for x in ins if isinstance(x, Load)})
+        assert loads == ([0, 1] if st.worker < 2 else [2, 3])
+        colls = [i for i, x in enumerate(ins) if isinstance(x, Collective)]
+        assert len(colls) == 1  # one all-reduce of the accumulators per step
+        coll = ins[colls[0]]
+        assert coll.buffer.kind is BufferKind.ACCUMULATORS and coll.buffer.owner == st.worker
+        assert coll.group == (st.worker % 2, st.worker % 2 + 2)
+        assert isinstance(ins[colls[0] + 1], Wait)
+        apply = next(
+            i for i, x in enumerate(ins) if isinstance(x, Run) and x.program.phase is Phase.APPLY
+        )
+        assert colls[0] < apply
+    # the streams travel to Ray actors as text: they must parse back as they run
+    assert all(WorkerStream.parse(st.worker, st.tokens()) == st for st in plan.streams)
+    # state goes to both replicas, results come from both
+    assert {str(g) for g, _ in plan.inputs[1].slots} == {"P0", "P2"}
+    assert "data_parallel=2" in str(plan)
+
+
+@pytest.mark.fast
+def test_every_schedule_plans_replicas_that_verify():
+    """2bw and every flush schedule: the replicated plan passes the verifier and the IR
+    checks (on in tests), each replica's streams are the base streams renamed."""
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    traced = trace_step(
+        mlp.train_step,
+        (mlp.make_state(model, batch["x"]), batch),
+        batch_argnums=(1,),
+        num_micro_batches=4,
+    )
+    for schedule in SCHEDULES:
+        kw = {"virtual_stages": 2} if schedule == "interleaved_1f1b" else {}
+        method = PipeshardParallel(
+            num_micro_batches=4, stages=[(1, 1)] * 2, schedule=schedule, data_parallel=2, **kw
+        )
+        plan = plan_traced(traced, method=method, cluster=CLUSTER)
+        assert verify(plan) == [], schedule
+        runs = {
+            st.worker: [x.program.phase for x in st.instructions if isinstance(x, Run)]
+            for st in plan.streams
+        }
+        assert runs[0] == runs[2] and runs[1] == runs[3], schedule
+
+
+@pytest.mark.fast
+def test_allreduce_switch_cuts_the_gradient_into_chunks():
+    plan = mlp_plan(comm_schedule={"allreduce", "p2p"}, comm_chunk_bytes=512)
+    assert verify(plan) == []
+    for st in plan.streams:
+        colls = [x for x in st.instructions if isinstance(x, Collective)]
+        nbytes = plan.buffer(colls[0].buffer).nbytes
+        assert [c.message for c in colls] == list(range(-(-nbytes // 512)))
+        assert len({c.priority for c in colls}) == 1
+    first = {
+        st.worker: next(x for x in st.instructions if isinstance(x, Collective))
+        for st in plan.streams
+    }
+    assert first[0].priority == first[2].priority > first[1].priority  # stage 0 first
+    assert "chunks of 512 B" in str(plan)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(data_parallel=3), r"data_parallel=3 must divide num_micro_batches=4"),
+        (dict(data_parallel=0), r"data_parallel must be a positive int"),
+        (dict(stages="auto"), r"data_parallel=2, stages='auto'"),
+        (dict(stages=[(1, 1)] * 3, num_micro_batches=2), r"needs 2 x 3 hosts"),
+        (dict(stages=[(2, 1)]), r"span several hosts.*one-host mesh"),
+    ],
+)
+def test_bad_replica_requests_are_named(kw, match):
+    with pytest.raises(MeshshardInputError, match=match):
+        mlp_plan(**kw)
+
+
+@pytest.mark.slow
+def test_replicas_match_single_device_gpt(threads_cluster):
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=[(1, 1)] * 2, schedule="gpipe", data_parallel=2
+    )
+    step = check_parity("gpt", method, steps=2)
+    assert len(step.plan.meshes) == 4
+
+
+@pytest.mark.slow
+def test_replicas_under_2bw_follow_the_2bw_rule(threads_cluster):
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=[(1, 1)] * 2, schedule="2bw", data_parallel=2
+    )
+    check_2bw(method, steps=3)
+
+
+@pytest.mark.slow
+def test_chunked_admitted_allreduce_is_bit_identical(threads_cluster):
+    """MLP, 1F1B: without switches it equals jax.jit on the full batch; all switches
+    (chunks of 256 B, the comm thread admitting by the in-flight table) give the same
+    bits as none."""
+    model = mlp.MLP(num_layers=4)
+    batches = [mlp.make_batch(batch_size=16, seed=s) for s in range(2)]
+    outs = []
+    for sw in (frozenset(), frozenset(COMM_SWITCHES)):
+        method = PipeshardParallel(
+            num_micro_batches=4,
+            stages=[(1, 1)] * 2,
+            data_parallel=2,
+            comm_schedule=sw,
+            comm_chunk_bytes=256,
+        )
+        step = meshshard.parallelize(mlp.train_step, method=method)
+        state = mlp.make_state(model, batches[0]["x"])
+        losses = []
+        for b in batches:
+            state, loss = step(state, b)
+            losses.append(np.asarray(loss))
+        outs.append((jax.tree.map(np.asarray, state.params), losses))
+    ref = mlp.make_state(model, batches[0]["x"])
+    for b in batches:
+        ref, ref_loss = jax.jit(mlp.train_step)(ref, b)
+    assert_trees_close(ref.params, outs[0][0])
+    assert_trees_close(ref_loss, outs[0][1][-1])
+    jax.tree.map(np.testing.assert_array_equal, outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+# --- the topology-aware comm thread on its own -----------------------------------------
+
+
+class Held:
+    """A handle whose ``wait()`` blocks until ``release`` is set."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def wait(self):
+        self.release.wait()
+        return "done"
+
+
+@pytest.mark.fast
+def test_admission_holds_bulk_behind_higher_priority_on_its_links():
+    table = InFlight()
+    q = CommQueue("adm", table)
+    on_wire = threading.Event()
+    q.submit(30_000, lambda: Held(on_wire), links=("h0.nic0.out",))  # a p2p in flight
+    time.sleep(0.05)
+    bulk = q.submit(10, lambda: Held(threading.Event()), links=("h0.nic0.out",))
+    other = q.submit(10, lambda: Held(threading.Event()), links=("h1.nic0.out",))
+    time.sleep(0.05)
+    assert other.done and not bulk.done and q.refused > 0  # held, the other link is free
+    on_wire.set()
+    bulk.result()
+    assert q.issued == [0, 2, 1]
+    q.close()
+
+
+@pytest.mark.fast
+def test_a_p2p_overtakes_a_queued_allreduce_chunk():
+    """Chunks of one channel go out one at a time; a p2p queued after chunk 1 goes out
+    before it, and the timeline's issue log shows the overtake."""
+    q = CommQueue("chunks", InFlight())
+    links = ("h0.nic0.out",)
+    wire = [threading.Event() for _ in range(2)]
+    log = []
+
+    def op(kind, k, release):
+        entry = [k, kind, 0, time.perf_counter_ns(), 0]
+        log.append(entry)
+
+        def fn():
+            entry[4] = time.perf_counter_ns()
+            return Held(release)
+
+        return fn
+
+    q.submit(10, op("allreduce", 0, wire[0]), channel="grads:0,2", links=links)
+    q.submit(10, op("allreduce", 1, wire[1]), channel="grads:0,2", links=links)
+    time.sleep(0.05)
+    sent = threading.Event()
+    sent.set()  # the p2p finishes at once; chunk 1 then goes
+    q.submit(30_000, op("p2p", 2, sent), links=links)
+    time.sleep(0.05)
+    wire[0].set()
+    wire[1].set()
+    time.sleep(0.05)
+    assert q.issued == [0, 2, 1]
+    ((fast, slow),) = overtakes(log)
+    assert (fast[0], slow[0]) == (2, 1)
+    q.close()
+
+
+@pytest.mark.fast
+def test_comm_links_come_from_the_cluster_description():
+    links = comm_links(ClusterSpec(num_hosts=3), 0, (1, 2))
+    assert "h0.nic0.out" in links and "h2.nic0.in" in links and comm_links(CLUSTER, 1, (1,)) == ()
+
+
+@pytest.mark.ray
+def test_replicas_on_ray_with_every_switch(ray_cluster):
+    """Host-actor processes: the gradient chunks go over torch.distributed groups of the
+    replicas, admitted by each process's in-flight table; parity with jax.jit."""
+    method = PipeshardParallel(
+        num_micro_batches=4,
+        stages=[(1, 1)] * 2,
+        data_parallel=2,
+        comm_schedule=frozenset(COMM_SWITCHES),
+        comm_chunk_bytes=512,
+    )
+    step = check_parity("mlp", method, steps=2)
+    assert (
+        max(
+            x.message
+            for s in step.plan.streams
+            for x in s.instructions
+            if isinstance(x, Collective)
+        )
+        > 0
+    )
