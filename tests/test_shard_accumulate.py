@@ -17,7 +17,6 @@ from meshshard.jaxpr_util import var_ids
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.refs import BufferKind, Phase
-from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from tests.parity import check_parity
 
 M = 4
@@ -55,21 +54,15 @@ def test_data_parallel_reduces_once_per_step_not_per_micro_batch(monkeypatch):
     assert "unreduced[device]" in str(acc)
 
 
-@pytest.fixture
-def one_host_of_4():
-    with use_cluster(ThreadsCluster(1, 4)) as cluster:
-        yield cluster
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model,method",
     [
         ("mlp", meshshard.DataParallel(mesh_shape=(1, 4), num_micro_batches=M)),
-        ("mlp_wide", meshshard.ShardParallel((1, 4), num_micro_batches=2, sharding="zero2")),
+        ("mlp", meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])),
     ],
 )
-def test_local_accumulation_matches_single_device(one_host_of_4, model, method):
+def test_local_accumulation_matches_single_device(threads_cluster, model, method):
     step = check_parity(model, method, steps=2)
     progs = [p for p in step.plan.programs if p.name.phase is Phase.BACKWARD]
     assert progs and all(p.unreduced for p in progs), [str(p) for p in step.plan.programs]
@@ -86,7 +79,8 @@ def test_rule_keeps_contractions_over_the_split_batch_and_what_follows_them():
     args = (jnp.ones((8, 3)), jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32))
     jx = jax.make_jaxpr(grads)(*args).jaxpr
     ids = var_ids(jx)
-    split = {ids[v]: {0: ("device",)} for v in jx.invars}
+    # the data-parallel rule: every value with the batch (8) as its leading dim is split
+    split = {i: {0: ("device",)} for v, i in ids.items() if v.aval.shape[:1] == (8,)}
     found = unreduced_values(jx, range(len(jx.eqns)), split.get, jx.outvars)
     names = {
         jx.eqns[i].primitive.name
