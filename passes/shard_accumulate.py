@@ -109,8 +109,9 @@ def local_accumulation(
         if p.name.phase is Phase.APPLY or not groups or mesh.num_devices == 1:
             continue
         targets = _targets(traced, groups)
-        split = _splitter(traced, graph, mesh, (specs or {}).get(mesh.id))
-        found = unreduced_values(traced.jaxpr, p.eqns, split, targets)
+        solved = (specs or {}).get(mesh.id)
+        split = _splitter(traced, graph, mesh, solved)
+        found = unreduced_values(traced.jaxpr, p.eqns, split, targets, planned=bool(solved))
         if not found:
             continue
         programs[p.name] = tuple(found[k] for k in sorted(found))

@@ -138,15 +138,27 @@ def _made_rule(eqn, split_of: Callable, ids: Mapping, zeros=frozenset()) -> tupl
     return None
 
 
+def _clashes(eqn, axes: tuple[str, ...], split_of: Callable, ids: Mapping) -> bool:
+    """True when the plan splits an output over one of ``axes``: a value cannot be both
+    split over an axis and a partial sum over it."""
+    for o in eqn.outvars:
+        got = split_of(ids[o]) if o in ids else None
+        if got and any(a in axes for dim_axes in got.values() for a in dim_axes):
+            return True
+    return False
+
+
 def unreduced_values(
-    jaxpr, eqns: Iterable[int], split_of: Callable, targets: Iterable
+    jaxpr, eqns: Iterable[int], split_of: Callable, targets: Iterable, planned: bool = False
 ) -> dict[int, Unreduced]:
     """Var id -> :class:`Unreduced` for the values of ``eqns`` that can be held unreduced
     and lead (through unreduced values only) to one of ``targets`` (Vars: the
     accumulated contributions).
 
     ``split_of(var id)`` is the value's split on this mesh: ``{dim: mesh axes}`` (or
-    None).  Pure: the plan records the answer and the runtime follows it.
+    None).  ``planned``: the splits are the sharding solver's for every value, so a
+    value split over an axis is never held as a partial sum over it.  Pure: the plan
+    records the answer and the runtime follows it.
     """
     ids = var_ids(jaxpr)
     order = list(eqns)
@@ -160,7 +172,7 @@ def unreduced_values(
             rule = _mapped_rule(e, held, zeros)
         else:
             rule = _made_rule(e, split_of, ids, zeros)
-        if rule is not None:
+        if rule is not None and not (planned and _clashes(e, rule[0], split_of, ids)):
             for o in e.outvars:
                 if not is_dropvar(o):
                     held[o] = Unreduced(ids[o], rule[0], rule[1])
