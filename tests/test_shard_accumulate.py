@@ -58,7 +58,7 @@ def test_data_parallel_reduces_once_per_step_not_per_micro_batch(monkeypatch):
 @pytest.mark.parametrize(
     "model,method",
     [
-        ("mlp", meshshard.DataParallel(mesh_shape=(1, 4), num_micro_batches=M)),
+        ("mlp", meshshard.DataParallel(mesh_shape=(1, 2), num_micro_batches=M)),
         ("mlp", meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])),
     ],
 )
