@@ -347,6 +347,7 @@ def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
         group_contents,
         make_mesh,
         sharding,
+        stored_shapes,
     )
 
     shape = next(m.shape for m in plan.meshes if m.id == mesh_id)
@@ -357,10 +358,10 @@ def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
         args = []
         for g in prog.input_groups:
             vids = group_contents(plan, g).vars
-            for vid, spec in zip(vids, _specs_for(plan, g, mesh_id), strict=True):
+            specs, shapes = _specs_for(plan, g, mesh_id), stored_shapes(plan, g, mesh_id)
+            for vid, spec, shape in zip(vids, specs, shapes, strict=True):
                 aval = by_id[vid].aval
-                args.append(
-                    jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding(mesh, spec))
-                )
+                shape = aval.shape if shape is None else shape  # unreduced: (n, *shape)
+                args.append(jax.ShapeDtypeStruct(shape, aval.dtype, sharding=sharding(mesh, spec)))
         out[str(name)] = collectives_of(prog.fn.lower(*args).compile())
     return out

@@ -104,13 +104,50 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
     spec: Spec = ()
+    #: mesh axes over which an accumulator holds per-device partial sums (stored with a
+    #: leading axis of their size, summed once per step by the update); () = whole
+    unreduced: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
+    def stored(self, axis_size) -> tuple[tuple[int, ...], Spec]:
+        """(shape, spec) of the array as held on the mesh (``axis_size``: axis -> size)."""
+        if not self.unreduced:
+            return self.shape, self.spec
+        n = int(np.prod([axis_size[a] for a in self.unreduced]))
+        axes = self.unreduced
+
+        def drop(entry):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            kept = tuple(a for a in names if a not in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+
+        lead = axes if len(axes) > 1 else axes[0]
+        return (n, *self.shape), (lead, *(drop(e) for e in self.spec))
+
     def __str__(self) -> str:
-        return f"{_shape_str(self.dtype, self.shape)} {spec_str(self.spec)} {self.name}"
+        local = f" unreduced[{','.join(self.unreduced)}]" if self.unreduced else ""
+        return f"{_shape_str(self.dtype, self.shape)} {spec_str(self.spec)}{local} {self.name}"
+
+
+@dataclass(frozen=True)
+class Unreduced:
+    """A value a program holds as ``n`` partial sums over mesh ``axes`` (leading axis).
+
+    ``split`` is set on the equation that makes it (a contraction over a split dim):
+    the dim of each operand split over ``axes`` (``dot_general``: lhs and rhs;
+    ``reduce_sum``: its one operand).  Empty for values mapped from unreduced inputs.
+    """
+
+    var: int
+    axes: tuple[str, ...]
+    split: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        made = f" split({','.join(map(str, self.split))})" if self.split else ""
+        return f"%{self.var} unreduced[{','.join(self.axes)}]{made}"
 
 
 @dataclass(frozen=True)
@@ -158,6 +195,8 @@ class ProgramSpec:
     flops: float | None = None
     bytes_accessed: float | None = None
     constraints: tuple[tuple[int, Spec], ...] = ()
+    #: values the program holds as per-device partial sums (gradient accumulation)
+    unreduced: tuple[Unreduced, ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "name", ProgramRef.of(self.name))
@@ -168,6 +207,8 @@ class ProgramSpec:
         cost = f"  {self.flops:.3g} flop" if self.flops is not None else ""
         if self.constraints:
             cost += f"  {len(self.constraints)} sharding constraints"
+        if self.unreduced:
+            cost += f"  {len(self.unreduced)} unreduced"
         return (
             f"{self.name}  mesh{self.mesh}  {len(self.eqns)} eqns  "
             f"({' '.join(map(str, self.inputs))}) -> ({' '.join(map(str, self.outputs))}){cost}"

@@ -6,7 +6,8 @@ lowers it once to read JAX's cost analysis); no Ray, no devices.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +22,7 @@ from meshshard.jaxpr_util import (
     read_var,
     var_ids,
 )
+from meshshard.passes.shard_unreduced import eval_unreduced
 from meshshard.refs import BufferGroup, BufferKind
 
 ACC = BufferKind.ACCUMULATORS
@@ -36,6 +38,7 @@ def program_function(
     partials: dict | None = None,
     constrain: Callable | None = None,
     constrained: Sequence[int] = (),
+    unreduced: Local | None = None,
 ) -> Callable:
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
@@ -46,7 +49,8 @@ def program_function(
     ``partials`` (var id -> (op, term var ids, literal terms)) are outputs computed as
     this mesh's part of a cross-mesh all-reduce.  ``constrain(var_id, value)`` is applied
     to each value of ``constrained`` as it is computed (the runtime passes
-    ``with_sharding_constraint`` with the plan's inferred spec).
+    ``with_sharding_constraint`` with the plan's inferred spec).  ``unreduced`` holds
+    gradient contributions as per-device partial sums (see :class:`Local`).
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -75,7 +79,13 @@ def program_function(
     ids = var_ids(jaxpr)
     pinned = {by_id[i] for i in constrained} if constrain is not None else set()
 
-    def pin(i, eqn, env) -> bool:
+    loc = unreduced or Local()
+
+    def pin(i, eqn, env, held=None) -> bool:
+        if held is not None and eval_unreduced(
+            eqn, env, held, loc.values, ids, loc.axis_size, loc.shard
+        ):
+            return True
         if not any(o in pinned for o in eqn.outvars):
             return False
         outs = bind_eqn(eqn, [read_var(env, v) for v in eqn.invars])
@@ -85,6 +95,7 @@ def program_function(
         return True
 
     def fn(*flat):
+        held: dict = {}  # Var -> Unreduced of values held as partial sums
         env = dict(consts)
         env.update(literal_results)
         acc_in = {}
@@ -96,28 +107,60 @@ def program_function(
                 if not is_acc:
                     env[v] = x
                 elif is_apply:  # accumulators -> the combined value (mean: sum / m)
-                    env[v] = finish(reduce_of[v], x, m)
+                    env[v] = finish(reduce_of[v], x.sum(0) if ids[v] in loc.accumulators else x, m)
                 else:
                     acc_in[v] = x
-        eval_eqns(eqns, env, on_eqn=pin if pinned else None)
+        hook = (lambda i, e, env: pin(i, e, env, held)) if loc.values else pin
+        eval_eqns(eqns, env, on_eqn=hook if pinned or loc.values else None)
         outs = []
         for is_acc, vs in out_groups:
             for v in vs:
                 if v in partial_vars:
-                    outs.append(_partial(partial_vars[v], env, v.aval))
+                    outs.append(_partial(partial_vars[v], _dense(env, held), v.aval))
                 elif is_acc and not is_apply:
-                    operand = result_to_operand[v]
-                    contribution = read_var(env, operand) if operand in defined else None
-                    outs.append(
-                        acc_in[v]
-                        if contribution is None
-                        else combine(reduce_of[v], acc_in[v], contribution)
-                    )
+                    outs.append(_accumulate(v, acc_in[v], env, held))
                 else:
-                    outs.append(read_var(env, v))
+                    outs.append(_read(env, held, v))
         return tuple(outs)
 
+    def _accumulate(v, acc, env, held):
+        operand = result_to_operand[v]
+        if operand not in defined:
+            return acc
+        axes = loc.accumulators.get(ids[v])
+        if axes is None:  # stored whole
+            return combine(reduce_of[v], acc, _read(env, held, operand))
+        if operand in held and held[operand].axes == axes:  # no collective
+            return combine(reduce_of[v], acc, read_var(env, operand))
+        return acc.at[0].add(_read(env, held, operand))  # a whole contribution counts once
+
     return fn
+
+
+@dataclass(frozen=True)
+class Local:
+    """Values a program holds as per-device partial sums (``passes/shard_unreduced.py``).
+
+    ``values``: var id -> Unreduced (the plan's, for this program); ``accumulators``: var
+    id -> mesh axes of the accumulators stored that way (leading axis of partial sums,
+    summed by the update); ``axis_size``: mesh axis -> size; ``shard(var, axes, x)`` pins a new
+    unreduced value's leading axis.
+    """
+
+    values: Mapping = field(default_factory=dict)
+    accumulators: Mapping = field(default_factory=dict)
+    axis_size: Mapping = field(default_factory=dict)
+    shard: Callable = lambda var, axes, x: x
+
+
+def _read(env, held, v):
+    """A value whole: the sum of its partial sums when held unreduced."""
+    x = read_var(env, v)
+    return x.sum(0) if not is_literal(v) and v in held else x
+
+
+def _dense(env, held):
+    return {v: (x.sum(0) if v in held else x) for v, x in env.items()}
 
 
 _REDUCERS = {

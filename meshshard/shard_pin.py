@@ -38,22 +38,29 @@ def _spec_data(spec) -> tuple:
     return entries
 
 
-shard_p.def_impl(lambda x, *, spec: x)
-shard_p.def_abstract_eval(lambda x, *, spec: x)
+shard_p.def_impl(lambda x, *, spec, name=None: x)
+shard_p.def_abstract_eval(lambda x, *, spec, name=None: x)
 
 
-def _jvp(primals, tangents, *, spec):
+def _jvp(primals, tangents, *, spec, name=None):
     (x,), (t,) = primals, tangents
-    return shard_p.bind(x, spec=spec), shard_p.bind(instantiate_zeros(t), spec=spec)
+    return shard_p.bind(x, spec=spec, name=name), shard_p.bind(
+        instantiate_zeros(t), spec=spec, name=name
+    )
 
 
-def _transpose(ct, x, *, spec):
-    return [shard_p.bind(instantiate_zeros(ct), spec=spec)]
+def _transpose(ct, x, *, spec, name=None):
+    return [shard_p.bind(instantiate_zeros(ct), spec=spec, name=name)]
 
 
 register_identity_rules(shard_p, _jvp, _transpose)
 
 
-def shard(x, spec):
-    """Return ``x``, pinned to ``spec`` (a ``PartitionSpec`` over ``'host'``/``'device'``)."""
-    return shard_p.bind(x, spec=_spec_data(spec))
+def shard(x, spec, name: str | None = None):
+    """Return ``x``, pinned to ``spec`` (a ``PartitionSpec`` over ``'host'``/``'device'``).
+
+    ``name`` labels the value in the plan's errors (e.g. a pin that does not divide).
+    """
+    if name is not None and not isinstance(name, str):
+        raise MeshshardInputError(f"meshshard.shard name={name!r} must be a str or None")
+    return shard_p.bind(x, spec=_spec_data(spec), name=name)

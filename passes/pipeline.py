@@ -27,6 +27,7 @@ from meshshard.passes.meshes import auto_layout, stage_layout
 from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
+from meshshard.passes.shard_accumulate import local_accumulation
 from meshshard.passes.shard_plan import (
     infer_shardings,
     program_constraints,
@@ -112,6 +113,12 @@ def _shard(st: CompileState) -> CompileState:
     )
 
 
+def _accumulate(st: CompileState) -> CompileState:
+    specs = spec_lookup(st.shardings or ())
+    buffers, unreduced = local_accumulation(st.traced, st.graph, st.meshes, st.buffers, specs)
+    return replace(st, buffers=buffers, unreduced=unreduced)
+
+
 def _transfers(st: CompileState) -> CompileState:
     strategy = getattr(st.method, "resharding", "broadcast")
     transfers = plan_transfers(
@@ -155,6 +162,7 @@ def _assemble(st: CompileState) -> CompileState:
             inputs=tuple(g.ref for g in p.inputs),
             outputs=tuple(g.ref for g in p.outputs),
             constraints=program_constraints(st.traced, st.shardings or (), p.stage, p.eqns),
+            unreduced=(st.unreduced or {}).get(p.name, ()),
         )
         for p in graph.programs
     )
@@ -203,6 +211,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("stage_graph", _stage_graph),
     Pass("split_backward", _split_backward),
     Pass("sharding", _shard),
+    Pass("local_accumulation", _accumulate),
     Pass("transfers", _transfers),
     Pass("schedule", _schedule),
     Pass("emit", _emit),

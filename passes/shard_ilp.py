@@ -207,6 +207,18 @@ def _pin_layout(spec, shape, mesh: LogicalMesh, name: str) -> Layout:
     return tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in layout)
 
 
+def _pin_name(eqn, vid: int) -> str:
+    """How an error names a pinned value: the pin's ``name=`` if given, and its id."""
+    label = eqn.params.get("name")
+    return f"{label!r} (%{vid})" if label else f"%{vid}"
+
+
+def _devices_that_fit(need: float, budget: float, mesh: LogicalMesh) -> int:
+    """The device count at which the most sharded plan would fit, were it all sharded."""
+    n = mesh.size(mesh.axes)
+    return max(n + 1, math.ceil(need * n / budget)) if budget > 0 else n + 1
+
+
 def _scope(jaxpr, eqns: Sequence[int] | None):
     idx = list(range(len(jaxpr.eqns))) if eqns is None else sorted(eqns)
     defined = {v for i in idx for v in jaxpr.eqns[i].outvars}
@@ -267,7 +279,7 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
                 source[ids[o]] = source[ids[a]]
                 if name == "meshshard_shard":
                     pin_on[source[ids[a]]] = _pin_layout(
-                        eqn.params["spec"], tuple(a.aval.shape), mesh, f"%{ids[o]}"
+                        eqn.params["spec"], tuple(a.aval.shape), mesh, _pin_name(eqn, ids[o])
                     )
             continue
         strat = strategies(eqn, mesh)
@@ -572,7 +584,9 @@ def solve_stage(
         raise MeshshardInputError(
             f"memory_budget={memory_budget / 2**20:.1f} MiB per device: no sharding of this "
             f"stage on mesh {mesh} fits; the most sharded plan needs {need / 2**20:.1f} MiB "
-            f"per device. Give the stage more devices (a larger mesh) or raise the budget"
+            f"per device. What would fit: a budget of at least {need / 2**20:.1f} MiB "
+            f"(ClusterSpec(device_memory=...)), or a larger mesh for this stage (at least "
+            f"{_devices_that_fit(need, memory_budget, mesh)} devices, were all of it sharded)"
         )
     t0 = time.perf_counter()
     choice, size, res = _milp(problem, memory_budget, time_limit, mip_rel_gap)

@@ -183,6 +183,58 @@ def _gather(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return _role_strategies(eqn, mesh, roles, (operand, indices), out_shape)
 
 
+def _scatter_add(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """An embedding gradient: split the updates' scatter dims with the indices (each
+    device scatters its rows into a whole table: the output is all-reduced, as a split
+    contraction is), a full window dim with the operand's dim (the feature dim: no
+    collective), or batching dims paired on all three."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices, updates = (_shape(v) for v in eqn.invars[:3])
+    scatter = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+    window = [
+        j
+        for j in range(len(operand))
+        if j not in dn.inserted_window_dims and j not in dn.operand_batching_dims
+    ]
+    if len(scatter) != len(indices) - 1 or len(window) != len(dn.update_window_dims):
+        return _replicated(eqn, mesh)
+    roles = []  # (size, operand dims, indices dims, updates dims, reduces the output)
+    for k, ud in enumerate(scatter):
+        if k in dn.scatter_indices_batching_dims:
+            od = dn.operand_batching_dims[dn.scatter_indices_batching_dims.index(k)]
+            roles.append((updates[ud], (od,), (k,), (ud,), False))
+        else:
+            roles.append((updates[ud], (), (k,), (ud,), True))
+    for k, ud in enumerate(dn.update_window_dims):
+        if updates[ud] == operand[window[k]]:
+            roles.append((updates[ud], (window[k],), (), (ud,), False))
+    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    out = []
+    for groups in _assignments(len(roles), mesh):
+        if any(roles[r][0] % mesh.size(a) for r, a in groups.items()):
+            continue
+        lays = [[()] * len(x) for x in (operand, indices, updates)]
+        reduce_axes: tuple[str, ...] = ()
+        for r, axes in groups.items():
+            for which, dims in enumerate(roles[r][1:4]):
+                for d in dims:
+                    lays[which][d] = axes
+            if roles[r][4]:
+                reduce_axes += axes
+        out_lay = tuple(lays[0])
+        comms = ()
+        if reduce_axes:
+            nbytes = math.prod(operand) * itemsize / shards(out_lay, mesh)
+            comms = (Comm("all-reduce", tuple(a for a in mesh.axes if a in reduce_axes), nbytes),)
+        ins = tuple(tuple(x) for x in lays) + tuple(
+            None if _is_literal(v) else _whole(v) for v in eqn.invars[3:]
+        )
+        split = math.prod(mesh.size(a) for a in groups.values())
+        name = f"upd{_name(tuple(lays[2]))}"
+        out.append(Strategy(name, (out_lay,), ins, comms, split))
+    return out
+
+
 def _role_strategies(eqn, mesh, roles, in_shapes, out_shape) -> list[Strategy]:
     out = []
     for groups in _assignments(len(roles), mesh):
@@ -398,6 +450,7 @@ STRATEGY_RULES: dict[str, Rule] = {
     "reshape": _reshape,
     "squeeze": _squeeze,
     "gather": _gather,
+    "scatter-add": _scatter_add,
 }
 
 

@@ -32,6 +32,7 @@ class CompileState:
     graph: StageGraph | None = None
     buffers: tuple[BufferSpec, ...] | None = None
     shardings: tuple | None = None  # MeshSharding per mesh (passes/shard_plan.py)
+    unreduced: dict | None = None  # program -> values held unreduced (shard_accumulate.py)
     transfers: tuple[TransferSpec, ...] | None = None
     schedule: Schedule | None = None
     streams: tuple[WorkerStream, ...] | None = None

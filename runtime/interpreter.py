@@ -284,9 +284,10 @@ class StreamInterpreter:
 
     def _zeros(self, name: BufferRef) -> tuple:
         spec = self._buffers_spec[name]
+        stored = [t.stored(self.mesh.shape) for t in spec.tensors]  # unreduced: (n, *shape)
         return tuple(
-            jax.device_put(np.zeros(t.shape, t.dtype), sharding(self.mesh, t.spec))
-            for t in spec.tensors
+            jax.device_put(np.zeros(shape, t.dtype), sharding(self.mesh, sp))
+            for t, (shape, sp) in zip(spec.tensors, stored, strict=True)
         )
 
     def _where(self, i: int, exc: Exception) -> str:

@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshshard.passes.apply_programs import program_partials
 from meshshard.passes.trace import TracedStep
-from meshshard.plan import MESH_AXES, Plan, Spec
-from meshshard.program_fn import program_function
+from meshshard.plan import MESH_AXES, Plan, Spec, TensorSpec
+from meshshard.program_fn import Local, program_function
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, Phase, ProgramRef
 
 
@@ -66,7 +66,16 @@ def _specs_for(plan: Plan, group: BufferRef, mesh_id: int) -> tuple[Spec, ...]:
         return (t.tensor.spec if t.src_mesh == mesh_id else t.dst_spec,)
     if group.kind is BufferKind.REDUCTION:
         return ((),)
-    return tuple(t.spec for t in plan.buffer(group).tensors)
+    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].shape, strict=True))
+    return tuple(t.stored(axis_size)[1] for t in plan.buffer(group).tensors)
+
+
+def stored_shapes(plan: Plan, group: BufferRef, mesh_id: int) -> tuple:
+    """Shape of each array of ``group`` as held on the mesh (None: the traced shape)."""
+    if group.kind in (BufferKind.TRANSFER, BufferKind.REDUCTION):
+        return (None,)
+    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].shape, strict=True))
+    return tuple(t.stored(axis_size)[0] for t in plan.buffer(group).tensors)
 
 
 def build_programs(
@@ -87,6 +96,7 @@ def build_programs(
             partials=program_partials(plan.reductions, spec.outputs, mesh_id),
             constrain=_constrainer(mesh, dict(spec.constraints)),
             constrained=tuple(v for v, _ in spec.constraints),
+            unreduced=_local(plan, spec, mesh),
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
@@ -114,6 +124,26 @@ def _constrainer(mesh: Mesh, specs: dict) -> Callable | None:
     if not specs:
         return None
     return lambda var, x: jax.lax.with_sharding_constraint(x, sharding(mesh, specs[var]))
+
+
+def _local(plan: Plan, spec, mesh: Mesh) -> Local | None:
+    """What the program holds as per-device partial sums (gradient accumulation)."""
+    accs = {
+        t.var: t.unreduced
+        for g in (*spec.inputs, *spec.outputs)
+        if g.kind is BufferKind.ACCUMULATORS
+        for t in plan.buffer(g).tensors
+        if t.unreduced
+    }
+    if not spec.unreduced and not accs:
+        return None
+    specs = dict(spec.constraints)
+
+    def shard(var: int, axes: tuple[str, ...], x):
+        t = TensorSpec(var, "", tuple(x.shape[1:]), "float32", specs.get(var, ()), axes)
+        return jax.lax.with_sharding_constraint(x, sharding(mesh, t.stored(mesh.shape)[1]))
+
+    return Local({u.var: u for u in spec.unreduced}, accs, dict(mesh.shape), shard)
 
 
 def _flat_groups(plan: Plan, groups: Sequence[BufferRef], mesh_id: int) -> list[BufferRef]:

@@ -9,6 +9,7 @@ from tests.conftest import assert_trees_close
 MODELS = {
     "mlp": lambda: (mlp, mlp.MLP(num_layers=4), mlp.make_batch(batch_size=16)),
     "gpt": lambda: (gpt, gpt.GPT(num_layers=4), gpt.make_batch(batch_size=8)),
+    "gpt_small": lambda: (gpt, gpt.GPT(num_layers=2), gpt.make_batch(batch_size=8)),
     # wide enough that the sharding ILP splits weights and activations (not all-replicated)
     "mlp_wide": lambda: (mlp, mlp.MLP(hidden=256, num_layers=2), mlp.make_batch(batch_size=64)),
 }

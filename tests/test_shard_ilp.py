@@ -117,3 +117,21 @@ def test_reshard_comms_and_layouts():
     (move,) = reshard_comms((8, 8), "float32", (("host",), ()), ((), ("host",)), mesh)
     assert move.kind == "all-to-all" and move.nbytes == 8 * 8 * 4 / 2
     assert reshard_comms((8, 8), "float32", ((), ()), (("device",), ()), mesh) == ()
+
+
+def test_scatter_add_rule_splits_rows_with_a_reduce_or_the_feature_dim_without():
+    from meshshard.passes.shard_rules import strategies
+
+    def emb_grad(ids, upd):  # the gradient of an embedding lookup
+        return jnp.zeros((16, 8)).at[ids].add(upd)
+
+    jx = jax.make_jaxpr(emb_grad)(jnp.zeros((12,), jnp.int32), jnp.ones((12, 8))).jaxpr
+    (eqn,) = [e for e in jx.eqns if e.primitive.name == "scatter-add"]
+    by_upd = {s.ins[2]: s for s in strategies(eqn, MESH)}
+    rows = by_upd[(("device",), ())]  # each device scatters its 3 rows into a whole table
+    assert rows.outs == (((), ()),) and rows.ins[1][0] == ("device",)
+    assert [(c.kind, c.axes, c.nbytes) for c in rows.comms] == [("all-reduce", ("device",), 512)]
+    feat = by_upd[((), ("device",))]  # the feature dim split on table and updates alike
+    assert feat.outs == (((), ("device",)),) and feat.ins[0] == ((), ("device",))
+    assert feat.comms == () and feat.split == 4
+    assert by_upd[((), ())].comms == ()  # replicated

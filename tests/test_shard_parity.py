@@ -47,3 +47,10 @@ def test_shard_parallel_mesh_across_two_host_actors(ray_cluster):
     step = check_parity("mlp_wide", ShardParallel((2, 2)), steps=2)
     assert step.plan.meshes[0].hosts == (0, 1)
     assert any("sharding ILP on host=2xdevice=2" in n for n in step.plan.notes)
+
+
+@pytest.mark.slow
+def test_gpt_under_pipeshard_auto_sharding_matches_single_device(threads_cluster):
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto")
+    step = check_parity("gpt_small", method, steps=1)
+    assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh

@@ -1,0 +1,93 @@
+"""Issue 11: gradient accumulation runs no collective per micro-batch.
+
+Each micro-batch's weight gradient stays a per-device partial sum (accumulator with a
+leading axis of partial sums); the update reduces once per step.  Collectives are
+counted in the compiled HLO of every program, parity is against single-device jax.jit.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshshard
+from examples import mlp
+from meshshard.cluster import ClusterSpec
+from meshshard.hlo_collectives import count_by_kind, program_collectives
+from meshshard.jaxpr_util import var_ids
+from meshshard.passes.pipeline import plan_step
+from meshshard.passes.shard_unreduced import unreduced_values
+from meshshard.refs import BufferKind, Phase
+from tests.parity import check_parity
+
+M = 4
+
+
+def _collectives_per_step(plan, traced) -> dict[str, int]:
+    """Collectives one step runs: each program's HLO count times its runs per step."""
+    got = program_collectives(plan, traced, 0, jax.devices()[: plan.meshes[0].num_devices])
+    per_step: dict[str, int] = {}
+    for p in plan.programs:
+        runs = plan.num_micro_batches if p.name.phase in (Phase.FORWARD, Phase.BACKWARD) else 1
+        for kind, n in count_by_kind(got[str(p.name)]).items():
+            per_step[kind] = per_step.get(kind, 0) + n * runs
+    return per_step
+
+
+def _mlp_plan(monkeypatch, mode: str):
+    monkeypatch.setenv("MESHSHARD_ACCUMULATE", mode)
+    batch = mlp.make_batch(batch_size=32)
+    state = mlp.make_state(mlp.MLP(hidden=32, num_layers=2), batch["x"])
+    method = meshshard.DataParallel(mesh_shape=(1, 4), num_micro_batches=M)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    return plan_step(mlp.train_step, (state, batch), method=method, cluster=cluster)
+
+
+@pytest.mark.slow
+def test_data_parallel_reduces_once_per_step_not_per_micro_batch(monkeypatch):
+    before = _collectives_per_step(*_mlp_plan(monkeypatch, "reduced"))
+    plan, traced = _mlp_plan(monkeypatch, "local")
+    after = _collectives_per_step(plan, traced)
+    assert before == {"all-reduce": 2 * M}, before  # backward and loss, per micro-batch
+    assert after == {"all-reduce": 1}, after  # the update's, once per step
+    (acc,) = [b for b in plan.buffers if b.name.kind is BufferKind.ACCUMULATORS]
+    assert all(t.unreduced == ("device",) for t in acc.tensors)  # host has size 1
+    assert "unreduced[device]" in str(acc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,method",
+    [
+        ("mlp", meshshard.DataParallel(mesh_shape=(1, 2), num_micro_batches=M)),
+        ("mlp", meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])),
+    ],
+)
+def test_local_accumulation_matches_single_device(threads_cluster, model, method):
+    step = check_parity(model, method, steps=2)
+    progs = [p for p in step.plan.programs if p.name.phase is Phase.BACKWARD]
+    assert progs and all(p.unreduced for p in progs), [str(p) for p in step.plan.programs]
+
+
+def test_rule_keeps_contractions_over_the_split_batch_and_what_follows_them():
+    def grads(x, dy, table_ids):
+        gw = 0.5 * jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))  # made, then mapped
+        gb = dy.sum(0)  # made by a reduce_sum over the split dim
+        emb = jnp.zeros((10, 4)).at[table_ids].add(dy)  # scatter-add of split rows
+        whole = jnp.tanh(dy.sum(0))  # not linear: reduced where it is read
+        return gw, gb, emb, whole
+
+    args = (jnp.ones((8, 3)), jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32))
+    jx = jax.make_jaxpr(grads)(*args).jaxpr
+    ids = var_ids(jx)
+    # the data-parallel rule: every value with the batch (8) as its leading dim is split
+    split = {i: {0: ("device",)} for v, i in ids.items() if v.aval.shape[:1] == (8,)}
+    found = unreduced_values(jx, range(len(jx.eqns)), split.get, jx.outvars)
+    names = {
+        jx.eqns[i].primitive.name
+        for i, e in enumerate(jx.eqns)
+        for o in e.outvars
+        if ids[o] in found
+    }
+    assert {ids[v] for v in jx.outvars[:3]} <= set(found)
+    assert ids[jx.outvars[3]] not in found
+    assert {"dot_general", "mul", "reduce_sum", "scatter-add"} <= names
