@@ -18,7 +18,9 @@ import importlib
 import importlib.abc
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -26,6 +28,25 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+def _share_compiled_programs() -> None:
+    """One persistent XLA compilation cache for the whole run, in a fresh temporary
+    directory: many tests compile the same stage programs (the same GPT split under
+    another schedule or optimizer), and the xdist workers and the Ray host-actors
+    inherit the directory from this environment.  The cache is keyed by the program's
+    HLO and compile options, so a hit is the same executable; it starts empty every run
+    and is removed at the end.  ``MESHSHARD_TEST_COMPILE_CACHE=0`` turns it off."""
+    if os.environ.get("MESHSHARD_TEST_COMPILE_CACHE", "1") == "0":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the xdist master (or a plain run)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshshard-xla-")
+        os.environ["MESHSHARD_TEST_CACHE_OWNER"] = str(os.getpid())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_share_compiled_programs()
 
 ALIASED = ("passes", "runtime")
 
@@ -67,6 +88,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--update-golden"):
         os.environ["MESHSHARD_UPDATE_GOLDEN"] = "1"
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("MESHSHARD_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -184,7 +184,8 @@ def test_tied_embedding_plan_shows_owner_copies_and_gradient_sum():
     assert "t0 -> s3.F" in str(plan)
 
 
-@pytest.mark.parametrize("stages,clip", [(2, False), (4, True)], ids=["2stages", "4stages-clip"])
+# the tied GPT clipped on four stages (with adamw): test_shared_params
+@pytest.mark.parametrize("stages,clip", [(2, False)], ids=["2stages"])
 def test_tied_embeddings_match_jit(threads_cluster, stages, clip):
     """SGD (optionally after global-norm clipping) checks the summed gradient itself:
     Adam would amplify the rounding of near-zero gradient entries summed in another

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshshard import PipeshardParallel
+from meshshard import DataParallel, PipeshardParallel
 from meshshard.methods import RESHARDING_STRATEGIES
 from tests.parity import check_parity
 
@@ -17,7 +17,6 @@ CASES = [
     ("mlp", "gpipe", [(1, 2)] * 2, 8),
     ("gpt", "1f1b", [(1, 2)] * 2, 2),
     ("gpt", "gpipe", [(1, 2)] * 4, 4),
-    ("gpt", "1f1b", [(1, 1)] * 4, 8),
 ]
 
 
@@ -36,3 +35,9 @@ def test_every_resharding_strategy_keeps_parity(threads_cluster, strategy):
     )
     step = check_parity("mlp", method)
     assert {t.strategy for t in step.plan.transfers} == {strategy}
+
+
+def test_gpt_data_parallel_on_a_two_host_mesh(threads_cluster):
+    """The GPT on one (2, 2) mesh: gradients all-reduced over both hosts' devices."""
+    step = check_parity("gpt", DataParallel(mesh_shape=(2, 2)))
+    assert step.plan.meshes[0].num_devices == 4

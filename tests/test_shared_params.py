@@ -92,7 +92,7 @@ def _loss(state, batch):
     return loss_fn
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages", [4])  # the two-stage tied GPT: test_cross_stage
 def test_tied_gpt_clip_adamw_matches_jit(threads_cluster, stages):
     """chain(clip_by_global_norm, adamw) on the tied GPT, 3 steps, within 1e-5 of jax.jit.
 
