@@ -113,7 +113,7 @@ def test_no_strategy_beats_the_hop_bound_on_small_random_cases():
     is benchmarks/resharding_random.py)."""
     rng = np.random.default_rng(7)
     applied = 0
-    for _ in range(12):
+    for _ in range(6):
         parts = int(rng.integers(1, 3))
         src = MeshSpec(0, (2, parts), (0, 1))
         dst = MeshSpec(1, (3, int(rng.integers(1, 4))), DST_HOSTS)
@@ -123,4 +123,4 @@ def test_no_strategy_beats_the_hop_bound_on_small_random_cases():
         for s in STRATEGIES:
             if s != "broadcast_search":
                 assert plan_resharding(p, s, CLUSTER).sim_time_s >= bound * (1 - 1e-9), s
-    assert applied >= 6
+    assert applied >= 3
