@@ -9,10 +9,12 @@ described cluster to the messages of a :class:`~meshshard.plan.TransferSpec`.
 - ``check_messages``: the exactness contract (every destination tile covered once).
 
 One module per job: ``blocks`` (block arithmetic, message building), ``coverage``
-(the contract), ``bound``, ``baselines`` (the paper's send/recv, local all-gather,
+(the contract), ``bound`` (NIC and tight bounds), ``hops`` (the hop bound for small
+multicasts to more hosts than hold the data), ``baselines`` (the paper's send/recv, local all-gather,
 broadcast without and with size balancing), ``search`` (the paper's bounded search),
 ``rounds`` (the LP over NIC-disjoint rounds), ``realize`` (rounds to messages),
-``whole`` (whole-slice schedules), ``broadcast`` (ours: picks among those),
+``whole`` (whole-slice schedules), ``balance`` (a sender's last slice shared with
+another holder), ``broadcast`` (ours: picks among those),
 ``estimate`` (fast makespan estimate), ``simulate``, ``result``, ``planner``.
 This module only re-exports.
 """

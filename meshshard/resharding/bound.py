@@ -96,6 +96,7 @@ __all__ = [
     "min_senders",
     "receiver_groups",
     "host_bandwidth",
+    "landing_hosts",
     "multicast_seconds",
     "smallest_chunk",
     "tight_bound",
@@ -440,6 +441,31 @@ def _single_device_last(
     return False
 
 
+def landing_hosts(
+    problem: ReshardingProblem, cluster: ClusterSpec, nic: LowerBound
+) -> dict[int, float]:
+    """``{destination host: seconds}`` for each host whose last message, with the fewest
+    messages, still needs a fabric hop after it landed (:func:`_landing_terms`): a host
+    that takes at most one chunk in all and that no smallest cover can send a last
+    message for one device only.  The seconds are one fabric latency, or a NIC latency
+    where that is less (one more message)."""
+    per_host: dict[int, list[tuple[frozenset[int], frozenset[int]]]] = {}
+    for need in problem.needs:
+        holders = frozenset(h for h, _ in need.holders)
+        for h, devs in by_receiver_host(need.receivers).items():
+            per_host.setdefault(h, []).append((holders, devs))
+    if len(problem.src.hosts) > _MAX_SUBSET_HOSTS:
+        return {}
+    extra = min(cluster.intra_latency, cluster.nic_latency)
+    out = {}
+    for t in nic.terms:
+        if t.side != "ingress" or t.nbytes > MIN_CHUNK_BYTES:
+            continue
+        if not _single_device_last(per_host[t.members[0]], t.slices, problem.src.hosts):
+            out[t.members[0]] = extra
+    return out
+
+
 def _landing_terms(
     problem: ReshardingProblem, cluster: ClusterSpec, nic: LowerBound
 ) -> list[BoundTerm]:
@@ -448,21 +474,12 @@ def _landing_terms(
     smallest cover), unless one of them can carry only blocks for one device, its last
     message lands on one device and still has to reach another (a fabric latency);
     avoiding that costs one more message (a NIC latency)."""
-    per_host: dict[int, list[tuple[frozenset[int], frozenset[int]]]] = {}
-    for need in problem.needs:
-        holders = frozenset(h for h, _ in need.holders)
-        for h, devs in by_receiver_host(need.receivers).items():
-            per_host.setdefault(h, []).append((holders, devs))
-    if len(problem.src.hosts) > _MAX_SUBSET_HOSTS:
-        return []
+    hosts = landing_hosts(problem, cluster, nic)
     out = []
-    extra = min(cluster.intra_latency, cluster.nic_latency)
     for t in nic.terms:
-        if t.side != "ingress" or t.nbytes > MIN_CHUNK_BYTES:
+        if t.side != "ingress" or t.members[0] not in hosts:
             continue
-        slices = per_host[t.members[0]]
-        if _single_device_last(slices, t.slices, problem.src.hosts):
-            continue
+        extra = hosts[t.members[0]]
         detail = f"{fmt_bytes(t.nbytes)} in {t.slices} message(s), the last one fanned out"
         out.append(
             BoundTerm(f"{t.resource} + landing", t.nbytes, t.slices, 1, t.seconds + extra, detail)

@@ -17,7 +17,8 @@ Compared with the paper's broadcast planners (``broadcast_nolb/greedy/search``):
   different senders when that packs better;
 - **order and granularity by estimate**: several realisations of the rounds
   (:mod:`~meshshard.resharding.realize`) and whole-slice schedules for latency-bound
-  arrays (:mod:`~meshshard.resharding.whole`) are compared with the makespan
+  arrays (:mod:`~meshshard.resharding.whole`), each also with its busiest sender's
+  last slice shared (:mod:`~meshshard.resharding.balance`), are compared with the makespan
   estimate of :mod:`~meshshard.resharding.estimate`; the fastest is the plan.
 
 Messages go to every device that needs the block (``dst_devices``), or, where that
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import Message
+from meshshard.resharding.balance import balanced
 from meshshard.resharding.baselines import Planned
 from meshshard.resharding.chunks import with_chunks
 from meshshard.resharding.coverage import check_messages
@@ -80,6 +82,10 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
         )
     if len(problem.needs) <= _SEARCH_MAX_SLICES:
         candidates.append(("whole slices by bounded search", searched_slices(problem, cluster)))
+    for desc, msgs in list(candidates):
+        shared = balanced(problem, msgs, cluster)
+        if shared is not None:
+            candidates.append((f"{desc}, the busiest sender's last slice shared", shared))
     desc, msgs = _choose(candidates, problem, cluster)
     rounds_used = 1 + max((m.round for m in msgs), default=-1)
     return tuple(msgs), (f"{len(pools)} flows in {rounds_used} rounds: {desc}",)

@@ -1,0 +1,76 @@
+"""The balanced candidate (meshshard/resharding/balance.py): the busiest sender's last
+slice shared with another holder, chosen where it is faster, executed exactly on threads."""
+
+import numpy as np
+import pytest
+
+from meshshard.cluster import ClusterSpec
+from meshshard.passes.emit import transfer_only_plan
+from meshshard.plan import MeshSpec, TensorSpec, TransferSpec
+from meshshard.resharding import plan_resharding, simulate_resharding
+from meshshard.resharding.balance import balanced
+from meshshard.resharding.hops import hop_bound
+from meshshard.resharding.whole import dispatch_slices
+from meshshard.runtime.transfer_run import (
+    expected_bytes_received,
+    expected_tiles,
+    run_transfer_threads,
+)
+from meshshard.tiles import resharding_problem
+
+pytestmark = pytest.mark.fast
+
+CLUSTER = ClusterSpec.preset("aws-p3.8xlarge", num_hosts=5)
+SRC = MeshSpec(0, (2, 2), (0, 1))
+DST = MeshSpec(1, (3, 1), (2, 3, 4))
+
+
+def _problem(n: int = 20937):
+    """Both source hosts hold the whole array; each destination host needs a third."""
+    return resharding_problem((n,), "int32", SRC, (None,), DST, ("host",))
+
+
+def test_sharing_the_last_slice_beats_whole_slices_and_is_chosen():
+    p = _problem()
+    whole = dispatch_slices(p, CLUSTER, "per receiving host")
+    t_whole = simulate_resharding(p, whole, CLUSTER)
+    shared = balanced(p, whole, CLUSTER)
+    assert shared is not None and len(shared) == len(whole) + 1
+    assert simulate_resharding(p, shared, CLUSTER) < t_whole * 0.92
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert "last slice shared" in plan.notes[0]
+    assert plan.sim_time_s < t_whole * 0.92
+    assert plan.sim_time_s >= hop_bound(p, CLUSTER)
+
+
+def test_nothing_to_balance_without_a_second_holder():
+    src = MeshSpec(0, (2, 1), (0, 1))
+    p = resharding_problem((20940,), "int32", src, ("host",), DST, ())
+    msgs = plan_resharding(p, "send_recv", CLUSTER, simulate=False).messages
+    assert balanced(p, msgs, CLUSTER) is None  # broadcasts (groups) are left alone
+
+
+def test_balanced_plan_delivers_exact_tiles_on_threads():
+    p = _problem(2997)
+    plan = plan_resharding(p, "broadcast", CLUSTER, simulate=False)
+    assert "last slice shared" in plan.notes[0]
+    t = TransferSpec(
+        "t0",
+        TensorSpec(0, "x", p.shape, p.dtype, p.src_spec),
+        p.dst_spec,
+        0,
+        1,
+        None,
+        None,
+        plan.messages,
+        plan.strategy,
+    )
+    run_plan = transfer_only_plan(t, (SRC, DST), CLUSTER)
+    full = np.arange(int(np.prod(p.shape)), dtype=np.int32).reshape(p.shape)
+    tiles, received = run_transfer_threads(run_plan, full)
+    for w in DST.hosts:
+        for d, (idx, data) in expected_tiles(full, run_plan, w).items():
+            assert tiles[w][d][0] == idx
+            np.testing.assert_array_equal(tiles[w][d][1], data)
+    for w, nbytes in received.items():
+        assert nbytes == expected_bytes_received(run_plan, w), f"w{w}"
