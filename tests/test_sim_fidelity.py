@@ -145,3 +145,22 @@ def test_collectives_are_priced_on_the_fabric_they_cross():
     assert collective_seconds([across], (2, 2), cluster) == pytest.approx(
         (0.0, 2 * (1e-4 + 500 / 1e9))
     )
+
+
+@pytest.mark.parametrize("batch_size, split", [(16, 4), (8, 1)])
+def test_a_replicated_micro_batch_is_not_divided_over_the_mesh(batch_size, split):
+    """4 micro-batches of 4 rows split over a (2, 2) mesh's 4 devices; of 2 rows they
+    cannot, and each device runs the whole program: its FLOPs count whole."""
+    import meshshard
+    from examples import mlp
+    from meshshard import PipeshardParallel
+    from meshshard.sim.fidelity import sample_of, work_devices
+
+    batch = mlp.make_batch(batch_size)
+    state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
+    method = PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (2, 2)])
+    step = meshshard.parallelize(mlp.train_step, method=method)
+    plan = step.lower(state, batch, cluster=ClusterSpec("fidelity-4x2", 4, 2))
+    forward = next(p for p in plan.programs if str(p.name) == "s0.F")
+    assert work_devices(plan, forward) == split
+    assert sample_of(plan, forward, (0.0, 0.0)).devices == split

@@ -31,7 +31,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Run, Zeros
-from meshshard.plan import MeshSpec, Plan, ProgramSpec
+from meshshard.plan import MESH_AXES, MeshSpec, Plan, ProgramSpec
 
 __all__ = [
     "program_times",
@@ -276,15 +276,39 @@ class CalibratedRoofline:
         }
 
 
+def work_devices(plan: Plan, program: ProgramSpec) -> int:
+    """How many ways ``program``'s work is split: the most shards any of its input arrays
+    is cut into on its mesh.  A micro-batch too small to split over a (2, 2) mesh runs
+    whole, replicated, on each of its 4 devices: its FLOPs are not divided by 4."""
+    sizes = dict(zip(MESH_AXES, _mesh(plan, program.mesh).shape, strict=True))
+    best = 1
+    for ref in program.inputs:
+        try:
+            tensors = plan.buffer(ref).tensors
+        except KeyError:
+            try:
+                tensors = (plan.transfer(ref).tensor,)
+            except KeyError:
+                continue
+        for t in tensors:
+            n = 1
+            for entry in t.spec:
+                for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                    n *= sizes.get(axis, 1)
+            best = max(best, n)
+    return best
+
+
 def sample_of(
     plan: Plan, program: ProgramSpec, collective_s: tuple[float, float], seconds: float = 0.0
 ) -> ProgramSample:
-    """A :class:`ProgramSample` of one program of ``plan``."""
+    """A :class:`ProgramSample` of one program of ``plan`` (FLOPs and bytes per device
+    over the devices its work is split across, :func:`work_devices`)."""
     return ProgramSample(
         str(program.name),
         program.flops or 0.0,
         program.bytes_accessed or 0.0,
-        _mesh(plan, program.mesh).num_devices,
+        work_devices(plan, program),
         collective_s,
         seconds,
         len(program.eqns),
