@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
+from meshshard.instructions import Collective
 from meshshard.plan import Plan
 from meshshard.plan_checks import require_valid_plan
 from meshshard.runtime.release import RELEASER
@@ -342,7 +343,9 @@ class Executable:
         point (collectives would need every member to order two steps' ops alike)."""
         plan = self.plan
         broadcasts = any(m.is_broadcast for t in plan.transfers for m in t.messages)
-        return not broadcasts and not plan.reductions
+        # data-parallel replicas' gradient all-reduces (passes/replicas.py) are COLLs too
+        colls = any(isinstance(i, Collective) for s in plan.streams for i in s.instructions)
+        return not broadcasts and not plan.reductions and not colls
 
     def _submit(self, args, flat, requests, out_keys):
         """Pipelined call: start this step, then wait for the one before it, and return

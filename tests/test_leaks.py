@@ -1,6 +1,7 @@
 """No leaks: dropped steps and arrays are freed on the workers promptly; long runs stay flat."""
 
 import gc
+import time
 
 import jax
 import pytest
@@ -23,10 +24,19 @@ def setup():
 
 
 def settle(cluster) -> dict:
-    """Host stats once every dropped object has been freed on the workers."""
-    gc.collect()
-    RELEASER.flush()
-    return cluster.host_stats()
+    """Host stats once every dropped object has been freed on the workers: the workers'
+    helper threads (prefetch, comm) drop their last references a moment after a step
+    returns, so read until two reads 0.1 s apart agree."""
+    last = None
+    for _ in range(30):
+        gc.collect()
+        RELEASER.flush()
+        stats = cluster.host_stats()
+        if stats == last:
+            return stats
+        last = stats
+        time.sleep(0.1)
+    return last
 
 
 def held(state) -> dict[int, int]:
