@@ -64,9 +64,35 @@ def check_recorded_interleaving(step, args) -> None:
     programs across the two workers is the recorded one (each RUN's median over the 4
     steps; pairs closer than half a program are not judged).  Run by
     tests/test_trace_record.py on the step its bench test compiled (one compile)."""
+    from meshshard.runtime.trace_record import TraceLog
+    from meshshard.sim.fidelity import order_disagreements
+
+    exe = step._executable_for(args)  # the compiled version these arguments run
+    for attempt in range(2):  # a second recording when another process stole the cores
+        log = TraceLog("unused.json", keep=4)
+        exe.record(log, sync=True)
+        for _ in range(4):
+            step(*args)
+        exe.record(None)
+        found = _recorded_order_check(exe, log)
+        if not found[0] or attempt == 1:
+            break
+    disagreements, exe_plan, cluster, times, measured, margin = found
+    assert disagreements == []
+    # the check has teeth: a model with the second stage 5x slower orders differently
+    slow = {p: t * (5 if p.startswith("s1") else 1) for p, t in times.items()}
+    wrong = simulate(exe_plan, cluster, program_times=slow)
+    spans = {
+        (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
+    }
+    assert order_disagreements(spans, measured, margin)
+
+
+def _recorded_order_check(exe, log):
+    """(disagreements, plan, cluster, program times, measured spans, margin) of one
+    recording against the simulator given its measured program and host times."""
     import statistics
 
-    from meshshard.runtime.trace_record import TraceLog
     from meshshard.sim.fidelity import (
         opcode_overheads,
         order_disagreements,
@@ -74,12 +100,6 @@ def check_recorded_interleaving(step, args) -> None:
         run_spans,
     )
 
-    exe = step._executable_for(args)  # the compiled version these arguments run
-    log = TraceLog("unused.json", keep=4)
-    exe.record(log, sync=True)
-    for _ in range(4):
-        step(*args)
-    exe.record(None)
     times = program_times(log.steps)
     cluster = replace(exe.plan.cluster, opcode_overheads=opcode_overheads(log.steps))
     sim = simulate(exe.plan, cluster, program_times=times)
@@ -97,14 +117,8 @@ def check_recorded_interleaving(step, args) -> None:
     m = exe.plan.num_micro_batches
     assert set(simulated) == set(measured) and len(measured) == 2 * (2 * m + 1)
     margin = statistics.median(times.values()) / 2
-    assert order_disagreements(simulated, measured, margin) == []
-    # the check has teeth: a model with the second stage 5x slower orders differently
-    slow = {p: t * (5 if p.startswith("s1") else 1) for p, t in times.items()}
-    wrong = simulate(exe.plan, cluster, program_times=slow)
-    spans = {
-        (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
-    }
-    assert order_disagreements(spans, measured, margin)
+    found = order_disagreements(simulated, measured, margin)
+    return found, exe.plan, cluster, times, measured, margin
 
 
 def test_calibrated_roofline_recovers_known_costs():
