@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
-from meshshard.plan import Plan, ProgramSpec
+from meshshard.plan import Plan, ProgramSpec, TensorSpec
 
-__all__ = ["ProgramCost", "program_cost", "program_dtype"]
+__all__ = ["ProgramCost", "input_tensors", "program_cost", "program_dtype"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,21 @@ class ProgramCost:
         return f"{self.program}: {self.seconds * 1e3:.4g} ms ({self.source}{bound})"
 
 
+def input_tensors(plan: Plan, program: ProgramSpec) -> list[TensorSpec]:
+    """The described arrays ``program`` reads: its input buffer groups' tensors and its
+    received transfers' tensors (inputs the plan does not describe are skipped)."""
+    out: list[TensorSpec] = []
+    for name in program.inputs:
+        try:
+            out.extend(plan.buffer(name).tensors)
+        except KeyError:
+            try:
+                out.append(plan.transfer(name).tensor)
+            except KeyError:
+                continue
+    return out
+
+
 def program_dtype(plan: Plan, program: ProgramSpec) -> str:
     """The dtype a program mostly computes in: that of the most bytes among its inputs.
 
@@ -44,16 +59,8 @@ def program_dtype(plan: Plan, program: ProgramSpec) -> str:
     Falls back to ``float32`` when no input is described.
     """
     by_dtype: dict[str, int] = {}
-    for name in program.inputs:
-        try:
-            tensors = plan.buffer(name).tensors
-        except KeyError:
-            try:
-                tensors = (plan.transfer(name).tensor,)
-            except KeyError:
-                continue
-        for t in tensors:
-            by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+    for t in input_tensors(plan, program):
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
     if not by_dtype:
         return "float32"
     return max(by_dtype.items(), key=lambda kv: (kv[1], kv[0]))[0]

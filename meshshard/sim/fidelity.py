@@ -32,6 +32,7 @@ import numpy as np
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Run, Zeros
 from meshshard.plan import MESH_AXES, MeshSpec, Plan, ProgramSpec
+from meshshard.sim.costs import input_tensors
 
 __all__ = [
     "program_times",
@@ -282,20 +283,12 @@ def work_devices(plan: Plan, program: ProgramSpec) -> int:
     whole, replicated, on each of its 4 devices: its FLOPs are not divided by 4."""
     sizes = dict(zip(MESH_AXES, _mesh(plan, program.mesh).shape, strict=True))
     best = 1
-    for ref in program.inputs:
-        try:
-            tensors = plan.buffer(ref).tensors
-        except KeyError:
-            try:
-                tensors = (plan.transfer(ref).tensor,)
-            except KeyError:
-                continue
-        for t in tensors:
-            n = 1
-            for entry in t.spec:
-                for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
-                    n *= sizes.get(axis, 1)
-            best = max(best, n)
+    for t in input_tensors(plan, program):
+        n = 1
+        for entry in t.spec:
+            for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+                n *= sizes.get(axis, 1)
+        best = max(best, n)
     return best
 
 
