@@ -163,12 +163,12 @@ class HostActor:
         self.workers[plan_id] = worker
         return seconds
 
-    def run_step(self, plan_id: str, batch, state, out_keys, free, seq=None):
+    def run_step(self, plan_id: str, batch, state, out_keys, free, seq=None, after=None):
         """Run one step: (results, seconds, the step's WorkerTrace or None); ``seq``
-        numbers a pipelined step (``Worker.run_step``)."""
+        numbers a pipelined step, ``after`` the one it starts after (``Worker.run_step``)."""
         t0 = time.perf_counter()
         worker = self.workers[plan_id]
-        result = worker.run_step(batch, state, out_keys, free, seq)
+        result = worker.run_step(batch, state, out_keys, free, seq, after)
         return result, time.perf_counter() - t0, worker.last_trace
 
     def set_trace(self, plan_id: str, on: bool, sync: bool = False) -> None:

@@ -357,10 +357,13 @@ class Executable:
         (2BW: the update; forwards and backwards read the stashed weights).
         """
         seq = next(self._seq)
-        handle = self.backend.submit_step({w: (*r, seq) for w, r in requests.items()})
+        # the step it must start after on every worker: the one still in flight, if any
+        # (a threaded actor may receive the two calls in either order)
+        after = self._inflight[-1].seq if self._inflight else None
+        handle = self.backend.submit_step({w: (*r, seq, after) for w, r in requests.items()})
         written = {(w, k) for w, keys in out_keys.items() for k in keys.values()}
         with self._lock:  # args stay referenced until the step ends
-            self._inflight.append(_InFlight(handle, args, written))
+            self._inflight.append(_InFlight(handle, args, written, seq))
         while len(self._inflight) > 1:
             self._settle_one()
         results = {w: {gi: StoreKey(k) for gi, k in keys.items()} for w, keys in out_keys.items()}
@@ -458,12 +461,13 @@ class Executable:
 
 class _InFlight:
     """A pipelined step submitted and not yet waited for: its handle, its arguments (kept
-    alive until it ends), the (worker, key)s it writes, and frees of those deferred."""
+    alive until it ends), the (worker, key)s it writes, frees of those deferred, and its
+    step number."""
 
-    __slots__ = ("handle", "args", "written", "deferred")
+    __slots__ = ("handle", "args", "written", "deferred", "seq")
 
-    def __init__(self, handle: StepHandle, args, written: set):
-        self.handle, self.args, self.written = handle, args, written
+    def __init__(self, handle: StepHandle, args, written: set, seq: int):
+        self.handle, self.args, self.written, self.seq = handle, args, written, seq
         self.deferred: list[tuple[int, int]] = []
 
 

@@ -30,6 +30,54 @@ BY_VALUE_BYTES = 64
 PIPELINE_WAIT_S = 600.0
 
 
+class StartOrder:
+    """The order in which pipelined steps start on one worker.
+
+    Step ``seq`` names the step that must start before it (``after``; None when no step
+    was in flight when the driver submitted it).  Calls of a threaded Ray actor (and the
+    threads backend's) may arrive out of order, so a step waits here for its
+    predecessor's start rather than trusting arrival order.
+
+    >>> order = StartOrder()
+    >>> order.wait(None); order.started(0); order.wait(0); order.started(1)
+    >>> order.last
+    1
+    """
+
+    def __init__(self, cv: threading.Condition):
+        self._cv = cv
+        self.last: int | None = None  # the highest step number started here
+        self.failed: BaseException | None = None  # a pipelined step that raised
+
+    def wait(self, after: int | None, timeout_s: float = PIPELINE_WAIT_S) -> None:
+        """Return once step ``after`` started here (at once for None, or after a failure:
+        the step then fails on its missing inputs with a clear message)."""
+        if after is None:
+            return
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: (self.last is not None and self.last >= after) or self.failed is not None,
+                timeout=timeout_s,
+            )
+        if not ok:
+            raise MeshshardRuntimeError(
+                f"pipelined step {after + 1} waited {timeout_s:.0f}s for step {after} to "
+                "start on this worker; the driver's call of that step never arrived"
+            )
+
+    def started(self, seq: int) -> None:
+        """Note that step ``seq`` started (its state inputs are claimed)."""
+        with self._cv:
+            self.last = seq if self.last is None else max(self.last, seq)
+            self._cv.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """A pipelined step raised: wake every step waiting on this worker."""
+        with self._cv:
+            self.failed = exc
+            self._cv.notify_all()
+
+
 class StoreKey(int):
     """An id of an array kept in a worker's store between steps."""
 
@@ -57,8 +105,7 @@ class Worker:
         self.last_trace = None  # the last step's WorkerTrace while recording
         # pipelined steps (2BW without flushes): in-order starts, outputs announced
         self._cv = threading.Condition()
-        self._last_started: int | None = None
-        self._failed: BaseException | None = None
+        self.order = StartOrder(self._cv)
 
     # --- compile -----------------------------------------------------------------
     def compile(
@@ -110,31 +157,29 @@ class Worker:
         out_keys: dict[tuple[BufferRef, int], int],
         free: Sequence[int] = (),
         seq: int | None = None,
+        after: int | None = None,
     ) -> dict[tuple[BufferRef, int], object]:
         """Run one step; returns small outputs by value, keeps the rest under ``out_keys``.
 
         ``seq`` (pipelined steps, 2BW without flushes): the step's number; it may run
-        while step ``seq - 1`` still runs here (it starts after that one started), a
-        state input that step has not stored yet is waited for when first read, and
-        every output is kept in the store (none returned by value).
+        while step ``after`` (the one in flight when it was submitted, or None) still
+        runs here, and starts only after that one started; a state input that step has
+        not stored yet is waited for when first read, and every output is kept in the
+        store (none returned by value).
         """
         if self.interp is None:
             raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
         pipelined = seq is not None
-        if pipelined:
-            self._wait_turn(seq)
         try:
+            if pipelined:
+                self.order.wait(after)
             buffers = self._persistent(state, pipelined)
             if pipelined:
-                with self._cv:
-                    self._last_started = seq
-                    self._cv.notify_all()
+                self.order.started(seq)
             buffers = self.interp.run(buffers, self._loader(batch), seq)
         except BaseException as exc:
             if pipelined:
-                with self._cv:
-                    self._failed = exc
-                    self._cv.notify_all()
+                self.order.fail(exc)
             raise
         if self.interp.recorder is not None:
             self.last_trace = self.interp.recorder.snapshot(self.worker)
@@ -179,7 +224,7 @@ class Worker:
         """One persistent group once the step before has stored its arrays."""
 
         def stored() -> bool:
-            return self._failed is not None or all(
+            return self.order.failed is not None or all(
                 int(v) in self.store for v in values if isinstance(v, StoreKey)
             )
 
@@ -189,24 +234,12 @@ class Worker:
                     f"worker w{self.worker}: the previous pipelined step did not store this "
                     f"step's state inputs within {PIPELINE_WAIT_S:.0f}s"
                 )
-            if self._failed is not None:
+            if self.order.failed is not None:
                 raise MeshshardRuntimeError(
                     f"worker w{self.worker}: the previous pipelined step failed, so this "
-                    f"step has no state inputs: {self._failed}"
+                    f"step has no state inputs: {self.order.failed}"
                 )
         return tuple(self._state_array(v, t) for v, t in zip(values, spec.tensors, strict=True))
-
-    def _wait_turn(self, seq: int) -> None:
-        """Start pipelined step ``seq`` only after step ``seq - 1`` started here."""
-        with self._cv:
-            self._cv.wait_for(
-                lambda: (
-                    self._last_started is None
-                    or seq <= self._last_started + 1
-                    or self._failed is not None
-                ),
-                timeout=PIPELINE_WAIT_S,
-            )
 
     def _loader(self, batch: dict[int, np.ndarray]) -> Callable[[BufferRef, int], tuple]:
         """``load(group, mb)``: micro-batch ``mb`` of a batch group on this mesh."""

@@ -77,3 +77,60 @@ def test_2bw_next_step_forwards_run_while_the_last_backwards_drain(
     want = reference_2bw(mlp.make_state(model, batches[0]["x"], learning_rate=0.05), batches, 2)
     np.testing.assert_allclose(losses, [float(w[1]) for w in want[2:]], rtol=1e-5)
     assert_trees_close(want[-1][0].params, state.params)
+
+
+def test_start_order_waits_for_the_step_in_flight_whatever_the_arrival_order():
+    """A threaded actor may run step 1's call before step 0's: step 1 then waits for
+    step 0 to start, and step 0 starting late never moves the order backwards."""
+    import threading
+
+    from meshshard.runtime.worker import StartOrder
+
+    order, log = StartOrder(threading.Condition()), []
+
+    def step(seq, after):
+        order.wait(after, timeout_s=10)
+        log.append(seq)
+        order.started(seq)
+
+    one = threading.Thread(target=step, args=(1, 0))
+    one.start()
+    time.sleep(0.2)
+    assert log == []  # step 1 arrived first and waits
+    step(0, None)
+    one.join(10)
+    step(2, 1)  # would wait forever if step 0's late start had reset the order to 0
+    assert log == [0, 1, 2] and order.last == 2
+    with pytest.raises(meshshard.MeshshardRuntimeError, match="never arrived"):
+        StartOrder(threading.Condition()).wait(5, timeout_s=0.1)
+
+
+def test_2bw_steps_whose_calls_arrive_out_of_order_still_match_the_rule(
+    threads_cluster, monkeypatch
+):
+    """Each pipelined step's call reaches stage 1's worker late (as a threaded Ray actor
+    may run two calls in either order): the steps still run, step for step equal to
+    the 2BW rule."""
+    from meshshard.runtime.worker import Worker
+
+    model = mlp.MLP(num_layers=4)
+    batches = [mlp.make_batch(batch_size=8, seed=i) for i in range(5)]
+    state = mlp.make_state(model, batches[0]["x"], learning_rate=0.05)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, schedule="2bw")
+    step = meshshard.parallelize(mlp.train_step, method=method)
+    run_step = Worker.run_step
+
+    def late_even_steps(self, *args):
+        seq = args[4] if len(args) > 4 else None
+        if seq is not None and seq % 2 == 0 and self.worker == 1:
+            time.sleep(0.3)  # the next step's call gets here first
+        return run_step(self, *args)
+
+    monkeypatch.setattr(Worker, "run_step", late_even_steps)
+    got, losses = state, []
+    for batch in batches:
+        got, loss = step(got, batch)
+        losses.append(loss)
+    want = reference_2bw(state, batches, 2)
+    np.testing.assert_allclose([float(x) for x in losses], [float(w[1]) for w in want], rtol=1e-5)
+    assert_trees_close(want[-1][0].params, got.params)
