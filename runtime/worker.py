@@ -38,7 +38,7 @@ class StartOrder:
     threads backend's) may arrive out of order, so a step waits here for its
     predecessor's start rather than trusting arrival order.
 
-    >>> order = StartOrder()
+    >>> order = StartOrder(threading.Condition())
     >>> order.wait(None); order.started(0); order.wait(0); order.started(1)
     >>> order.last
     1
