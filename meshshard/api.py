@@ -181,8 +181,15 @@ class ParallelizedFunction:
         if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
             exe = None  # compiled for a cluster that was shut down: compile on this one
         if exe is None:
-            t0 = time.perf_counter()
             abstract = _abstract(args, self.batch_argnums)
+            # a Python scalar leaf (TrainState.step = 0) and the int32 array the step
+            # returns for it are one signature: the same plan, not a second compile
+            same = self._executables.get(_signature(abstract))
+            if same is not None and getattr(same.backend, "cluster", None) is cluster:
+                self._executables[key] = same
+                return same
+        if exe is None:
+            t0 = time.perf_counter()
             plan, traced = plan_step(
                 fn,
                 abstract,
@@ -203,7 +210,7 @@ class ParallelizedFunction:
                 len(plan.stages),
                 len(plan.workers),
             )
-            self._executables[key] = exe
+            self._executables[key] = self._executables[_signature(abstract)] = exe
             exe.keyed_step = fn  # restores typed keys in the results
             exe.pipelined = self.pipelined
             if self.trace_log is not None:
@@ -296,6 +303,17 @@ def _abstract(args, batch_argnums=()):
     return tuple(
         jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a)
         for i, a in enumerate(args)
+    )
+
+
+def _signature(abstract) -> tuple:
+    """The executables' cache key of abstract arguments (:func:`_abstract`): their tree and
+    each leaf's shape and dtype."""
+    leaves, tree = jax.tree.flatten(abstract)
+    return (
+        "abstract",
+        tree,
+        tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a)))) for a in leaves),
     )
 
 

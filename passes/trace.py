@@ -22,7 +22,9 @@ micro-batches (:mod:`~meshshard.passes.forward_only`).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -104,18 +106,33 @@ def _abstract(leaf, where: str, arg_name: str):
     )
 
 
+#: Traces kept per process, most recently used last.  The driver traces a step once
+#: per compile and every worker traces it again; the same function (or the same planned
+#: fingerprint) at the same argument shapes gives the same jaxpr, so a repeat is served
+#: from here, as ``jax.jit`` serves its repeated traces from its cache.
+TRACE_CACHE_SIZE = 8
+_TRACES: OrderedDict = OrderedDict()
+_TRACES_LOCK = threading.Lock()
+
+
 def trace_step(
     fn: Callable,
     args: Sequence,
     *,
     batch_argnums: Sequence[int],
     num_micro_batches: int,
+    fingerprint: str | None = None,
 ) -> TracedStep:
     """Trace ``fn(*args)`` with every batch leaf cut to ``1/num_micro_batches`` of its rows.
 
     Raises a clear error for non-array batch leaves and batches that do not divide.
     When a random draw carries the batch, the traced step takes one more input, the
     micro-batch index (``INDEX_PATH``, ``int32[M]`` cut into ``int32[1]`` rows).
+
+    A repeat of an earlier call in this process (the same ``fn``, or a step whose
+    planned ``fingerprint`` an earlier trace produced, at the same shapes) returns that
+    trace (``TRACE_CACHE_SIZE`` kept): a worker unpickles its own copy of ``fn``, so it
+    names the program it expects by the plan's fingerprint.
     """
     args = tuple(args)
     for i in batch_argnums:
@@ -124,7 +141,6 @@ def trace_step(
                 f"batch_argnums={tuple(batch_argnums)} names argument {i}, but the step was "
                 f"called with {len(args)} arguments; pass batch_argnums indexing the batch"
             )
-    m = num_micro_batches
     flat_paths, treedef = jax.tree_util.tree_flatten_with_path(args)
     wheres, full_abs, in_batch = [], [], []
     for path, leaf in flat_paths:
@@ -134,6 +150,52 @@ def trace_step(
         wheres.append(where)
         in_batch.append(is_batch)
         full_abs.append(_abstract(leaf, where, "batch" if is_batch else "state"))
+    sig = (
+        treedef,
+        tuple(
+            (tuple(a.shape), str(np.dtype(a.dtype)), getattr(a, "weak_type", False))
+            for a in full_abs
+        ),
+        tuple(batch_argnums),
+        num_micro_batches,
+        bool(jax.config.jax_enable_x64),
+    )
+    keys = [("fp", fingerprint, sig)] if fingerprint is not None else []
+    if isinstance(fn, Hashable):
+        try:
+            keys.append(("fn", fn, sig))
+        except TypeError:  # a callable whose __hash__ raises
+            pass
+    for key in keys:
+        hit = _cached(key)
+        if hit is not None:
+            return hit
+    traced = _trace_step(fn, num_micro_batches, treedef, wheres, full_abs, in_batch)
+    with _TRACES_LOCK:
+        for key in [*keys, ("fp", traced.fingerprint, sig)]:
+            try:
+                _TRACES[key] = traced
+                _TRACES.move_to_end(key)
+            except TypeError:
+                continue
+        while len(_TRACES) > TRACE_CACHE_SIZE * 2:  # two keys per trace
+            _TRACES.popitem(last=False)
+    return traced
+
+
+def _cached(key) -> TracedStep | None:
+    with _TRACES_LOCK:
+        try:
+            traced = _TRACES.get(key)
+        except TypeError:  # an unhashable leaf of the key
+            return None
+        if traced is not None:
+            _TRACES.move_to_end(key)
+        return traced
+
+
+def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
+    """:func:`trace_step` without the cache."""
     full, full_out, transposed = _trace(fn, treedef, full_abs)
     keys = key_inputs(full.jaxpr)
     is_batch = [b and i not in keys for i, b in enumerate(in_batch)]

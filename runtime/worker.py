@@ -120,6 +120,7 @@ class Worker:
             abstract_args,
             batch_argnums=tuple(batch_argnums),
             num_micro_batches=plan.num_micro_batches,
+            fingerprint=plan.fingerprint,
         )
         if traced.fingerprint != plan.fingerprint:
             raise MeshshardRuntimeError(

@@ -1,0 +1,81 @@
+"""A step is traced and compiled once: workers reuse the driver's trace (or, in their own
+process, a trace of the same planned fingerprint), and a Python-scalar leaf and the
+array the step returns for it are one signature."""
+
+import jax
+import numpy as np
+
+import meshshard
+from examples import mlp
+from meshshard import PipeshardParallel
+from meshshard.passes import trace as trace_mod
+from tests.conftest import assert_trees_close
+
+
+def counting_traces(monkeypatch) -> list:
+    from collections import OrderedDict
+
+    monkeypatch.setattr(trace_mod, "_TRACES", OrderedDict())  # nothing from earlier tests
+    calls = []
+    real = trace_mod._trace_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trace_mod, "_trace_step", counted)
+    return calls
+
+
+def test_workers_reuse_the_drivers_trace_and_a_scalar_step_counter_compiles_once(
+    threads_cluster, monkeypatch
+):
+    calls = counting_traces(monkeypatch)
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(model, batch["x"], learning_rate=0.05)
+    assert isinstance(state.step, int | np.integer) or np.ndim(state.step) == 0
+    state = state.replace(step=0)  # a Python int, as TrainState.create gives
+    step = meshshard.parallelize(
+        mlp.train_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    )
+    ref, got = state, state
+    for i in range(3):  # later calls pass the int32 array the step returned
+        b = mlp.make_batch(batch_size=8, seed=i)
+        ref, _ = jax.jit(mlp.train_step)(ref, b)
+        got, _ = step(got, b)
+    assert_trees_close(ref.params, got.params)
+    assert len({id(e) for e in step._executables.values()}) == 1
+    assert len(calls) == 1  # the driver's trace; both workers were served from it
+
+
+def test_a_repeat_by_fingerprint_returns_the_same_trace_and_other_shapes_retrace(
+    monkeypatch,
+):
+    calls = counting_traces(monkeypatch)
+    model = mlp.MLP(num_layers=2)
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(model, batch["x"], learning_rate=0.05)
+
+    def fresh_copy(*args):  # another function object: what a worker unpickles
+        return mlp.train_step(*args)
+
+    first = trace_mod.trace_step(
+        mlp.train_step, (state, batch), batch_argnums=(1,), num_micro_batches=2
+    )
+    again = trace_mod.trace_step(
+        fresh_copy,
+        (state, batch),
+        batch_argnums=(1,),
+        num_micro_batches=2,
+        fingerprint=first.fingerprint,
+    )
+    assert again is first and len(calls) == 1
+    other = trace_mod.trace_step(
+        mlp.train_step, (state, batch), batch_argnums=(1,), num_micro_batches=4
+    )
+    assert other.num_micro_batches == 4 and len(calls) == 2
+    unknown = trace_mod.trace_step(
+        fresh_copy, (state, batch), batch_argnums=(1,), num_micro_batches=2, fingerprint="0" * 16
+    )
+    assert unknown.fingerprint == first.fingerprint and len(calls) == 3
