@@ -179,6 +179,7 @@ class StreamInterpreter:
         self.worker = stream.worker
         self._transfers = {t.name: t for t in plan.transfers}
         self._buffers_spec = {b.name: b for b in plan.buffers}
+        self._zero_fns: dict[BufferRef, Callable] = {}  # ZEROS: one program per buffer
         self._t_index = {t.name: i for i, t in enumerate(plan.transfers)}
         self._max_msgs = max((len(t.messages) for t in plan.transfers), default=1)
         self.grad_chunks = chunk_counts(stream)  # replicas' gradient all-reduce chunks
@@ -283,12 +284,20 @@ class StreamInterpreter:
         ) * self._max_msgs + message
 
     def _zeros(self, name: BufferRef) -> tuple:
-        spec = self._buffers_spec[name]
-        stored = [t.stored(self.mesh.shape) for t in spec.tensors]  # unreduced: (n, *shape)
-        return tuple(
-            jax.device_put(np.zeros(shape, t.dtype), sharding(self.mesh, sp))
-            for t, (shape, sp) in zip(spec.tensors, stored, strict=True)
-        )
+        """Fresh zeros for every tensor of buffer ``name`` (accumulators), from one compiled
+        program per buffer: a ``device_put`` per tensor cost a quarter of a small GPT
+        stage's step (benchmarks/RESULTS.md, "Runtime fixed costs")."""
+        make = self._zero_fns.get(name)
+        if make is None:
+            spec = self._buffers_spec[name]
+            stored = [t.stored(self.mesh.shape) for t in spec.tensors]  # unreduced: (n, *shape)
+            shapes = [(shape, t.dtype) for t, (shape, _) in zip(spec.tensors, stored, strict=True)]
+            outs = tuple(sharding(self.mesh, sp) for _, sp in stored)
+            make = jax.jit(
+                lambda: tuple(jax.numpy.zeros(s, d) for s, d in shapes), out_shardings=outs
+            )
+            self._zero_fns[name] = make
+        return make()
 
     def _where(self, i: int, exc: Exception) -> str:
         lo, hi = max(0, i - 3), min(len(self.stream.instructions), i + 4)

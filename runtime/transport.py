@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -275,43 +275,21 @@ class TorchTransport:
     def isend(self, data, peer: int, tag: int) -> Handle:
         import torch.distributed as dist
 
-        tensor = self._wire(data)
-        work = dist.isend(tensor, dst=peer, tag=tag)
-
-        class _Send:
-            def wait(self_inner):
-                work.wait()
-                return tensor  # keeps the buffer alive until the send completes
-
-        return _Send()
+        tensor = self._wire(data)  # the handle keeps it alive until the send completes
+        return _TorchWork(dist.isend(tensor, dst=peer, tag=tag), tensor, _same)
 
     def irecv(self, nbytes: int, peer: int, tag: int) -> Handle:
         import torch.distributed as dist
 
         tensor = self._empty(nbytes)
-        work = dist.irecv(tensor, src=peer, tag=tag)
-        out = self._out
-
-        class _Recv:
-            def wait(self_inner):
-                work.wait()
-                return out(tensor)
-
-        return _Recv()
+        return _TorchWork(dist.irecv(tensor, src=peer, tag=tag), tensor, self._out)
 
     def ibroadcast(self, data, nbytes, group, key, tag):
         import torch.distributed as dist
 
         tensor = self._wire(data) if self.rank == group[0] else self._empty(nbytes)
         work = dist.broadcast(tensor, src=group[0], group=self.groups[key], async_op=True)
-        out = self._out
-
-        class _Bcast:
-            def wait(self_inner):
-                work.wait()
-                return out(tensor)
-
-        return _Bcast()
+        return _TorchWork(work, tensor, self._out)
 
     def iallreduce(self, data, op, group, key):
         """``torch.distributed.all_reduce`` on the group's channel: values in float64
@@ -336,6 +314,23 @@ class TorchTransport:
                 return tensor.numpy().astype(dtype)
 
         return _AllReduce()
+
+
+def _same(tensor):
+    return tensor
+
+
+class _TorchWork:
+    """A torch.distributed op in flight: ``wait()`` returns ``out(tensor)`` once done."""
+
+    __slots__ = ("work", "tensor", "out")
+
+    def __init__(self, work, tensor, out: Callable):
+        self.work, self.tensor, self.out = work, tensor, out
+
+    def wait(self):
+        self.work.wait()
+        return self.out(self.tensor)
 
 
 class CountingTransport:
