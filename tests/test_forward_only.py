@@ -70,7 +70,12 @@ def test_pipelined_forward_only_with_micro_batches_matches_jit(threads_cluster, 
         metrics_step, method=PipeshardParallel(num_micro_batches=m, stages=[(1, 2)] * s)
     )
     got = step(state, batch)
-    assert_trees_close(jax.jit(metrics_step)(state, batch), got)
+    want = jax.jit(metrics_step)(state, batch)
+    # min |pred| is a small number whose rounding error scales with pred's magnitude
+    # (another program split rounds pred differently): compare it against that scale
+    best, want_best = float(got.pop("best")), float(want.pop("best"))
+    assert abs(best - want_best) <= 1e-5 * float(want["worst"]), (best, want_best)
+    assert_trees_close(want, got)
     plan = step.plan
     assert verify(plan) == []
     assert plan.schedule.name == "inference"
