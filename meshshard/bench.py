@@ -10,10 +10,11 @@ script defines ``advance``, else the train-step convention ``(out[0], *args[1:])
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 __all__ = ["BenchResult", "bench_step", "load_script", "run_script"]
@@ -86,6 +87,26 @@ def load_script(path: str):
     return module
 
 
+@contextlib.contextmanager
+def script_on_cluster(
+    path: str, backend: str, num_hosts: int | None, devices_per_host: int | None
+) -> Iterator:
+    """The step script at ``path`` as a module, on the cluster already running or on one
+    started for it (``backend``, sizes) and shut down when the block ends."""
+    import meshshard
+    from meshshard.runtime.cluster import current_cluster
+
+    module = load_script(path)
+    started = current_cluster() is None
+    if started:
+        meshshard.init(backend=backend, num_hosts=num_hosts, devices_per_host=devices_per_host)
+    try:
+        yield module
+    finally:
+        if started:
+            meshshard.shutdown()
+
+
 def run_script(
     path: str,
     steps: int = 15,
@@ -97,15 +118,7 @@ def run_script(
 ) -> tuple[BenchResult, Callable]:
     """Run a step script's step ``steps`` times (after ``warmup``), recording the timeline
     of the timed steps to ``trace`` when given; returns (the timings, the step)."""
-    import meshshard
-    from meshshard.runtime.cluster import current_cluster
-
-    module = load_script(path)
-    started = False
-    if current_cluster() is None:
-        meshshard.init(backend=backend, num_hosts=num_hosts, devices_per_host=devices_per_host)
-        started = True
-    try:
+    with script_on_cluster(path, backend, num_hosts, devices_per_host) as module:
         step, args = module.setup()
         advance = getattr(module, "advance", None)
         start = (lambda: step.record(trace)) if trace else None
@@ -113,6 +126,3 @@ def run_script(
         if trace:
             step.write_trace()
         return result, step
-    finally:
-        if started:
-            meshshard.shutdown()

@@ -165,18 +165,11 @@ def profile_script(
     the same cluster reads them instead of running.  Starts the cluster asked for if
     the script did not; ``refresh`` measures again even when cached.  Returns
     ``(plan, {program: seconds}, cache_hit)``."""
-    import meshshard
-    from meshshard.bench import load_script
-    from meshshard.runtime.cluster import current_cluster
+    from meshshard.bench import script_on_cluster
 
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    module = load_script(path)
-    started = False
-    if current_cluster() is None:
-        meshshard.init(backend=backend, num_hosts=num_hosts, devices_per_host=devices_per_host)
-        started = True
-    try:
+    with script_on_cluster(path, backend, num_hosts, devices_per_host) as module:
         step, args = module.setup()
         if getattr(step, "_two_bw", None) is not None:
             raise ValueError(
@@ -191,9 +184,6 @@ def profile_script(
             cache.put(plan, times)
         step.release()
         return plan, times, hit
-    finally:
-        if started:
-            meshshard.shutdown()
 
 
 def describe_profile(plan: Plan, times: dict[str, float], cache_dir: str, hit: bool) -> str:
