@@ -177,18 +177,15 @@ class ParallelizedFunction:
             tree,
             tuple((getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves),
         )
-        exe = self._executables.get(key)
-        if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
-            exe = None  # compiled for a cluster that was shut down: compile on this one
+        exe = self._compiled_for(key, cluster)
         if exe is None:
             abstract = _abstract(args, self.batch_argnums)
             # a Python scalar leaf (TrainState.step = 0) and the int32 array the step
             # returns for it are one signature: the same plan, not a second compile
-            same = self._executables.get(_signature(abstract))
-            if same is not None and getattr(same.backend, "cluster", None) is cluster:
-                self._executables[key] = same
-                return same
-        if exe is None:
+            exe = self._compiled_for(_signature(abstract), cluster)
+            if exe is not None:
+                self._executables[key] = exe
+                return exe
             t0 = time.perf_counter()
             plan, traced = plan_step(
                 fn,
@@ -215,6 +212,14 @@ class ParallelizedFunction:
             exe.pipelined = self.pipelined
             if self.trace_log is not None:
                 exe.record(self.trace_log)
+        return exe
+
+    def _compiled_for(self, key, cluster):
+        """The executable cached under ``key``, unless it was compiled for a cluster that
+        was shut down since (then the caller compiles on this one)."""
+        exe = self._executables.get(key)
+        if exe is not None and getattr(exe.backend, "cluster", None) is not cluster:
+            return None
         return exe
 
     def release(self) -> None:

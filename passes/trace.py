@@ -161,11 +161,8 @@ def trace_step(
         bool(jax.config.jax_enable_x64),
     )
     keys = [("fp", fingerprint, sig)] if fingerprint is not None else []
-    if isinstance(fn, Hashable):
-        try:
-            keys.append(("fn", fn, sig))
-        except TypeError:  # a callable whose __hash__ raises
-            pass
+    if isinstance(fn, Hashable):  # hashing may still raise: _cached and the store catch it
+        keys.append(("fn", fn, sig))
     for key in keys:
         hit = _cached(key)
         if hit is not None:

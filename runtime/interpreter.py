@@ -286,7 +286,7 @@ class StreamInterpreter:
     def _zeros(self, name: BufferRef) -> tuple:
         """Fresh zeros for every tensor of buffer ``name`` (accumulators), from one compiled
         program per buffer: a ``device_put`` per tensor cost a quarter of a small GPT
-        stage's step (benchmarks/RESULTS.md, "Runtime fixed costs")."""
+        stage's step (benchmarks/RESULTS.md, "Peer side by side again ... fixed costs")."""
         make = self._zero_fns.get(name)
         if make is None:
             spec = self._buffers_spec[name]

@@ -307,13 +307,7 @@ class TorchTransport:
             "or": dist.ReduceOp.MAX,
         }[op]
         work = dist.all_reduce(tensor, op=red, group=self.groups[key], async_op=True)
-
-        class _AllReduce:
-            def wait(self_inner):
-                work.wait()
-                return tensor.numpy().astype(dtype)
-
-        return _AllReduce()
+        return _TorchWork(work, tensor, lambda t: t.numpy().astype(dtype))
 
 
 def _same(tensor):
