@@ -27,7 +27,7 @@ from meshshard.passes.meshes import auto_layout, stage_layout
 from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
-from meshshard.passes.shard_accumulate import local_accumulation
+from meshshard.passes.shard_accumulate import accumulation_comms, local_accumulation
 from meshshard.passes.shard_plan import (
     infer_shardings,
     program_constraints,
@@ -116,7 +116,10 @@ def _shard(st: CompileState) -> CompileState:
 def _accumulate(st: CompileState) -> CompileState:
     specs = spec_lookup(st.shardings or ())
     buffers, unreduced = local_accumulation(st.traced, st.graph, st.meshes, st.buffers, specs)
-    return replace(st, buffers=buffers, unreduced=unreduced)
+    shardings = accumulation_comms(
+        st.traced, st.graph, st.meshes, buffers, unreduced, st.shardings or ()
+    )
+    return replace(st, buffers=buffers, unreduced=unreduced, shardings=shardings or st.shardings)
 
 
 def _transfers(st: CompileState) -> CompileState:

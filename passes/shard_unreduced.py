@@ -149,7 +149,12 @@ def _clashes(eqn, axes: tuple[str, ...], split_of: Callable, ids: Mapping) -> bo
 
 
 def unreduced_values(
-    jaxpr, eqns: Iterable[int], split_of: Callable, targets: Iterable, planned: bool = False
+    jaxpr,
+    eqns: Iterable[int],
+    split_of: Callable,
+    targets: Iterable,
+    planned: bool = False,
+    contract_split: Callable | None = None,
 ) -> dict[int, Unreduced]:
     """Var id -> :class:`Unreduced` for the values of ``eqns`` that can be held unreduced
     and lead (through unreduced values only) to one of ``targets`` (Vars: the
@@ -157,9 +162,11 @@ def unreduced_values(
 
     ``split_of(var id)`` is the value's split on this mesh: ``{dim: mesh axes}`` (or
     None).  ``planned``: the splits are the sharding solver's for every value, so a
-    value split over an axis is never held as a partial sum over it.  Pure: the plan
-    records the answer and the runtime follows it.
+    value split over an axis is never held as a partial sum over it.
+    ``contract_split`` (default ``split_of``): the splits a contraction may leave as
+    partial sums.  Pure: the plan records the answer and the runtime follows it.
     """
+    contract_split = contract_split or split_of
     ids = var_ids(jaxpr)
     order = list(eqns)
     held: dict = {}
@@ -171,7 +178,7 @@ def unreduced_values(
         if any(not is_literal(v) and v in held for v in e.invars):
             rule = _mapped_rule(e, held, zeros)
         else:
-            rule = _made_rule(e, split_of, ids, zeros)
+            rule = _made_rule(e, contract_split, ids, zeros)
         if rule is not None and not (planned and _clashes(e, rule[0], split_of, ids)):
             for o in e.outvars:
                 if not is_dropvar(o):

@@ -12,6 +12,8 @@ MODELS = {
     "gpt_small": lambda: (gpt, gpt.GPT(num_layers=2), gpt.make_batch(batch_size=8)),
     # wide enough that the sharding ILP splits weights and activations (not all-replicated)
     "mlp_wide": lambda: (mlp, mlp.MLP(hidden=256, num_layers=2), mlp.make_batch(batch_size=64)),
+    # narrow with a long batch: the sharding ILP splits the batch on the last stage
+    "mlp_long_batch": lambda: (mlp, mlp.MLP(hidden=64, num_layers=2), mlp.make_batch(8192)),
 }
 
 

@@ -17,16 +17,20 @@ from meshshard.jaxpr_util import var_ids
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.refs import BufferKind, Phase
-from tests.parity import check_parity
+from tests.parity import MODELS, check_parity
 
 M = 4
 
 
-def _collectives_per_step(plan, traced) -> dict[str, int]:
-    """Collectives one step runs: each program's HLO count times its runs per step."""
-    got = program_collectives(plan, traced, 0, jax.devices()[: plan.meshes[0].num_devices])
+def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
+    """Collectives one step runs on ``mesh``: each program's HLO count times its runs."""
+    first = sum(m.num_devices for m in plan.meshes[:mesh])
+    devices = jax.devices()[first : first + plan.meshes[mesh].num_devices]
+    got = program_collectives(plan, traced, mesh, devices)
     per_step: dict[str, int] = {}
     for p in plan.programs:
+        if p.mesh != mesh:
+            continue
         runs = plan.num_micro_batches if p.name.phase in (Phase.FORWARD, Phase.BACKWARD) else 1
         for kind, n in count_by_kind(got[str(p.name)]).items():
             per_step[kind] = per_step.get(kind, 0) + n * runs
@@ -54,17 +58,49 @@ def test_data_parallel_reduces_once_per_step_not_per_micro_batch(monkeypatch):
     assert "unreduced[device]" in str(acc)
 
 
+def _auto_plan(monkeypatch, mode: str):
+    monkeypatch.setenv("MESHSHARD_ACCUMULATE", mode)
+    module, model, batch = MODELS["mlp_long_batch"]()
+    state = module.make_state(model, batch["x"])
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, sharding="auto")
+    cluster = ClusterSpec(num_hosts=2, devices_per_host=2)
+    return plan_step(module.train_step, (state, batch), method=method, cluster=cluster)
+
+
+@pytest.mark.slow
+def test_auto_sharding_reduces_once_per_step_where_it_splits_the_batch(monkeypatch):
+    """Under sharding="auto" the solver splits the last stage's batch; its gradients
+    stay partial sums and the update reduces them once, as the plan predicts."""
+    plan, traced = _auto_plan(monkeypatch, "reduced")
+    before = _collectives_per_step(plan, traced, mesh=1)
+    plan, traced = _auto_plan(monkeypatch, "local")
+    after = _collectives_per_step(plan, traced, mesh=1)
+    assert before == {"all-reduce": 2 * 2}, before  # gradients and loss, per micro-batch
+    assert after == {"all-reduce": 1}, after  # the update's, once per step
+    (back,) = [p for p in plan.programs if p.mesh == 1 and p.name.phase is Phase.BACKWARD]
+    assert back.unreduced
+    notes = "\n".join(plan.notes)
+    assert f"{back.name} predicted comm: no collectives" in notes, notes
+    assert "m1.apply predicted comm: all-reduce[device]" in notes, notes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model,method",
     [
         ("mlp", meshshard.DataParallel(mesh_shape=(1, 2), num_micro_batches=M)),
         ("mlp", meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])),
+        (
+            "mlp_long_batch",
+            meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, sharding="auto"),
+        ),
     ],
 )
 def test_local_accumulation_matches_single_device(threads_cluster, model, method):
     step = check_parity(model, method, steps=2)
     progs = [p for p in step.plan.programs if p.name.phase is Phase.BACKWARD]
+    if "sharding ILP" in "".join(step.plan.notes):  # the solver's replicated stage: no sums
+        progs = progs[-1:]
     assert progs and all(p.unreduced for p in progs), [str(p) for p in step.plan.programs]
 
 

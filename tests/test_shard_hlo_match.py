@@ -20,6 +20,9 @@ MODELS = {
     # wide enough that splitting pays: the solver picks collectives, not all-replicated
     "mlp": lambda: (mlp, mlp.MLP(hidden=256, num_layers=2), mlp.make_batch(batch_size=64)),
     "gpt": lambda: (gpt, gpt.GPT(num_layers=2), gpt.make_batch(batch_size=8)),
+    # narrow and deep in the batch: data parallelism wins, and the gradients accumulate
+    # as per-device partial sums (reduced once, by the update)
+    "mlp_dp": lambda: (mlp, mlp.MLP(hidden=64, num_layers=2), mlp.make_batch(batch_size=8192)),
 }
 METHODS = {
     "shard14": (meshshard.ShardParallel((1, 4)), ClusterSpec(num_hosts=1, devices_per_host=4)),
@@ -32,7 +35,7 @@ METHODS = {
 
 def _plan(model_name, method, cluster):
     module, model, batch = MODELS[model_name]()
-    x = batch["x" if model_name == "mlp" else "inputs"]
+    x = batch["x" if model_name.startswith("mlp") else "inputs"]
     state = module.make_state(model, x)
     traced = trace_step(
         module.train_step,
@@ -44,8 +47,10 @@ def _plan(model_name, method, cluster):
     return traced, st
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
-@pytest.mark.parametrize("how", ["shard14", "pipe_auto"])
+@pytest.mark.parametrize(
+    "model, how",
+    [(m, h) for m in ("mlp", "gpt") for h in ("shard14", "pipe_auto")] + [("mlp_dp", "pipe_auto")],
+)
 def test_compiled_collectives_match_the_prediction(model, how):
     method, cluster = METHODS[how]
     traced, st = _plan(model, method, cluster)
