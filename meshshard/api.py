@@ -199,6 +199,7 @@ class ParallelizedFunction:
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
+            _warn_guessed_reductions(plan)
             log.info(
                 "compiled %s for %s in %.1fs (%d stages, %d workers)",
                 getattr(self.fn, "__name__", "step"),
@@ -283,6 +284,19 @@ def parallelize(
     if fn is None:
         return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums, trace)
     return ParallelizedFunction(fn, method, donate_argnums, batch_argnums, trace)
+
+
+def _warn_guessed_reductions(plan: Plan) -> None:
+    """Say so when an aux value's combination over micro-batches was not inferred: the
+    value returned is a default (mean or sum), not what one full-batch step computes."""
+    for note in plan.notes:
+        if "micro-batches (default:" in note:
+            log.warning(
+                "%s. Declare it (meshshard.aux_mean/aux_sum/aux_max/aux_min(x), or "
+                "value_and_grad(..., aux_reduce=...)), return its batch sums instead, or use "
+                "num_micro_batches=1",
+                note,
+            )
 
 
 def _write_at_exit(ref) -> None:

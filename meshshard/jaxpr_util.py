@@ -116,3 +116,14 @@ def retrace(closed, on_eqn=None, extra_inputs: Sequence = (), *, prepare=None, f
         for v in jaxpr.invars
     ]
     return jax.make_jaxpr(run)(*avals, *extra_inputs)
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element of a jaxpr value's dtype, JAX's extended dtypes (PRNG keys, as
+    ``nn.RNN`` and dropout put in a step) included: NumPy cannot interpret those."""
+    import jax
+    import numpy as np
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(dtype.itemsize)
+    return np.dtype(dtype).itemsize

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal
+from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize
 
 #: Primitive -> the reduction an all-reduce applies for it.
 REDUCIBLE = {"add": "sum", "add_any": "sum", "max": "max", "min": "min", "and": "and", "or": "or"}
@@ -134,7 +134,7 @@ class _Placer:
         out = e.outvars[0]
         if any(tuple(v.aval.shape) != tuple(out.aval.shape) for v in ins):
             return False
-        nbytes = int(np.prod(out.aval.shape, dtype=np.int64)) * np.dtype(out.aval.dtype).itemsize
+        nbytes = int(np.prod(out.aval.shape, dtype=np.int64)) * itemsize(out.aval.dtype)
         if nbytes > ALLREDUCE_MAX_BYTES:
             return False
         if any(v in self.partial for v in ins):
@@ -186,7 +186,7 @@ class _Placer:
         """Move ``e``'s operands to the mesh holding most of their bytes; returns it."""
         weight: dict[int, int] = {}
         for v in located:
-            nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+            nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * itemsize(v.aval.dtype)
             for m in self.ready[v]:
                 weight[m] = weight.get(m, 0) + nbytes
         target = min(weight, key=lambda m: (-weight[m], m))

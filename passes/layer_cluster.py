@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import sub_jaxprs
+from meshshard.jaxpr_util import itemsize, sub_jaxprs
 
 __all__ = [
     "HEAVY",
@@ -59,7 +59,7 @@ def aval_nbytes(aval) -> int:
     dtype = getattr(aval, "dtype", None)
     if dtype is None:
         return 0
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
 
 
 def _size(aval) -> int:

@@ -11,7 +11,10 @@ batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contractio
 * ``reduce_max`` alone: ``max``; ``reduce_min`` alone: ``min``;
 * nothing that depends on the batch: ``mean`` (the value is the same on every
   micro-batch);
-* a division by a value computed from the batch (a masked mean) or a mix: not inferred.
+* a division by a value computed from the batch (a masked mean) or a mix: not inferred;
+* a non-linear function of the reduced value (``sqrt`` of a sum of squares: a norm; a
+  product of two batch sums; a ``log`` of a sum): not inferred, since no combination of
+  per-micro-batch values gives the full-batch one.
 
 The loss decides its gradients (``mean``: averaged over micro-batches, ``sum``: summed).
 A declared reduction (marker or ``aux_reduce``) wins.  An aux value whose reduction is not
@@ -31,6 +34,25 @@ from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
 
 SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum"})
+#: Linear in their one operand: a batch sum (or mean, max, min) passes through them and
+#: still combines over micro-batches the same way.
+LINEAR_AFTER = frozenset(
+    {
+        "neg",
+        "convert_element_type",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "slice",
+        "dynamic_slice",
+        "pjit",
+    }
+)
 
 
 def _shape(v) -> tuple:
@@ -61,7 +83,8 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     kinds, norms = set(), 0
-    for em, ef, ins, outs in paired_producers(micro, full, var):
+    producers = list(paired_producers(micro, full, var))
+    for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
         if ins and not outs:
@@ -72,6 +95,9 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
         norms += how == "norm"
         if em.primitive.name == "div" and _divides_by_batch_total(em, ef, dep):
             return "", "it divides by a total computed from the batch (e.g. a masked mean)"
+    bad = _nonlinear_after_reduction(micro, producers, var)
+    if bad:
+        return "", f"it applies {bad} to a value reduced over the batch"
     if not kinds:
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
     if kinds <= SUM_LIKE:
@@ -79,6 +105,45 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
         return kinds.pop()[len("reduce_") :], "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var) -> str:
+    """The first non-linear primitive between the batch reductions ``var`` is made from
+    and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
+    last batch reduction, on values without a batch dimension.  A batch statistic used
+    on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
+    semantics, not a combination, and is left alone."""
+    by_out = {o: p for p in producers for o in p[0].outvars}
+    pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
+    tail, reduced, seen, stack = [], set(), set(), [var]
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v not in by_out or id(by_out[v][0]) in seen:
+            continue
+        em, _, ins, outs = by_out[v]
+        seen.add(id(em))
+        if ins and not outs:  # a batch reduction: the tail starts after it
+            reduced.update(em.outvars)
+        elif not ins and not outs:
+            tail.append(em)
+            stack += list(em.invars)
+    for em in sorted(tail, key=lambda e: pos[id(e)]):
+        which = [k for k, v in enumerate(em.invars) if not is_literal(v) and v in reduced]
+        if not which:
+            continue
+        name = em.primitive.name
+        linear = (
+            is_marker(em)
+            or em.primitive is aux_reduce_p
+            or (name in LINEAR_AFTER and len(which) == 1)
+            or name in ("add", "sub", "add_any")
+            or (name == "mul" and len(which) == 1)
+            or (name == "div" and which == [0])
+        )
+        if not linear:
+            return name
+        reduced.update(em.outvars)
+    return ""
 
 
 def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:

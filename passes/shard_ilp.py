@@ -40,7 +40,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, var_ids
+from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize, var_ids
 from meshshard.passes.shard_costs import Comm, LogicalMesh
 from meshshard.passes.shard_rules import (
     ELEMENTWISE,
@@ -171,7 +171,7 @@ def _flops(eqn) -> float:
 
 def _strategy_cost(eqn, s: Strategy, mesh: LogicalMesh) -> float:
     out_bytes = sum(
-        math.prod(o.aval.shape) * np.dtype(o.aval.dtype).itemsize
+        math.prod(o.aval.shape) * itemsize(o.aval.dtype)
         for o in eqn.outvars
         if hasattr(o.aval, "shape")
     )
@@ -368,8 +368,7 @@ def _memory_rows(jaxpr, idx, nodes, source, ids, mesh) -> list[np.ndarray]:
         if not is_literal(v) and ids.get(v) in source:
             last[source[ids[v]]] = end
     full = {
-        key: math.prod(nodes[key[0]].shapes[key[1]][0])
-        * np.dtype(nodes[key[0]].shapes[key[1]][1]).itemsize
+        key: math.prod(nodes[key[0]].shapes[key[1]][0]) * itemsize(nodes[key[0]].shapes[key[1]][1])
         for key in first
     }
     live_at = np.zeros(end + 1)

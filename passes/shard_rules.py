@@ -22,8 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from meshshard.jaxpr_util import itemsize as dtype_bytes
 from meshshard.passes.shard_costs import Comm, LogicalMesh
 from meshshard.plan import Spec
 
@@ -81,7 +80,7 @@ def shards(layout: Layout, mesh: LogicalMesh) -> int:
 
 def local_bytes(shape: Sequence[int], dtype, layout: Layout, mesh: LogicalMesh) -> float:
     """Bytes one device holds of a tensor of ``shape``/``dtype`` in ``layout``."""
-    return math.prod(shape) * np.dtype(dtype).itemsize / shards(layout, mesh)
+    return math.prod(shape) * dtype_bytes(dtype) / shards(layout, mesh)
 
 
 def _split_axes(mesh: LogicalMesh) -> tuple[str, ...]:
@@ -208,7 +207,7 @@ def _scatter_add(eqn, mesh: LogicalMesh) -> list[Strategy]:
     for k, ud in enumerate(dn.update_window_dims):
         if updates[ud] == operand[window[k]]:
             roles.append((updates[ud], (window[k],), (), (ud,), False))
-    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
     out = []
     for groups in _assignments(len(roles), mesh):
         if any(roles[r][0] % mesh.size(a) for r, a in groups.items()):
@@ -275,7 +274,7 @@ def _dot_general(eqn, mesh: LogicalMesh) -> list[Strategy]:
         + [("r", rs[b], (), (b,)) for b in rf]
     )
     out_shape = _shape(eqn.outvars[0])
-    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
     out = []
     for groups in _assignments(len(roles), mesh):
         if any(roles[r][1] % mesh.size(a) for r, a in groups.items()):
@@ -319,7 +318,7 @@ def _reduce(eqn, mesh: LogicalMesh, *, combinable: bool = True) -> list[Strategy
     axes = tuple(eqn.params["axes"])
     in_shape = _shape(eqn.invars[0])
     out_shape = _shape(eqn.outvars[0])
-    itemsize = np.dtype(eqn.outvars[0].aval.dtype).itemsize
+    itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
     out = []
     for lay in layouts(in_shape, mesh):
         red = tuple(a for d in axes for a in lay[d])
@@ -472,7 +471,7 @@ def reshard_comms(
     """
     if src == dst:
         return ()
-    full = math.prod(shape) * np.dtype(dtype).itemsize
+    full = math.prod(shape) * dtype_bytes(dtype)
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     gather = tuple(a for a in mesh.axes if a in where_src and a not in where_dst)

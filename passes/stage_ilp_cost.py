@@ -38,7 +38,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_literal, var_ids
+from meshshard.jaxpr_util import is_literal, itemsize, var_ids
 from meshshard.passes.meshes import logical_shapes
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import solve_stage
@@ -231,7 +231,7 @@ class IlpCost(AnalyticCost):
         for v in (p for p in self.jaxpr.invars if p in self.params and p in used):
             n_shards, repl = self._split(sol, v, mesh)
             if "device" in repl and len(v.aval.shape) >= 1:
-                nbytes = math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize / n_shards
+                nbytes = math.prod(v.aval.shape) * itemsize(v.aval.dtype) / n_shards
                 saving += nbytes * (1 - 1 / tp)
         if tp <= 1 or saving <= 0:
             return None
@@ -263,13 +263,13 @@ class IlpCost(AnalyticCost):
         for v in (p for p in self.jaxpr.invars if p in self.params and p in used):
             n_shards, repl = self._split(sol, v, mesh)
             count = math.prod(v.aval.shape) / n_shards
-            nbytes = count * np.dtype(v.aval.dtype).itemsize * grad_scale
+            nbytes = count * itemsize(v.aval.dtype) * grad_scale
             grads[("all",)] = grads.get(("all",), 0.0) + nbytes  # every local gradient
             if repl:
                 grads[repl] = grads.get(repl, 0.0) + nbytes
             state += count * o.bytes_per_param
         acts = sum(
-            math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize / self._split(sol, v, mesh)[0]
+            math.prod(v.aval.shape) * itemsize(v.aval.dtype) / self._split(sol, v, mesh)[0]
             for v in self._saved(eqns)
         )
         comm = mesh.comm_time(c for _, c in sol.comms)

@@ -183,8 +183,65 @@ def _classify_loss(loss_fn, m=4):
         (lambda x: jnp.sum(x > 3), "sum"),
         (lambda x: jnp.sum(x) / jnp.sum(x > 3), ""),
         (lambda x: jnp.max(x) + jnp.sum(x), ""),
+        # non-linear after the batch reduction: no per-micro-batch value combines to it
+        (lambda x: jnp.linalg.norm(x), ""),
+        (lambda x: jnp.sqrt(jnp.mean(x**2)), ""),
+        (lambda x: jnp.log(jnp.sum(jnp.exp(x))), ""),
+        (lambda x: jnp.sum(x) * jnp.sum(x), ""),
+        # linear after it: still a mean
+        (lambda x: 2.0 * jnp.mean(x**2) + 1.0, "mean"),
+        # a batch statistic used on the batch again (batch norm): per micro-batch, a mean
+        (
+            lambda x: jnp.mean(
+                (x - x.mean(0)) * jax.lax.rsqrt(((x - x.mean(0)) ** 2).mean(0) + 1e-5)
+            ),
+            "mean",
+        ),
     ],
-    ids=["mean", "sum-over-n", "sum-of-row-means", "max", "min", "count", "ratio", "mixed"],
+    ids=[
+        "mean",
+        "sum-over-n",
+        "sum-of-row-means",
+        "max",
+        "min",
+        "count",
+        "ratio",
+        "mixed",
+        "norm",
+        "rms",
+        "logsumexp",
+        "product-of-sums",
+        "affine-mean",
+        "batch-norm",
+    ],
 )
 def test_classify(fn, want):
     assert _classify_loss(fn) == want
+
+
+def norm_metric_step(state, batch):
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2), {"pred_norm": jnp.linalg.norm(pred)}
+
+    (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+def test_a_norm_metric_is_not_summed_and_the_user_is_told(threads_cluster, caplog):
+    """A norm of the batch's predictions has no combination over micro-batches: the plan
+    and a warning say its value is a default (it used to be summed silently)."""
+    step = meshshard.parallelize(
+        norm_metric_step,
+        method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+    )
+    state = sgd_state(BATCHES[0]["x"])
+    with caplog.at_level("WARNING", logger="meshshard"):
+        _, loss, _ = step(state, BATCHES[0])
+    _, ref_loss, _ = jax.jit(norm_metric_step)(state, BATCHES[0])
+    assert_trees_close(ref_loss, loss)  # the loss itself stays exact
+    note = next(n for n in step.plan.notes if n.startswith("aux['pred_norm']"))
+    assert "default: it applies sqrt to a value reduced over the batch" in note, note
+    assert any(
+        "pred_norm" in r.getMessage() and "aux_sum" in r.getMessage() for r in caplog.records
+    )

@@ -135,3 +135,17 @@ def test_scatter_add_rule_splits_rows_with_a_reduce_or_the_feature_dim_without()
     assert feat.outs == (((), ("device",)),) and feat.ins[0] == ((), ("device",))
     assert feat.comms == () and feat.split == 4
     assert by_upd[((), ())].comms == ()  # replicated
+
+
+def test_values_of_key_type_are_costed():
+    """A PRNG key inside the step (``nn.RNN`` makes one for its carry, dropout splits
+    them) has an extended dtype NumPy cannot size; the solver still plans the stage."""
+
+    def noisy(x, w):
+        key = jax.random.split(jax.random.key(0))[1]
+        return jnp.tanh(x @ w + jax.random.normal(key, (x.shape[0], w.shape[1])))
+
+    closed = jax.make_jaxpr(noisy)(jnp.ones((64, 8)), jnp.ones((8, 8)))
+    cluster = ClusterSpec()
+    sol = solve_stage(closed, LogicalMesh.of((1, 2), cluster), cluster)
+    assert not sol.fallback and sol.status == "optimal"
