@@ -80,7 +80,9 @@ class ShardingSolution:
     collectives and the resharding of its operands, at the consuming equation.
     ``objective``: predicted seconds (compute + communication) of one run.
     ``ilp_size``: (nodes, variables, constraints).  ``gap``: HiGHS's relative MIP gap
-    (0 when optimal).  ``fallback``: greedy solution after the solver found none in time.
+    (0 when optimal; against the solver's lower bound when a heuristic plan was kept).
+    ``fallback``: a heuristic plan (greedy, seeded greedy, with local search) replaced
+    the solver's, which found none, or a worse one, in time; ``status`` says which.
     ``memory``: predicted peak bytes per device (at the sampled points).
     """
 
@@ -111,11 +113,11 @@ class ShardingSolution:
     def summary(self) -> str:
         """One line: ILP size, objective, solve time, gap, and the fallback when taken."""
         nodes, nvars, ncons = self.ilp_size
-        how = "greedy fallback (solver found no plan in time)" if self.fallback else self.status
+        gap = "unknown (no bound)" if math.isnan(self.gap) else f"{self.gap:.2%}"
         return (
             f"sharding ILP on {self.mesh}: {nodes} nodes, {nvars} variables, {ncons} constraints; "
             f"objective {self.objective * 1e3:.4g} ms, solved in {self.solve_time:.2f} s, "
-            f"gap {self.gap:.2%}, {how}; peak {self.memory / 2**20:.1f} MiB/device"
+            f"gap {gap}, {self.status}; peak {self.memory / 2**20:.1f} MiB/device"
         )
 
 
@@ -487,19 +489,21 @@ def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float
     return choice, size, res
 
 
-def _greedy(problem: _Problem) -> list[int]:
+def _greedy(problem: _Problem, preset: Mapping[int, int] | None = None) -> list[int]:
     """Equations in order, each the cheapest strategy given its operands' choices (an
     undecided jaxpr input costs its best case); then each input the layout its
-    consumers' choices read most cheaply."""
+    consumers' choices read most cheaply.  ``preset``: node -> strategy fixed first."""
     nodes = problem.nodes
     choice: list[int | None] = [None] * len(nodes)
+    for n, j in (preset or {}).items():
+        choice[n] = j
     into: dict[int, list[_Edge]] = {}
     out_of: dict[int, list[_Edge]] = {}
     for e in problem.edges:
         into.setdefault(e.dst, []).append(e)
         out_of.setdefault(e.src, []).append(e)
     for n, node in enumerate(nodes):
-        if node.eqn < 0:
+        if node.eqn < 0 or choice[n] is not None:
             continue
         total = node.cost.copy()
         for e in into.get(n, []):
@@ -518,6 +522,78 @@ def _greedy(problem: _Problem) -> list[int]:
         if ok:
             choice[n2] = min(ok, key=lambda j: nodes[n2].cost[j])
     return choice
+
+
+def _improve(problem: _Problem, choice: list[int], rounds: int = 4) -> list[int]:
+    """Local search: each node in turn takes its cheapest strategy given its neighbours'
+    choices (nodes tied to another keep theirs), until nothing changes."""
+    nodes = problem.nodes
+    into: dict[int, list[_Edge]] = {}
+    out_of: dict[int, list[_Edge]] = {}
+    for e in problem.edges:
+        into.setdefault(e.dst, []).append(e)
+        out_of.setdefault(e.src, []).append(e)
+    tied = {n for pair in problem.ties for n, _ in pair}
+    choice = list(choice)
+    for _ in range(rounds):
+        changed = False
+        for n, node in enumerate(nodes):
+            if n in tied or len(node.strategies) == 1:
+                continue
+            total = node.cost.copy()
+            for e in into.get(n, []):
+                total += e.matrix[choice[e.src]]
+            for e in out_of.get(n, []):
+                total += e.matrix[:, choice[e.dst]]
+            best = int(np.argmin(total))
+            if total[best] < total[choice[n]] - 1e-15:
+                choice[n], changed = best, True
+        if not changed:
+            break
+    return choice
+
+
+def _seed_preset(problem: _Problem, seed: Mapping[int, Spec], mesh: LogicalMesh) -> dict:
+    """node -> strategy of the jaxpr inputs a seed gives a layout (var id -> spec)."""
+    preset = {}
+    for vid, spec in seed.items():
+        if vid not in problem.source:
+            continue
+        n, k = problem.source[vid]
+        node = problem.nodes[n]
+        if node.eqn >= 0:
+            continue
+        lay = from_spec(tuple(spec), len(node.shapes[k][0]))
+        lay = tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in lay)
+        fits = [j for j, st in enumerate(node.strategies) if st.outs[k] == lay]
+        if fits:
+            preset[n] = fits[0]
+    return preset
+
+
+def _best_candidate(problem, mesh, budget, ilp_choice, seeds) -> tuple[list[int], str]:
+    """The cheapest of the ILP's incumbent, the greedy plan and each seeded greedy plan
+    (all after local search) that fits ``budget`` and keeps every tie."""
+    cands = [] if ilp_choice is None else [("the ILP's incumbent", list(ilp_choice))]
+    cands.append(("greedy + local search", _improve(problem, _greedy(problem))))
+    for label, seed in seeds:
+        preset = _seed_preset(problem, seed, mesh)
+        cands.append((f"{label} seed + local search", _improve(problem, _greedy(problem, preset))))
+    best = None
+    for label, choice in cands:
+        objective, _, memory = _evaluate(problem, choice, mesh)
+        broken = any(
+            problem.nodes[a].strategies[choice[a]].outs[ka]
+            != problem.nodes[b].strategies[choice[b]].outs[kb]
+            for (a, ka), (b, kb) in problem.ties
+        )
+        if broken or (budget is not None and memory > budget):
+            continue
+        if best is None or objective < best[0] - 1e-12:
+            best = (objective, choice, label)
+    if best is None:  # nothing fits: the first candidate, as before
+        return cands[0][1], cands[0][0]
+    return best[1], best[2]
 
 
 def _evaluate(problem: _Problem, choice, mesh: LogicalMesh):
@@ -559,14 +635,18 @@ def solve_stage(
     tied: Sequence[tuple[int, int]] = (),
     time_limit: float = 10.0,
     mip_rel_gap: float = 1e-3,
+    seeds: Sequence[tuple[str, Mapping[int, Spec]]] = (),
 ) -> ShardingSolution:
     """Choose a spec for every value of ``jaxpr`` (or of its equations ``eqns``) on ``mesh``.
 
     ``memory_budget``: bytes per device (default: ``cluster.device_memory``, none without
     a cluster).  ``pins``: var id -> spec the solution must give that value (as
     ``meshshard.shard`` does inside the step).  ``tied``: pairs of var ids that must get
-    the same spec (a parameter and its updated value, which the next step reads).  Raises :class:`MeshshardInputError` when
-    no plan fits the budget or a pin does not divide its value.
+    the same spec (a parameter and its updated value, which the next step reads).
+    ``seeds``: (label, var id -> spec of jaxpr inputs) starting points (data parallel)
+    for the heuristic plans that replace the ILP's answer when HiGHS stops before
+    optimality with a worse one.  Raises :class:`MeshshardInputError` when no plan fits
+    the budget or a pin does not divide its value.
     """
     jaxpr = _jaxpr(jaxpr)
     problem = _build(jaxpr, mesh, eqns, {})
@@ -590,14 +670,22 @@ def solve_stage(
     t0 = time.perf_counter()
     choice, size, res = _milp(problem, memory_budget, time_limit, mip_rel_gap)
     elapsed = time.perf_counter() - t0
-    fallback = choice is None
-    if fallback:
-        choice = _greedy(problem)
-        status = f"greedy fallback ({res.message})"
-    else:
-        status = "optimal" if res.status == 0 else f"stopped: {res.message}"
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0) if not fallback else float("nan")
+    if choice is not None and res.status == 0:
+        status, fallback = "optimal", False
+        gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    else:  # stopped early (or no plan): keep the best of the incumbent and heuristics
+        choice, label = _best_candidate(problem, mesh, memory_budget, choice, seeds)
+        fallback = label != "the ILP's incumbent"
+        status = f"stopped: {res.message}; kept {label}"
+        gap = _gap(_evaluate(problem, choice, mesh)[0], getattr(res, "mip_dual_bound", None))
     return _solution(problem, choice, mesh, size, elapsed, gap, fallback, status)
+
+
+def _gap(objective: float, bound) -> float:
+    """Relative gap of ``objective`` to the solver's lower bound (nan: no bound)."""
+    if bound is None or not np.isfinite(bound) or objective <= 0:
+        return float("nan")
+    return max(0.0, (objective - float(bound)) / objective)
 
 
 def _solution(problem, choice, mesh, size, elapsed, gap, fallback, status) -> ShardingSolution:

@@ -98,6 +98,21 @@ def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec
     return pins
 
 
+def _data_parallel_seed(traced: TracedStep, mesh: MeshSpec, scope_inputs) -> dict[int, Spec]:
+    """var id -> spec of every input leaf the mesh reads: the batch split over the whole
+    mesh, the rest whole (where a heuristic plan starts when the ILP stops early)."""
+    ids = var_ids(traced.jaxpr)
+    mbs = micro_batch_sizes(traced)
+    seed = {}
+    for leaf, info in enumerate(traced.inputs):
+        vid = ids[traced.jaxpr.invars[leaf]]
+        if vid in scope_inputs and not info.is_key:
+            seed[vid] = (
+                data_parallel_spec(tuple(info.shape), True, mbs, mesh) if info.is_batch else ()
+            )
+    return seed
+
+
 def infer_shardings(
     traced: TracedStep,
     graph: StageGraph,
@@ -121,8 +136,16 @@ def infer_shardings(
         lmesh = LogicalMesh.of(mesh.shape, cluster)
         read = {ids[v] for i in eqns for v in jaxpr.eqns[i].invars if not is_literal(v)}
         pins = _mode_pins(traced, graph, mesh, lmesh, mode, read)
+        seeds = (("data-parallel", _data_parallel_seed(traced, mesh, read)),)
         sol = solve_stage(
-            jaxpr, lmesh, cluster, pins=pins, eqns=eqns, tied=tied, time_limit=TIME_LIMIT
+            jaxpr,
+            lmesh,
+            cluster,
+            pins=pins,
+            eqns=eqns,
+            tied=tied,
+            time_limit=TIME_LIMIT,
+            seeds=seeds,
         )
         out.append(MeshSharding(mesh.id, eqns, sol))
     return tuple(out)
