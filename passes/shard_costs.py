@@ -79,14 +79,15 @@ class LogicalMesh:
 
     @staticmethod
     def of(shape: tuple[int, int], cluster: ClusterSpec, dtype: str = "float32") -> LogicalMesh:
-        """The (host, device) mesh of ``shape`` on ``cluster``: hosts talk through the NICs
-        (all of a host's NICs share its inter-host traffic), devices through the fabric."""
-        host_bw = cluster.nic_bandwidth * cluster.nics_per_host / cluster.oversubscription
+        """The (host, device) mesh of ``shape`` on ``cluster``, its collectives priced as
+        ``cluster.mesh_collective()`` says (by default hosts talk through the NICs, all
+        of a host's NICs sharing its inter-host traffic, and devices through the fabric)."""
+        (host_alpha, host_bw), (dev_alpha, dev_bw) = cluster.mesh_collective()
         return LogicalMesh(
             axes=MESH_AXES,
             shape=(int(shape[0]), int(shape[1])),
-            alpha=(cluster.nic_latency, cluster.intra_latency),
-            beta=(1.0 / host_bw, 1.0 / cluster.intra_bandwidth),
+            alpha=(host_alpha, dev_alpha),
+            beta=(1.0 / host_bw, 1.0 / dev_bw),
             peak_flops=cluster.flops_for(dtype),
             memory_bandwidth=cluster.memory_bandwidth,
         )

@@ -17,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 
-from meshshard.cluster import ClusterSpec
+from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
 from meshshard.runtime.executable import CLOSED_STEP
@@ -148,7 +148,10 @@ class ThreadsCluster:
 
     def __init__(self, num_hosts: int, devices_per_host: int):
         self.spec = ClusterSpec(
-            f"threads-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
+            f"threads-{num_hosts}x{devices_per_host}",
+            num_hosts,
+            devices_per_host,
+            **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
         self.closed = False
@@ -206,8 +209,9 @@ class RayCluster:
         else:
             self.platform, self._nodes = "cpu", None
             num_hosts, devices_per_host = num_hosts or 4, devices_per_host or 2
+        local = LOCAL_MESH_COLLECTIVES if self.platform == "cpu" else {}
         self.spec = ClusterSpec(
-            name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host
+            name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host, **local
         )
         self._actors: list = [None] * num_hosts
         self.pids: list[int | None] = [None] * num_hosts

@@ -188,8 +188,7 @@ def collective_seconds(
         else:
             members = set(c.groups[0] if c.groups else range(mesh_shape[0] * per_host))
         across = len({d // per_host for d in members}) > 1
-        bw = cluster.nic_bandwidth if across else cluster.intra_bandwidth
-        lat = cluster.nic_latency if across else cluster.intra_latency
+        lat, bw = cluster.mesh_collective()[0 if across else 1]
         n = max(2, c.group_size)
         if c.kind == "collective-permute":
             t = lat + c.nbytes / bw
