@@ -75,7 +75,8 @@ def hlo_counts(m: int) -> dict:
 
     batch = _batches(1)[0]
     state = gpt.make_state(gpt.GPT(**MODEL), batch["inputs"])
-    cluster = meshshard.ClusterSpec(num_hosts=4, devices_per_host=2)
+    # what the local Ray cluster plans with (its in-program collective costs included)
+    cluster = meshshard.ClusterSpec.preset("local")
     out = {}
     for name, make, mode, _ in _configs(m):
         os.environ["MESHSHARD_ACCUMULATE"] = mode
@@ -108,7 +109,8 @@ def timings(steps: int, m: int) -> dict:
     state0 = gpt.make_state(gpt.GPT(**MODEL), batches[0]["inputs"])
     out = {}
     try:
-        for name, make, mode, _ in _configs(m):
+        configs = _configs(m)
+        for i, (name, make, mode, _) in enumerate(configs):
             os.environ["MESHSHARD_ACCUMULATE"] = mode  # read when the step plans
             step = meshshard.parallelize(gpt.train_step, method=make())
             t0 = time.perf_counter()
@@ -126,6 +128,12 @@ def timings(steps: int, m: int) -> dict:
                 compile_s=compile_s,
                 step_s=statistics.median(times),
                 loadavg=os.getloadavg()[0],
+            )
+            print(
+                f"[{i + 1}/{len(configs)}] {name}: compile {compile_s:.1f} s, "
+                f"step {1e3 * out[name]['step_s']:.1f} ms",
+                file=sys.stderr,
+                flush=True,
             )
     finally:
         meshshard.shutdown()

@@ -99,6 +99,14 @@ def test_nic_sharing():
             r"nic_of_device must give one NIC index in \[0, 1\) for each of the 2",
         ),
         ({"peak_flops": {}}, r"peak_flops must map dtypes to positive FLOP/s"),
+        (
+            {"mesh_collective_latency": (1e-3,)},
+            r"mesh_collective_latency must be \(\) or \(host axis, device axis\) numbers >= 0",
+        ),
+        (
+            {"mesh_collective_bandwidth": (1e9, 0.0)},
+            r"mesh_collective_bandwidth must be \(\) or \(host axis, device axis\) numbers > 0",
+        ),
     ],
 )
 def test_validation_errors(kwargs, pattern):
@@ -120,3 +128,24 @@ def test_plan_round_trip_keeps_extended_cluster():
     plan = synthetic_pipeline(2, 2, cluster=cluster)
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_json(plan.to_json()).cluster.nic_bandwidth == 50e9
+
+
+def test_mesh_collectives_default_to_the_fabrics_and_local_clusters_measure_them():
+    """In-program collectives: the NICs and fabric unless given; the local clusters (and
+    the ``local`` preset) carry this machine's measured figures, GPU presets do not."""
+    from meshshard.cluster import LOCAL_MESH_COLLECTIVES
+    from meshshard.runtime.cluster import ThreadsCluster
+
+    p3 = ClusterSpec.preset("aws-p3.16xlarge")
+    host_bw = p3.nic_bandwidth * p3.nics_per_host / p3.oversubscription
+    assert p3.mesh_collective() == (
+        (p3.nic_latency, host_bw),
+        (p3.intra_latency, p3.intra_bandwidth),
+    )
+    local = ClusterSpec.preset("local")
+    (ha, hb), (da, db) = local.mesh_collective()
+    assert (ha, da) == LOCAL_MESH_COLLECTIVES["mesh_collective_latency"]
+    assert (hb, db) == LOCAL_MESH_COLLECTIVES["mesh_collective_bandwidth"]
+    assert ha > 5 * local.nic_latency  # gloo between JAX processes: far above a message
+    assert ThreadsCluster(2, 4).spec.mesh_collective() == local.mesh_collective()
+    assert ClusterSpec.from_json(local.to_json()) == local
