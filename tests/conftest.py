@@ -31,6 +31,24 @@ def threads_cluster(request):
         yield cluster
 
 
+def with_fabric_costs(cluster):
+    """``cluster`` planning with the NIC and fabric figures for in-program collectives
+    instead of this machine's measured ones: on those the solver keeps these tests' small
+    models whole (correctly: a collective here costs more than the work it would split),
+    and the tests are about running sharded plans."""
+    from dataclasses import replace
+
+    cluster.spec = replace(cluster.spec, mesh_collective_latency=(), mesh_collective_bandwidth=())
+    return cluster
+
+
+@pytest.fixture
+def sharded_threads_cluster():
+    """The threads cluster (4 hosts x 2), planning with the fabric's collective costs."""
+    with use_cluster(ThreadsCluster(4, 2)) as cluster:
+        yield with_fabric_costs(cluster)
+
+
 def assert_trees_close(ref, got, rtol=1e-5):
     """Each leaf of ``got`` equals ``ref`` within ``rtol`` (norm of the difference over the
     norm of the reference, per leaf: elementwise ratios of near-zero Adam updates are

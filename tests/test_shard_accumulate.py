@@ -96,7 +96,7 @@ def test_auto_sharding_reduces_once_per_step_where_it_splits_the_batch(monkeypat
         ),
     ],
 )
-def test_local_accumulation_matches_single_device(threads_cluster, model, method):
+def test_local_accumulation_matches_single_device(sharded_threads_cluster, model, method):
     step = check_parity(model, method, steps=2)
     progs = [p for p in step.plan.programs if p.name.phase is Phase.BACKWARD]
     if "sharding ILP" in "".join(step.plan.notes):  # the solver's replicated stage: no sums

@@ -5,13 +5,14 @@ import pytest
 from meshshard import PipeshardParallel, ShardParallel
 from meshshard.refs import BufferKind
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+from tests.conftest import with_fabric_costs
 from tests.parity import check_parity
 
 
 @pytest.fixture
 def one_host_of_8():
     with use_cluster(ThreadsCluster(1, 8)) as cluster:
-        yield cluster
+        yield with_fabric_costs(cluster)
 
 
 def _sharded(plan) -> bool:
@@ -36,7 +37,7 @@ def test_zero3_splits_parameters_and_keeps_parity(one_host_of_8):
 
 
 @pytest.mark.slow
-def test_pipeshard_auto_sharding_matches_single_device(threads_cluster):
+def test_pipeshard_auto_sharding_matches_single_device(sharded_threads_cluster):
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto")
     step = check_parity("mlp_wide", method, steps=2)
     assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh
@@ -50,7 +51,7 @@ def test_shard_parallel_mesh_across_two_host_actors(ray_cluster):
 
 
 @pytest.mark.slow
-def test_gpt_under_pipeshard_auto_sharding_matches_single_device(threads_cluster):
+def test_gpt_under_pipeshard_auto_sharding_matches_single_device(sharded_threads_cluster):
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto")
     step = check_parity("gpt_small", method, steps=1)
     assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh
