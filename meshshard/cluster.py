@@ -115,6 +115,9 @@ class ClusterSpec:
             :data:`LOCAL_MESH_COLLECTIVES`); the sharding solver prices them with these.
         mesh_collective_bandwidth: bytes/s of those collectives, ``(host axis, device
             axis)``; ``()`` means the NICs' (shared, oversubscribed) and the fabric's.
+        max_mesh_hosts: hosts one mesh may span (0: any); the in-process threads
+            backend runs single-host meshes only, so its clusters say 1 and
+            ``stages="auto"`` searches single-host submeshes there.
         source: where the figures come from (citations, or the calibration run).
     """
 
@@ -141,6 +144,7 @@ class ClusterSpec:
     dispatch_overhead: float = 0.0
     mesh_collective_latency: tuple[float, ...] = ()
     mesh_collective_bandwidth: tuple[float, ...] = ()
+    max_mesh_hosts: int = 0
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
@@ -209,6 +213,11 @@ class ClusterSpec:
                 "pass () to spread devices evenly over the NICs"
             )
         object.__setattr__(self, "nic_of_device", nic_of)
+        if not isinstance(self.max_mesh_hosts, int) or self.max_mesh_hosts < 0:
+            raise ValueError(
+                f"ClusterSpec.max_mesh_hosts must be an int >= 0 (0 = any), got "
+                f"{self.max_mesh_hosts!r}"
+            )
         for field_name, positive in (
             ("mesh_collective_latency", False),
             ("mesh_collective_bandwidth", True),

@@ -124,7 +124,8 @@ def submesh_choices(cluster: ClusterSpec, whole_hosts: bool = False) -> tuple[tu
     """
     d = cluster.devices_per_host
     small = [] if whole_hosts else [(1, 1 << k) for k in range(d.bit_length()) if (1 << k) < d]
-    return tuple(small + [(h, d) for h in range(1, cluster.num_hosts + 1)])
+    hosts = min(cluster.num_hosts, cluster.max_mesh_hosts or cluster.num_hosts)
+    return tuple(small + [(h, d) for h in range(1, hosts + 1)])
 
 
 def logical_shapes(submesh: tuple[int, int], devices_per_host: int) -> tuple[tuple[int, int], ...]:

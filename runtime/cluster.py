@@ -151,6 +151,7 @@ class ThreadsCluster:
             f"threads-{num_hosts}x{devices_per_host}",
             num_hosts,
             devices_per_host,
+            max_mesh_hosts=1,  # one process: the in-process backend's meshes are one host's
             **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans

@@ -99,6 +99,7 @@ def test_nic_sharing():
             r"nic_of_device must give one NIC index in \[0, 1\) for each of the 2",
         ),
         ({"peak_flops": {}}, r"peak_flops must map dtypes to positive FLOP/s"),
+        ({"max_mesh_hosts": -1}, r"ClusterSpec.max_mesh_hosts must be an int >= 0 \(0 = any\)"),
         (
             {"mesh_collective_latency": (1e-3,)},
             r"mesh_collective_latency must be \(\) or \(host axis, device axis\) numbers >= 0",
@@ -149,3 +150,21 @@ def test_mesh_collectives_default_to_the_fabrics_and_local_clusters_measure_them
     assert ha > 5 * local.nic_latency  # gloo between JAX processes: far above a message
     assert ThreadsCluster(2, 4).spec.mesh_collective() == local.mesh_collective()
     assert ClusterSpec.from_json(local.to_json()) == local
+
+
+def test_threads_clusters_search_single_host_submeshes():
+    """The in-process backend runs one host's meshes only: its clusters say so, and the
+    automatic stage search offers it no multi-host submesh."""
+    from meshshard.passes.meshes import submesh_choices
+    from meshshard.runtime.cluster import ThreadsCluster
+
+    spec = ThreadsCluster(4, 2).spec
+    assert spec.max_mesh_hosts == 1
+    assert submesh_choices(spec) == ((1, 1), (1, 2))
+    assert submesh_choices(replace(spec, max_mesh_hosts=0)) == (
+        (1, 1),
+        (1, 2),
+        (2, 2),
+        (3, 2),
+        (4, 2),
+    )
