@@ -29,7 +29,7 @@ from meshshard.passes.trace import TracedStep
 from meshshard.plan import MESH_AXES, BufferSpec, MeshSpec, Spec, Unreduced
 from meshshard.refs import BufferKind, Phase, ProgramRef
 
-__all__ = ["local_accumulation", "accumulate_mode", "accumulation_comms"]
+__all__ = ["local_accumulation", "accumulate_mode", "accumulation_comms", "accumulable_eqns"]
 
 ACC = BufferKind.ACCUMULATORS
 LINEAR_REDUCTIONS = ("sum", "mean")
@@ -159,6 +159,30 @@ def local_accumulation(
 
 
 REDUCES = ("all-reduce", "reduce-scatter")
+
+
+def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> dict[int, float]:
+    """Equation index -> ``1 / M`` for the contractions of ``mesh``'s programs whose
+    result local accumulation can hold as partial sums when the batch is split: their
+    reduce runs once per step, not once per micro-batch, and the sharding solver prices
+    it so (without this, data parallelism looks ``M`` times dearer to it than it is)."""
+    m = traced.num_micro_batches
+    if m <= 1 or accumulate_mode() == "reduced" or mesh.num_devices == 1:
+        return {}
+    jaxpr, ids = traced.jaxpr, var_ids(traced.jaxpr)
+    made_by = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    split, _ = _splitters(traced, graph, mesh, None)
+    out: dict[int, float] = {}
+    for p in graph.programs:
+        groups = [g for g in p.outputs if g.ref.kind is ACC]
+        if p.stage != mesh.id or p.name.phase is Phase.APPLY or not groups:
+            continue
+        found = unreduced_values(jaxpr, p.eqns, split, _targets(traced, groups))
+        by_id = {i: v for v, i in ids.items()}
+        for vid, u in found.items():
+            if u.split and by_id[vid] in made_by:
+                out[made_by[by_id[vid]]] = 1.0 / m
+    return out
 
 
 def _first_reader(jaxpr, eqns, vid: int, ids: Mapping) -> int:

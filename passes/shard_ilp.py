@@ -246,7 +246,16 @@ def _input_node(v, vid: int, mesh: LogicalMesh) -> _Node:
     return _Node(-1, (vid,), strat, tie, ((shape, v.aval.dtype),))
 
 
-def _build(jaxpr, mesh, eqns, pins) -> _Problem:
+def _amortized(cost: np.ndarray, strat, mesh: LogicalMesh, factor: float) -> np.ndarray:
+    """Strategy costs with their reduces counted ``factor`` times (run once per step)."""
+    out = cost.copy()
+    for j, s in enumerate(strat):
+        reduces = [c for c in s.comms if c.kind in ("all-reduce", "reduce-scatter")]
+        out[j] -= (1.0 - factor) * mesh.comm_time(reduces)
+    return out
+
+
+def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None) -> _Problem:
     ids = var_ids(jaxpr)
     idx, inputs = _scope(jaxpr, eqns)
     nodes: list[_Node] = []
@@ -293,6 +302,8 @@ def _build(jaxpr, mesh, eqns, pins) -> _Problem:
             (tuple(o.aval.shape), o.aval.dtype) for o in eqn.outvars if not is_dropvar(o)
         )
         cost = np.array([_strategy_cost(eqn, s, mesh) for s in strat])
+        if amortize and i in amortize:
+            cost = _amortized(cost, strat, mesh, amortize[i])
         nodes.append(_Node(i, outs, strat, cost, shapes))
         k = 0
         for o in eqn.outvars:
@@ -636,6 +647,7 @@ def solve_stage(
     time_limit: float = 10.0,
     mip_rel_gap: float = 1e-3,
     seeds: Sequence[tuple[str, Mapping[int, Spec]]] = (),
+    amortize: Mapping[int, float] | None = None,
 ) -> ShardingSolution:
     """Choose a spec for every value of ``jaxpr`` (or of its equations ``eqns``) on ``mesh``.
 
@@ -645,11 +657,13 @@ def solve_stage(
     the same spec (a parameter and its updated value, which the next step reads).
     ``seeds``: (label, var id -> spec of jaxpr inputs) starting points (data parallel)
     for the heuristic plans that replace the ILP's answer when HiGHS stops before
-    optimality with a worse one.  Raises :class:`MeshshardInputError` when no plan fits
-    the budget or a pin does not divide its value.
+    optimality with a worse one.  ``amortize``: equation index -> how many times per run
+    its reduces count (``1 / M`` for gradient contributions accumulated locally).
+    Raises :class:`MeshshardInputError` when no plan fits the budget or a pin does not
+    divide its value.
     """
     jaxpr = _jaxpr(jaxpr)
-    problem = _build(jaxpr, mesh, eqns, {})
+    problem = _build(jaxpr, mesh, eqns, {}, amortize)
     _apply_pins(problem, pins or {}, jaxpr, mesh)
     problem.ties = [
         (problem.source[a], problem.source[b])

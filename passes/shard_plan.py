@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
 from meshshard.jaxpr_util import is_literal, var_ids
+from meshshard.passes.shard_accumulate import accumulable_eqns
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import ALIAS_PRIMITIVES, ShardingSolution, solve_stage
 from meshshard.passes.shard_rules import layouts, to_spec
@@ -146,6 +147,7 @@ def infer_shardings(
             tied=tied,
             time_limit=TIME_LIMIT,
             seeds=seeds,
+            amortize=accumulable_eqns(traced, graph, mesh),
         )
         out.append(MeshSharding(mesh.id, eqns, sol))
     return tuple(out)

@@ -127,3 +127,29 @@ def test_rule_keeps_contractions_over_the_split_batch_and_what_follows_them():
     assert {ids[v] for v in jx.outvars[:3]} <= set(found)
     assert ids[jx.outvars[3]] not in found
     assert {"dot_general", "mul", "reduce_sum", "scatter-add"} <= names
+
+
+@pytest.mark.slow
+def test_the_solver_prices_locally_accumulated_reduces_once_per_step():
+    """The contractions local accumulation can hold as partial sums reach the sharding
+    solver with weight 1/M: their reduce runs once per step, not once per micro-batch."""
+    from meshshard.passes.checks import run_passes
+    from meshshard.passes.pipeline import PASSES
+    from meshshard.passes.shard_accumulate import accumulable_eqns
+    from meshshard.passes.state import CompileState
+    from meshshard.passes.trace import trace_step
+
+    module, model, batch = MODELS["mlp_long_batch"]()
+    state = module.make_state(model, batch["x"])
+    method = meshshard.PipeshardParallel(num_micro_batches=M, stages=[(1, 2)] * 2, sharding="auto")
+    traced = trace_step(module.train_step, (state, batch), batch_argnums=(1,), num_micro_batches=M)
+    st = run_passes(
+        CompileState(traced, method, ClusterSpec(num_hosts=2, devices_per_host=2)), PASSES, False
+    )
+    for mesh in st.meshes:
+        got = accumulable_eqns(traced, st.graph, mesh)
+        names = {traced.jaxpr.eqns[i].primitive.name for i in got}
+        assert got and set(got.values()) == {1 / M}, got
+        assert names <= {"dot_general", "reduce_sum", "scatter-add"}, names
+        mine = {i for p in st.graph.programs if p.stage == mesh.id for i in p.eqns}
+        assert set(got) <= mine

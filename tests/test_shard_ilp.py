@@ -167,3 +167,19 @@ def test_a_stopped_solver_keeps_the_best_heuristic_plan():
     optimal = solve_stage(closed, MESH, CLUSTER)
     assert optimal.status == "optimal" and optimal.objective <= sol.objective * (1 + 1e-6)
     assert "kept" in sol.summary()
+
+
+def test_amortized_reduces_make_data_parallel_cheaper():
+    """A weight gradient's reduce that runs once per step (``amortize``: 1/M) costs the
+    solver 1/M of it, so the same data-parallel plan is predicted cheaper."""
+    closed = jax.make_jaxpr(_sgd_step)(jnp.ones((16, 16)), jnp.ones((16, 16)), jnp.ones((65536, 16)))
+    dots = [
+        i
+        for i, e in enumerate(closed.jaxpr.eqns)
+        if e.primitive.name == "dot_general" and 0 in e.params["dimension_numbers"][0][0]
+    ]
+    full = solve_stage(closed, MESH, CLUSTER)
+    once = solve_stage(closed, MESH, CLUSTER, amortize=dict.fromkeys(dots, 0.25))
+    assert dots and full.status == once.status == "optimal"
+    assert once.objective < full.objective
+    assert any(c.kind == "all-reduce" for _, c in once.comms)  # the batch split's reduce
