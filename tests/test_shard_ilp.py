@@ -172,7 +172,9 @@ def test_a_stopped_solver_keeps_the_best_heuristic_plan():
 def test_amortized_reduces_make_data_parallel_cheaper():
     """A weight gradient's reduce that runs once per step (``amortize``: 1/M) costs the
     solver 1/M of it, so the same data-parallel plan is predicted cheaper."""
-    closed = jax.make_jaxpr(_sgd_step)(jnp.ones((16, 16)), jnp.ones((16, 16)), jnp.ones((65536, 16)))
+    closed = jax.make_jaxpr(_sgd_step)(
+        jnp.ones((16, 16)), jnp.ones((16, 16)), jnp.ones((65536, 16))
+    )
     dots = [
         i
         for i, e in enumerate(closed.jaxpr.eqns)
