@@ -50,9 +50,9 @@ LINEAR_AFTER = frozenset(
         "reduce_precision",
         "slice",
         "dynamic_slice",
-        "pjit",
     }
 )
+# (a nested jit call, ``pjit``, is not listed: it may hide anything, a norm included)
 
 
 def _shape(v) -> tuple:
