@@ -260,11 +260,11 @@ class AnalyticCost:
         if dp <= 1:
             return 0.0
         per_host = max(1, dp // hosts)  # replicas on each host
-        intra = ring_allreduce_s(nbytes, per_host, c.intra_bandwidth, c.intra_latency)
+        (host_alpha, host_bw), (dev_alpha, dev_bw) = c.mesh_collective()
+        intra = ring_allreduce_s(nbytes, per_host, dev_bw, dev_alpha)
         if hosts <= 1:
             return intra
-        nic = c.nic_bandwidth * c.nics_per_host / c.oversubscription
-        inter = ring_allreduce_s(nbytes, hosts, nic, c.nic_latency)
+        inter = ring_allreduce_s(nbytes, hosts, host_bw, host_alpha)
         return intra + inter
 
     def __call__(
@@ -280,10 +280,9 @@ class AnalyticCost:
         memory_traffic = 3 * self.total("bytes_fwd", lo, hi) * o.act_scale / n / c.memory_bandwidth
         t = max(compute, memory_traffic) + 2 * c.launch_overhead
         if tp > 1:
+            _, (dev_alpha, dev_bw) = c.mesh_collective()  # inside the stage's programs
             tp_bytes = self.total("tp_fwd_bytes", lo, hi) + self.total("tp_bwd_bytes", lo, hi)
-            t += ring_allreduce_s(
-                tp_bytes * o.act_scale / dp, tp, c.intra_bandwidth, c.intra_latency
-            )
+            t += ring_allreduce_s(tp_bytes * o.act_scale / dp, tp, dev_bw, dev_alpha)
         grads = self.total("param_count", lo, hi) * 2.0 / tp  # fp16/bf16-sized gradients
         if o.compute_dtype == "float32":
             grads *= 2

@@ -108,15 +108,15 @@ def tp_mesh(tp: int, cluster: ClusterSpec, options: CostOptions) -> LogicalMesh:
     """The ILP's mesh: ``tp`` devices of one host on one axis (``device``).  Bytes are
     priced at ``act_scale`` (traced in float32, run in half precision)."""
     s = options.act_scale
+    (host_alpha, host_bw), (dev_alpha, dev_bw) = cluster.mesh_collective()
     return LogicalMesh(
         axes=("host", "device"),
         shape=(1, int(tp)),
-        alpha=(cluster.nic_latency, cluster.intra_latency),
-        beta=(s * cluster.oversubscription / (cluster.nic_bandwidth * cluster.nics_per_host),
-              s / cluster.intra_bandwidth),
+        alpha=(host_alpha, dev_alpha),
+        beta=(s / host_bw, s / dev_bw),
         peak_flops=cluster.flops_for(options.compute_dtype),
         memory_bandwidth=cluster.memory_bandwidth / s,
-    )  # fmt: skip
+    )
 
 
 class IlpCost(AnalyticCost):
