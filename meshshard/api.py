@@ -199,7 +199,7 @@ class ParallelizedFunction:
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
-            _warn_guessed_reductions(plan)
+            _warn_guessed_reductions(traced)
             log.info(
                 "compiled %s for %s in %.1fs (%d stages, %d workers)",
                 getattr(self.fn, "__name__", "step"),
@@ -286,17 +286,18 @@ def parallelize(
     return ParallelizedFunction(fn, method, donate_argnums, batch_argnums, trace)
 
 
-def _warn_guessed_reductions(plan: Plan) -> None:
+def _warn_guessed_reductions(traced) -> None:
     """Say so when an aux value's combination over micro-batches was not inferred: the
     value returned is a default (mean or sum), not what one full-batch step computes."""
-    for note in plan.notes:
-        if "micro-batches (default:" in note:
-            log.warning(
-                "%s. Declare it (meshshard.aux_mean/aux_sum/aux_max/aux_min(x), or "
-                "value_and_grad(..., aux_reduce=...)), return its batch sums instead, or use "
-                "num_micro_batches=1",
-                note,
-            )
+    from meshshard.passes.reductions import reduction_notes
+
+    for note in reduction_notes(traced.jaxpr, traced.num_micro_batches, guessed_only=True):
+        log.warning(
+            "%s. Declare it (meshshard.aux_mean/aux_sum/aux_max/aux_min(x), or "
+            "value_and_grad(..., aux_reduce=...)), return its batch sums instead, or use "
+            "num_micro_batches=1",
+            note,
+        )
 
 
 def _write_at_exit(ref) -> None:

@@ -34,6 +34,8 @@ from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
 
 SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum"})
+#: How a reduction's source starts when it was not inferred (a default was taken).
+DEFAULT = "default: "
 #: Linear in their one operand: a batch sum (or mean, max, min) passes through them and
 #: still combines over micro-batches the same way.
 LINEAR_AFTER = frozenset(
@@ -212,7 +214,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
         elif not red and not _same_program(micro, full):
             red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
-            source = "default: the step traces differently at micro-batch and full-batch shape"
+            source = f"{DEFAULT}the step traces differently at micro-batch and full-batch shape"
         elif not red:
             red, why = classify(micro, full, v, m, dep)
             if red == "batch":
@@ -222,7 +224,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                     "reduce it over the batch inside the loss function (e.g. a mean or a "
                     "count), or use num_micro_batches=1"
                 )
-            source = f"traced: {why}" if red else f"default: {why}"
+            source = f"traced: {why}" if red else f"{DEFAULT}{why}"
             if not red and label == "loss":
                 raise MeshshardInputError(
                     f"meshshard cannot tell how the loss combines over micro-batches: {why}; "
@@ -263,13 +265,15 @@ def reductions_of(jaxpr) -> tuple:
     return () if g is None else tuple(g.params.get("reduce") or ())
 
 
-def reduction_notes(jaxpr, m: int) -> list[str]:
-    """Plan notes: how the loss and each aux value combine over ``m`` micro-batches."""
+def reduction_notes(jaxpr, m: int, guessed_only: bool = False) -> list[str]:
+    """Plan notes: how the loss and each aux value combine over ``m`` micro-batches.
+    ``guessed_only``: just the values that took a default (their reduction was not
+    inferred), which the user is warned of."""
     if m == 1:
         return []
     notes = []
     for label, red, source in reductions_of(jaxpr):
-        if label == "grad":
+        if label == "grad" or (guessed_only and not source.startswith(DEFAULT)):
             continue
         what = "gradients and loss" if label == "loss" else label
         notes.append(f"{what}: {red} over {m} micro-batches ({source})")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from meshshard.jaxpr_util import is_literal, is_marker, var_ids
-from meshshard.passes.shard_costs import Comm
+from meshshard.passes.shard_costs import REDUCE_KINDS, Comm
 from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.passes.sharding import micro_batch_sizes
 from meshshard.passes.stage_graph import StageGraph
@@ -158,9 +158,6 @@ def local_accumulation(
     return tuple(out), programs
 
 
-REDUCES = ("all-reduce", "reduce-scatter")
-
-
 def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> dict[int, float]:
     """Equation index -> ``1 / M`` for the contractions of ``mesh``'s programs whose
     result local accumulation can hold as partial sums when the batch is split: their
@@ -172,13 +169,13 @@ def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> d
     jaxpr, ids = traced.jaxpr, var_ids(traced.jaxpr)
     made_by = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
     split, _ = _splitters(traced, graph, mesh, None)
+    by_id = {i: v for v, i in ids.items()}
     out: dict[int, float] = {}
     for p in graph.programs:
         groups = [g for g in p.outputs if g.ref.kind is ACC]
         if p.stage != mesh.id or p.name.phase is Phase.APPLY or not groups:
             continue
         found = unreduced_values(jaxpr, p.eqns, split, _targets(traced, groups))
-        by_id = {i: v for v, i in ids.items()}
         for vid, u in found.items():
             if u.split and by_id[vid] in made_by:
                 out[made_by[by_id[vid]]] = 1.0 / m
@@ -208,6 +205,7 @@ def accumulation_comms(
     if not unreduced or not shardings:
         return shardings
     jaxpr, ids = traced.jaxpr, var_ids(traced.jaxpr)
+    every = dict.fromkeys(MESH_AXES, 2)  # any size > 1: _split_of keeps every named axis
     out = []
     for s in shardings:
         progs = [p for p in graph.programs if meshes[p.stage].id == s.mesh]
@@ -216,14 +214,15 @@ def accumulation_comms(
         if not held or apply is None:
             out.append(s)
             continue
-        comms = [(e, c) for e, c in s.solution.comms if not (c.var in held and c.kind in REDUCES)]
+        comms = [
+            (e, c) for e, c in s.solution.comms if not (c.var in held and c.kind in REDUCE_KINDS)
+        ]
         for b in buffers:
             if b.name.kind is not ACC or b.mesh != s.mesh:
                 continue
             for t in b.tensors:
                 if not t.unreduced:
                     continue
-                every = dict.fromkeys(MESH_AXES, 2)
                 split = {a for ax in _split_of(s.specs.get(t.var, ()), every).values() for a in ax}
                 kind = "reduce-scatter" if split & set(t.unreduced) else "all-reduce"
                 at = _first_reader(jaxpr, apply.eqns, t.var, ids)

@@ -39,6 +39,10 @@ from meshshard.plan import MESH_AXES
 __all__ = ["LogicalMesh", "Comm"]
 
 
+#: Collectives that sum partial values (what local accumulation runs once per step).
+REDUCE_KINDS = ("all-reduce", "reduce-scatter")
+
+
 @dataclass(frozen=True)
 class Comm:
     """One predicted collective: ``kind`` (HLO name) over mesh ``axes``, ``nbytes`` moved

@@ -41,7 +41,7 @@ import numpy as np
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize, var_ids
-from meshshard.passes.shard_costs import Comm, LogicalMesh
+from meshshard.passes.shard_costs import REDUCE_KINDS, Comm, LogicalMesh
 from meshshard.passes.shard_rules import (
     ELEMENTWISE,
     Layout,
@@ -205,7 +205,12 @@ def _pin_layout(spec, shape, mesh: LogicalMesh, name: str) -> Layout:
                 f"dim {d} of size {shape[d]} over {mesh.size(axes)} devices of mesh {mesh}, "
                 f"which does not divide it; layouts that fit: {', '.join(fits)}"
             )
-    # axes of size 1 split nothing: the layouts the rules enumerate leave them out
+    return _live_axes(layout, mesh)
+
+
+def _live_axes(layout: Layout, mesh: LogicalMesh) -> Layout:
+    """``layout`` less its axes of size 1: they split nothing, and the layouts the rules
+    enumerate leave them out."""
     return tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in layout)
 
 
@@ -250,7 +255,7 @@ def _amortized(cost: np.ndarray, strat, mesh: LogicalMesh, factor: float) -> np.
     """Strategy costs with their reduces counted ``factor`` times (run once per step)."""
     out = cost.copy()
     for j, s in enumerate(strat):
-        reduces = [c for c in s.comms if c.kind in ("all-reduce", "reduce-scatter")]
+        reduces = [c for c in s.comms if c.kind in REDUCE_KINDS]
         out[j] -= (1.0 - factor) * mesh.comm_time(reduces)
     return out
 
@@ -500,6 +505,16 @@ def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float
     return choice, size, res
 
 
+def _adjacency(problem: _Problem) -> tuple[dict[int, list[_Edge]], dict[int, list[_Edge]]]:
+    """(node -> edges into it, node -> edges out of it)."""
+    into: dict[int, list[_Edge]] = {}
+    out_of: dict[int, list[_Edge]] = {}
+    for e in problem.edges:
+        into.setdefault(e.dst, []).append(e)
+        out_of.setdefault(e.src, []).append(e)
+    return into, out_of
+
+
 def _greedy(problem: _Problem, preset: Mapping[int, int] | None = None) -> list[int]:
     """Equations in order, each the cheapest strategy given its operands' choices (an
     undecided jaxpr input costs its best case); then each input the layout its
@@ -508,11 +523,7 @@ def _greedy(problem: _Problem, preset: Mapping[int, int] | None = None) -> list[
     choice: list[int | None] = [None] * len(nodes)
     for n, j in (preset or {}).items():
         choice[n] = j
-    into: dict[int, list[_Edge]] = {}
-    out_of: dict[int, list[_Edge]] = {}
-    for e in problem.edges:
-        into.setdefault(e.dst, []).append(e)
-        out_of.setdefault(e.src, []).append(e)
+    into, out_of = _adjacency(problem)
     for n, node in enumerate(nodes):
         if node.eqn < 0 or choice[n] is not None:
             continue
@@ -539,11 +550,7 @@ def _improve(problem: _Problem, choice: list[int], rounds: int = 4) -> list[int]
     """Local search: each node in turn takes its cheapest strategy given its neighbours'
     choices (nodes tied to another keep theirs), until nothing changes."""
     nodes = problem.nodes
-    into: dict[int, list[_Edge]] = {}
-    out_of: dict[int, list[_Edge]] = {}
-    for e in problem.edges:
-        into.setdefault(e.dst, []).append(e)
-        out_of.setdefault(e.src, []).append(e)
+    into, out_of = _adjacency(problem)
     tied = {n for pair in problem.ties for n, _ in pair}
     choice = list(choice)
     for _ in range(rounds):
@@ -574,17 +581,17 @@ def _seed_preset(problem: _Problem, seed: Mapping[int, Spec], mesh: LogicalMesh)
         node = problem.nodes[n]
         if node.eqn >= 0:
             continue
-        lay = from_spec(tuple(spec), len(node.shapes[k][0]))
-        lay = tuple(tuple(a for a in axes if mesh.size((a,)) > 1) for axes in lay)
+        lay = _live_axes(from_spec(tuple(spec), len(node.shapes[k][0])), mesh)
         fits = [j for j, st in enumerate(node.strategies) if st.outs[k] == lay]
         if fits:
             preset[n] = fits[0]
     return preset
 
 
-def _best_candidate(problem, mesh, budget, ilp_choice, seeds) -> tuple[list[int], str]:
-    """The cheapest of the ILP's incumbent, the greedy plan and each seeded greedy plan
-    (all after local search) that fits ``budget`` and keeps every tie."""
+def _best_candidate(problem, mesh, budget, ilp_choice, seeds) -> tuple[list[int], str, float]:
+    """(choice, label, objective): the cheapest of the ILP's incumbent, the greedy plan
+    and each seeded greedy plan (all after local search) that fits ``budget`` and keeps
+    every tie."""
     cands = [] if ilp_choice is None else [("the ILP's incumbent", list(ilp_choice))]
     cands.append(("greedy + local search", _improve(problem, _greedy(problem))))
     for label, seed in seeds:
@@ -603,8 +610,8 @@ def _best_candidate(problem, mesh, budget, ilp_choice, seeds) -> tuple[list[int]
         if best is None or objective < best[0] - 1e-12:
             best = (objective, choice, label)
     if best is None:  # nothing fits: the first candidate, as before
-        return cands[0][1], cands[0][0]
-    return best[1], best[2]
+        return cands[0][1], cands[0][0], _evaluate(problem, cands[0][1], mesh)[0]
+    return best[1], best[2], best[0]
 
 
 def _evaluate(problem: _Problem, choice, mesh: LogicalMesh):
@@ -688,10 +695,10 @@ def solve_stage(
         status, fallback = "optimal", False
         gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     else:  # stopped early (or no plan): keep the best of the incumbent and heuristics
-        choice, label = _best_candidate(problem, mesh, memory_budget, choice, seeds)
+        choice, label, objective = _best_candidate(problem, mesh, memory_budget, choice, seeds)
         fallback = label != "the ILP's incumbent"
         status = f"stopped: {res.message}; kept {label}"
-        gap = _gap(_evaluate(problem, choice, mesh)[0], getattr(res, "mip_dual_bound", None))
+        gap = _gap(objective, getattr(res, "mip_dual_bound", None))
     return _solution(problem, choice, mesh, size, elapsed, gap, fallback, status)
 
 
