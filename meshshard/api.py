@@ -148,8 +148,9 @@ class ParallelizedFunction:
     def __call__(self, *args):
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
-        exe = self._executable_for(args)
-        _, args = physical_call(self.fn, args)  # typed keys travel as raw data
+        _, raw_args = physical_call(self.fn, args)  # typed keys travel as raw data
+        exe = self._executable_for(args, raw_args)
+        args = raw_args
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
             args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
         return exe.keyed_step.restore(exe(*args))
@@ -163,13 +164,18 @@ class ParallelizedFunction:
 
         return placement_of(self._executable_for(args), args, argnum)
 
-    def _executable_for(self, args):
+    def _executable_for(self, args, raw_args=None):
+        """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
+        data, when the caller has them), compiling it on first use."""
         from meshshard.passes.pipeline import plan_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
 
         cluster = require_cluster()
-        fn, args = physical_call(_layered(self.fn, self.method), args)  # keys as raw data
+        typed_args = args
+        if raw_args is None:
+            _, raw_args = physical_call(self.fn, args)  # keys as raw data
+        args = raw_args
         # the cache key from the leaves themselves: building ShapeDtypeStructs for every
         # leaf on every call was the driver's largest own cost (runtime_overhead.py)
         leaves, tree = jax.tree.flatten(args)
@@ -187,6 +193,7 @@ class ParallelizedFunction:
                 self._executables[key] = exe
                 return exe
             t0 = time.perf_counter()
+            fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
             plan, traced = plan_step(
                 fn,
                 abstract,

@@ -22,7 +22,10 @@ import numpy as np
 
 def is_typed_key(x) -> bool:
     """True for a typed key array or a ``ShapeDtypeStruct`` of a key dtype."""
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or isinstance(dtype, np.dtype):  # a key dtype is JAX's own type
+        return False
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def key_impl(x) -> str:
@@ -80,5 +83,7 @@ def physical_call(fn: Callable, args: tuple) -> tuple[KeyedStep, tuple]:
     """``(step, args)`` with typed keys in ``args`` replaced by their raw data."""
     leaves, treedef = jax.tree.flatten(args)
     impls = tuple(key_impl(x) if is_typed_key(x) else None for x in leaves)
+    if not any(impls):
+        return KeyedStep(fn, treedef, impls), args
     raw = [x if impl is None else _raw(x) for x, impl in zip(leaves, impls, strict=True)]
     return KeyedStep(fn, treedef, impls), jax.tree.unflatten(treedef, raw)

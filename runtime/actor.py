@@ -74,6 +74,18 @@ class HostActor:
         """(process id, host name): the driver waits for local actors to exit."""
         return os.getpid(), socket.gethostname()
 
+    def open_step_channel(self, token: bytes) -> tuple[str, int]:
+        """Serve ``run_step`` on a new connection from the driver that presents ``token``
+        (``runtime.step_channel``); returns the address to connect to."""
+        import ray
+
+        from meshshard.runtime.step_channel import ChannelServer
+
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
+        self._channel = ChannelServer(token, self.run_step, ray.util.get_node_ip_address())
+        return self._channel.address
+
     def free_port(self) -> tuple[str, int]:
         """An address other processes can reach this one on, with a port free now."""
         import ray
@@ -163,12 +175,12 @@ class HostActor:
         self.workers[plan_id] = worker
         return seconds
 
-    def run_step(self, plan_id: str, batch, state, out_keys, free, seq=None, after=None):
-        """Run one step: (results, seconds, the step's WorkerTrace or None); ``seq``
-        numbers a pipelined step, ``after`` the one it starts after (``Worker.run_step``)."""
+    def run_step(self, plan_id: str, batch, state, base, free, seq=None, after=None):
+        """Run one step: (by-value results, seconds, the step's WorkerTrace or None);
+        arguments as in ``Worker.run_step`` (``runtime.step_wire`` says their order)."""
         t0 = time.perf_counter()
         worker = self.workers[plan_id]
-        result = worker.run_step(batch, state, out_keys, free, seq, after)
+        result = worker.run_step(batch, state, base, free, seq, after)
         return result, time.perf_counter() - t0, worker.last_trace
 
     def set_trace(self, plan_id: str, on: bool, sync: bool = False) -> None:

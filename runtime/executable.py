@@ -23,7 +23,8 @@ from meshshard.instructions import Collective
 from meshshard.plan import Plan
 from meshshard.plan_checks import require_valid_plan
 from meshshard.runtime.release import RELEASER
-from meshshard.runtime.worker import StoreKey
+from meshshard.runtime.step_wire import EMPTY_LAYOUT, KeyCounter, StepLayout
+from meshshard.runtime.worker import BY_VALUE_BYTES
 
 #: What calling a step compiled for a cluster that was shut down says.
 CLOSED_STEP = (
@@ -33,8 +34,12 @@ CLOSED_STEP = (
     "the state (meshshard.fetch(state) before shutting down, or a checkpoint)"
 )
 
+#: Seconds a dropped array waits for the next step to carry its free before the
+#: releaser thread sends it alone.
+FREE_DELAY_S = 0.1
+
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
-_KEYS = itertools.count(1)
+_KEYS = KeyCounter()
 
 
 class Backend(Protocol):
@@ -231,11 +236,21 @@ class Executable:
         self.batch_argnums = tuple(batch_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self._pending_free: dict[int, list[int]] = {}
+        self._free_armed = False  # a delayed flush_frees is queued
+        RELEASER.start()  # now, not first from a finalizer
         self._lock = threading.RLock()  # re-entered by a finalizer freeing an array
         self.released = False
         self._compile_args = (fn, abstract_args, self.batch_argnums)
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
+        self.layout = StepLayout.of_plan(plan)
+        self._leaf_pos = {spec.leaf: pos for pos, spec in enumerate(plan.inputs)}
+        self._small_outputs = [  # the program outputs a worker may return by value
+            i
+            for i, (o, lay) in enumerate(zip(plan.outputs, self.layout.outputs, strict=True))
+            if lay is not None
+            and np.dtype(o.dtype).itemsize * int(np.prod(o.shape)) <= BY_VALUE_BYTES
+        ]
         self.last_worker_seconds: dict[int, float] = {}
         self.trace_log = None  # a runtime.trace_record.TraceLog while recording
         self._sync = False
@@ -294,48 +309,50 @@ class Executable:
                 f"the step was compiled for {len(plan.inputs)} input leaves but got {len(flat)}; "
                 "call it with arguments of the same structure as when it was compiled"
             )
-        per_worker_batch: dict[int, dict] = {w: {} for w in plan.workers}
-        per_worker_state: dict[int, dict] = {w: {} for w in plan.workers}
-        fetched: dict[int, np.ndarray] = {}
-        for spec, leaf in zip(plan.inputs, flat, strict=True):
-            if spec.kind == "unused":
-                continue
-            for group, _ in spec.slots:
-                for w in self._mesh_workers[plan.buffer(group).mesh]:
-                    if spec.kind == "batch":
-                        per_worker_batch[w][spec.leaf] = np.asarray(leaf)
-                    elif isinstance(leaf, RemoteArray) and leaf.key_on(self.backend, w) is not None:
-                        per_worker_state[w][spec.leaf] = StoreKey(leaf.key_on(self.backend, w))
-                    else:
-                        if spec.leaf not in fetched:
-                            fetched[spec.leaf] = np.asarray(leaf)
-                        per_worker_state[w][spec.leaf] = fetched[spec.leaf]
-        out_keys: dict[int, dict] = {w: {} for w in plan.workers}
-        for o in plan.outputs:
-            for group, idx in o.slots:
-                key = next(_KEYS)
-                for w in self._mesh_workers[plan.buffer(group).mesh]:
-                    out_keys[w][(group, idx)] = key
+        base = _KEYS.reserve(self.layout.num_keys)
         donated = self._donated(args)
         with self._lock:
             frees, self._pending_free = self._pending_free, {}
         requests = {
-            w: (per_worker_batch[w], per_worker_state[w], out_keys[w], frees.get(w, []))
-            for w in plan.workers
+            w: (*inputs, base, frees.get(w, [])) for w, inputs in self._inputs(flat).items()
         }
         if self.pipelined and marks is None and self.can_pipeline:
-            return self._submit(args, flat, requests, out_keys)
+            return self._submit(args, flat, requests, base)
         self.settle()
         if marks is not None:
             from meshshard.runtime.trace_record import clock_ns
 
             marks.append(clock_ns())
-        results = self.backend.run_step(requests)
+        handle = self.backend.submit_step(requests)
+        leaves = self._output_leaves(flat, base)  # built while the workers run
+        results = handle.result()
         if marks is not None:
             marks.append(clock_ns())
         for r in donated:
             r._release()
-        return self._outputs(args, flat, results, out_keys)
+        return self._by_value(leaves, results)
+
+    def _inputs(self, flat) -> dict[int, tuple[list, list]]:
+        """Each worker's batch and state entries in its :class:`StepLayout` order: store
+        keys for arrays it keeps, host values (one copy per leaf) for the rest."""
+        pos = self._leaf_pos
+        host: dict[int, np.ndarray] = {}
+
+        def value(leaf: int) -> np.ndarray:
+            if leaf not in host:
+                host[leaf] = np.asarray(flat[pos[leaf]])
+            return host[leaf]
+
+        out = {}
+        for w in self.plan.workers:
+            lay = self.layout.workers.get(w, EMPTY_LAYOUT)
+            state = []
+            for leaf in lay.state_leaves:
+                x = flat[pos[leaf]]
+                key = x.key_on(self.backend, w) if isinstance(x, RemoteArray) else None
+                state.append(value(leaf) if key is None else int(key))
+            out[w] = ([value(leaf) for leaf in lay.batch_leaves], state)
+        return out
 
     @functools.cached_property
     def can_pipeline(self) -> bool:
@@ -347,7 +364,7 @@ class Executable:
         colls = any(isinstance(i, Collective) for s in plan.streams for i in s.instructions)
         return not broadcasts and not plan.reductions and not colls
 
-    def _submit(self, args, flat, requests, out_keys):
+    def _submit(self, args, flat, requests, base: int):
         """Pipelined call: start this step, then wait for the one before it, and return
         this step's outputs as arrays still being computed (fetching one waits).
 
@@ -361,13 +378,14 @@ class Executable:
         # (a threaded actor may receive the two calls in either order)
         after = self._inflight[-1].seq if self._inflight else None
         handle = self.backend.submit_step({w: (*r, seq, after) for w, r in requests.items()})
-        written = {(w, k) for w, keys in out_keys.items() for k in keys.values()}
+        written = {
+            (w, base + off) for w, lay in self.layout.workers.items() for *_, off in lay.out_slots
+        }
         with self._lock:  # args stay referenced until the step ends
             self._inflight.append(_InFlight(handle, args, written, seq))
         while len(self._inflight) > 1:
             self._settle_one()
-        results = {w: {gi: StoreKey(k) for gi, k in keys.items()} for w, keys in out_keys.items()}
-        return self._outputs(args, flat, results, out_keys)
+        return jax.tree.unflatten(self._out_tree, self._output_leaves(flat, base))
 
     def _settle_one(self) -> None:
         step = self._inflight[0]
@@ -389,19 +407,25 @@ class Executable:
 
     def schedule_free(self, worker: int, key: int) -> None:
         """Drop a stored array on ``worker``: with the next step, or from the releaser
-        thread at once if no step takes it first (safe to call from a finalizer)."""
+        thread within :data:`FREE_DELAY_S` if no step takes it first (safe to call from
+        a finalizer).  The state a step replaces is dropped as it returns, so in a
+        training loop the next call carries those frees: no extra message per worker."""
         with self._lock:
             for step in self._inflight:
                 if (worker, key) in step.written:  # freed once its step has stored it
                     step.deferred.append((worker, key))
                     return
             self._pending_free.setdefault(worker, []).append(key)
-        RELEASER.call(self.flush_frees)
+            if self._free_armed:
+                return
+            self._free_armed = True
+        RELEASER.call_later(FREE_DELAY_S, self.flush_frees)
 
     def flush_frees(self) -> None:
         """Free the arrays dropped since the last step now, without waiting for a step."""
         with self._lock:
             frees, self._pending_free = self._pending_free, {}
+            self._free_armed = False
         for w, keys in frees.items():
             self.backend.free(w, keys)
 
@@ -429,29 +453,32 @@ class Executable:
             out += [x for x in jax.tree.leaves(args[i]) if isinstance(x, RemoteArray)]
         return out
 
-    def _outputs(self, args, flat, results, out_keys):
-        plan = self.plan
+    def _output_leaves(self, flat, base: int) -> list:
+        """The step's result leaves: a :class:`RemoteArray` of the keys ``base + offset``
+        the workers store each program output under (:meth:`_by_value` replaces those
+        that come back by value), inputs and literals as they are."""
         leaves = []
-        for o in plan.outputs:
+        for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
             if o.source == "literal":
                 leaves.append(np.asarray(o.literal, dtype=o.dtype).reshape(o.shape))
             elif o.source == "input":
                 leaves.append(flat[o.input_leaf])
             else:
-                group, idx = o.slots[0]
-                w0 = self._mesh_workers[plan.buffer(group).mesh][0]
-                first = results[w0][(group, idx)]
-                if not isinstance(first, StoreKey):
-                    leaves.append(first.reshape(o.shape))
-                    continue
-                keys = {}
-                for g, i in o.slots:
-                    for w in self._mesh_workers[plan.buffer(g).mesh]:
-                        keys[w] = int(results[w][(g, i)])
-                groups = [self._mesh_workers[plan.buffer(g).mesh] for g, _ in o.slots]
-                array = RemoteArray(self, keys, o.shape, o.dtype, groups)
+                keys = {w: base + off for w, off in lay.holders}
+                array = RemoteArray(self, keys, o.shape, o.dtype, lay.groups)
                 self.backend.track(array)
                 leaves.append(array)
+        return leaves
+
+    def _by_value(self, leaves: list, results: dict[int, dict]):
+        """The result tree, with the outputs the workers returned by value as arrays."""
+        for i in self._small_outputs:
+            o, lay = self.plan.outputs[i], self.layout.outputs[i]
+            w0, off0 = lay.holders[0]
+            value = results.get(w0, {}).get(off0)
+            if value is not None:
+                leaves[i].deleted = True  # never stored: nothing to free
+                leaves[i] = value.reshape(o.shape)
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:

@@ -4,46 +4,68 @@ A :class:`~meshshard.runtime.executable.RemoteArray` that Python drops, or a com
 that is garbage-collected, must be freed on the workers soon, not at the next call of
 the step (which may never come).  Finalizers (``__del__``) run at arbitrary points, even
 inside another Ray call, so they only put a note on a queue (``queue.SimpleQueue`` is
-safe to use from a finalizer); this module's one daemon thread does the freeing.
+safe to use from a finalizer); this module's one daemon thread does the freeing.  A
+delayed call (:meth:`Releaser.call_later`) lets the next step carry the frees of the
+state it replaced instead of a separate message per worker.
 
     >>> done = []
-    >>> RELEASER.call(lambda: done.append(1))
+    >>> RELEASER.call_later(60.0, lambda: done.append("later"))
+    >>> RELEASER.call(lambda: done.append("now"))
     >>> RELEASER.flush()
     >>> done
-    [1]
+    ['now', 'later']
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("meshshard.runtime")
 
 
 class Releaser:
-    """Runs cleanup callables in order on a daemon thread (see module docstring)."""
+    """Runs cleanup callables on a daemon thread: at once in order, or after a delay
+    (see module docstring); :meth:`flush` runs the delayed ones too."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._seq = itertools.count()
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` soon on the releaser thread; safe to call from ``__del__``."""
-        self._queue.put(fn)
+        self.call_later(0.0, fn)
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the releaser thread ``delay_s`` seconds from now (or at the
+        next :meth:`flush`); safe to call from ``__del__``."""
+        self._queue.put((time.monotonic() + delay_s, next(self._seq), fn))
         if self._thread is None:
-            self._start()
+            self.start()
 
     def flush(self, timeout: float | None = 30.0) -> None:
-        """Wait until everything queued before this call has run (tests, benchmarks)."""
+        """Wait until everything queued before this call has run, delayed calls
+        included (tests, benchmarks)."""
         done = threading.Event()
-        self.call(done.set)
+        self._queue.put((float("-inf"), next(self._seq), done.set))
+        if self._thread is None:
+            self.start()
         done.wait(timeout)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the thread if it is not running (a compiled step does, so a finalizer
+        never has to); not at interpreter exit, when a new thread would never start and
+        the process is about to drop everything anyway."""
+        if sys.is_finalizing():
+            return
         with self._start_lock:
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -52,12 +74,30 @@ class Releaser:
                 self._thread.start()
 
     def _run(self) -> None:
+        waiting: list = []  # heap of (deadline, seq, fn)
         while True:
-            fn = self._queue.get()
+            timeout = max(0.0, waiting[0][0] - time.monotonic()) if waiting else None
             try:
-                fn()
-            except Exception as exc:  # the cluster may be gone: nothing left to free
-                log.debug("meshshard: cleanup skipped: %s", exc)
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if item is not None and item[0] == float("-inf"):  # flush: everything now
+                while waiting:
+                    self._run_one(heapq.heappop(waiting)[2])
+                self._run_one(item[2])
+                continue
+            if item is not None:
+                heapq.heappush(waiting, item)
+            now = time.monotonic()
+            while waiting and waiting[0][0] <= now:
+                self._run_one(heapq.heappop(waiting)[2])
+
+    @staticmethod
+    def _run_one(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # the cluster may be gone: nothing left to free
+            log.debug("meshshard: cleanup skipped: %s", exc)
 
 
 #: The driver process's releaser.

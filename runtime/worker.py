@@ -20,6 +20,7 @@ from meshshard.refs import BufferRef
 from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.overlap import Lazy
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
+from meshshard.runtime.step_wire import EMPTY_LAYOUT, StepLayout
 from meshshard.runtime.transport import Transport
 
 #: Results up to this many bytes come back to the driver by value (losses, counters),
@@ -143,6 +144,7 @@ class Worker:
         self.mesh_spec = mesh_spec
         self.interp = StreamInterpreter(stream, plan, programs, self.mesh, self.transport)
         self._groups = {b.name: b for b in plan.buffers if b.mesh in views}
+        self.layout = StepLayout.of_plan(plan).workers.get(self.worker, EMPTY_LAYOUT)
         self._leaf_slot = {}
         for i in plan.inputs:
             for g, idx in i.slots:
@@ -153,31 +155,39 @@ class Worker:
     # --- run ---------------------------------------------------------------------
     def run_step(
         self,
-        batch: dict[int, np.ndarray],
-        state: dict[int, object],
-        out_keys: dict[tuple[BufferRef, int], int],
+        batch: Sequence[np.ndarray],
+        state: Sequence[int | np.ndarray],
+        base: int,
         free: Sequence[int] = (),
         seq: int | None = None,
         after: int | None = None,
-    ) -> dict[tuple[BufferRef, int], object]:
-        """Run one step; returns small outputs by value, keeps the rest under ``out_keys``.
+    ) -> dict[int, np.ndarray]:
+        """Run one step; keeps each output slot under ``base + offset`` and returns the
+        small ones by value (``{offset: value}``).
 
-        ``seq`` (pipelined steps, 2BW without flushes): the step's number; it may run
-        while step ``after`` (the one in flight when it was submitted, or None) still
-        runs here, and starts only after that one started; a state input that step has
-        not stored yet is waited for when first read, and every output is kept in the
-        store (none returned by value).
+        ``batch`` and ``state`` follow this worker's :class:`StepLayout` order; a state
+        entry is a store key (int) or a host value.  ``seq`` (pipelined steps, 2BW
+        without flushes): the step's number; it may run while step ``after`` (the one in
+        flight when it was submitted, or None) still runs here, and starts only after
+        that one started; a state input that step has not stored yet is waited for when
+        first read, and every output is kept in the store (none returned by value).
         """
         if self.interp is None:
             raise MeshshardRuntimeError(f"worker w{self.worker} has no compiled plan")
+        layout = self.layout
+        batch_by_leaf = dict(zip(layout.batch_leaves, batch, strict=True))
+        state_by_leaf = {
+            leaf: StoreKey(v) if isinstance(v, int) else v
+            for leaf, v in zip(layout.state_leaves, state, strict=True)
+        }
         pipelined = seq is not None
         try:
             if pipelined:
                 self.order.wait(after)
-            buffers = self._persistent(state, pipelined)
+            buffers = self._persistent(state_by_leaf, pipelined)
             if pipelined:
                 self.order.started(seq)
-            buffers = self.interp.run(buffers, self._loader(batch), seq)
+            buffers = self.interp.run(buffers, self._loader(batch_by_leaf), seq)
         except BaseException as exc:
             if pipelined:
                 self.order.fail(exc)
@@ -186,16 +196,13 @@ class Worker:
             self.last_trace = self.interp.recorder.snapshot(self.worker)
         result = {}
         with self._cv:
-            for (group, idx), key in out_keys.items():
+            for group, idx, off in layout.out_slots:
                 arr = buffers[group][idx]
                 small = arr.nbytes <= BY_VALUE_BYTES and arr.sharding.is_fully_replicated
                 if small and not pipelined:
-                    result[(group, idx)] = np.asarray(
-                        jax.device_get(arr.addressable_shards[0].data)
-                    )
+                    result[off] = np.asarray(jax.device_get(arr.addressable_shards[0].data))
                 else:
-                    self.store[key] = arr
-                    result[(group, idx)] = StoreKey(key)
+                    self.store[base + off] = arr
             self._cv.notify_all()
         for key in free:
             self.store.pop(key, None)
