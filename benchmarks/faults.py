@@ -61,20 +61,25 @@ def kept_leaves(state, ref) -> tuple[int, int]:
 @contextlib.contextmanager
 def kill_during(cluster, what: str, host: int, when: dict):
     """Kill ``host``'s actor right after the driver submits the first call whose
-    description starts with ``what`` (``when["t"]`` gets the kill time)."""
-    original = cluster._call
+    description starts with ``what`` (``when["t"]`` gets the kill time), whether it went
+    as Ray calls (``_call``) or over the step connections (``channel_call``)."""
 
-    def call(refs, description, *args, **kwargs):
-        if description.startswith(what) and "t" not in when:
-            when["t"] = time.perf_counter()
-            os.kill(cluster.pids[host], signal.SIGKILL)
-        return original(refs, description, *args, **kwargs)
+    def killing(original):
+        def call(calls, description, *args, **kwargs):
+            if description.startswith(what) and "t" not in when:
+                when["t"] = time.perf_counter()
+                os.kill(cluster.pids[host], signal.SIGKILL)
+            return original(calls, description, *args, **kwargs)
 
-    cluster._call = call
+        return call
+
+    cluster._call = killing(cluster._call)
+    cluster.channel_call = killing(cluster.channel_call)
     try:
         yield
     finally:
         del cluster._call
+        del cluster.channel_call
 
 
 def expect_fault(call, host: int, t_kill_of) -> tuple[float, str]:

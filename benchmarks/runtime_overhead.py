@@ -5,9 +5,11 @@ per instruction on an empty pipeline.
 
 1. **GPT example on the local Ray cluster** (one CPU device per host-actor), every
    schedule at 2 and 4 stages: median step time, driver overhead = step time minus
-   the slowest worker's own ``run_step`` time (Ray dispatch, argument and result
+   the slowest worker's own ``run_step`` time (dispatch, argument and result
    transfer, the driver's bookkeeping), and that overhead as a share of the step
-   (target: <= 5%).
+   (target: <= 5%); each with the step calls over the direct connections
+   (``runtime/step_channel.py``, the default) and over Ray actor calls, alternating
+   in rounds.
 2. **Empty pipeline** (this process, workers as threads): the GPT plan at 4 stages
    with every program replaced, after one real step, by a no-op that returns the
    outputs that step produced; sends still read their blocks and messages still
@@ -34,16 +36,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from benchmarks.peer_torch_pipe import MODEL, _meshshard_method, make_batch  # noqa: E402
 
 RAY_CG_DISPATCH_US = 50  # Ray Compiled Graphs: "< 50 us" per-step dispatch (published)
+#: how a step call reaches the host-actors: runtime.step_channel, or Ray actor calls
+PATHS = {"connection": True, "ray call": False}
+ROUNDS = 3  # alternating rounds per path (the machine's load drifts)
 
 
 def ray_overheads(stage_counts, micro_batches: int, steps: int, warmup: int) -> list[dict]:
-    """Part 1: driver overhead per schedule on the Ray cluster."""
+    """Part 1: driver overhead per schedule on the Ray cluster, with step calls over the
+    direct connections and over Ray actor calls, alternating in rounds (one run)."""
     import meshshard
     from benchmarks.schedules_real import measure
     from examples import gpt
     from meshshard.methods import SCHEDULES
 
-    meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
+    cluster = meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
     rows = []
     try:
         state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
@@ -56,9 +62,26 @@ def ray_overheads(stage_counts, micro_batches: int, steps: int, warmup: int) -> 
                 except Exception as exc:  # a schedule this stage count cannot run
                     rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
                     continue
-                r = measure(step, state0, steps, warmup, 0, overlap=True)
-                r["share"] = r["driver_s"] / r["step_s"]
-                rows.append(dict(stages=stages, schedule=schedule, **r))
+                runs: dict[str, list] = {path: [] for path in PATHS}
+                for _ in range(ROUNDS):
+                    for path, on in PATHS.items():
+                        cluster.use_step_channel = on
+                        cluster.close_channels()
+                        runs[path].append(measure(step, state0, steps, warmup, 0, overlap=True))
+                cluster.use_step_channel = True
+                for path, rs in runs.items():
+                    step_s = statistics.median(r["step_s"] for r in rs)
+                    driver_s = statistics.median(r["driver_s"] for r in rs)
+                    rows.append(
+                        dict(
+                            stages=stages,
+                            schedule=schedule,
+                            path=path,
+                            step_s=step_s,
+                            driver_s=driver_s,
+                            share=driver_s / step_s,
+                        )
+                    )
     finally:
         meshshard.shutdown()
     return rows
@@ -132,13 +155,13 @@ def empty_pipeline(stages: int, micro_batches: int, steps: int, profile: bool) -
 
 
 def print_tables(ray_rows, empty_rows) -> None:
-    print(f"{'S':>2} {'schedule':<18} {'step ms':>8} {'driver ms':>9} {'share':>6}")
+    print(f"{'S':>2} {'schedule':<18} {'path':<11} {'step ms':>8} {'driver ms':>9} {'share':>6}")
     for r in ray_rows:
         if "skipped" in r:
             print(f"{r['stages']:>2} {r['schedule']:<18} skipped: {r['skipped']}")
             continue
         print(
-            f"{r['stages']:>2} {r['schedule']:<18} {r['step_s'] * 1e3:>8.1f} "
+            f"{r['stages']:>2} {r['schedule']:<18} {r['path']:<11} {r['step_s'] * 1e3:>8.1f} "
             f"{r['driver_s'] * 1e3:>9.2f} {r['share']:>6.1%}"
         )
     print()

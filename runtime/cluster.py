@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 import warnings
@@ -21,7 +22,7 @@ from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
 from meshshard.runtime.executable import CLOSED_STEP
-from meshshard.runtime.faults import WorkerFault, gather
+from meshshard.runtime.faults import GRACE_S, Failure, WorkerFault, gather
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,11 @@ class RayCluster:
         self.blocked: set[int] = set()  # hosts left inside a failed call
         self.closed = False
         self.arrays: weakref.WeakSet = weakref.WeakSet()  # live RemoteArrays kept here
+        #: step calls over direct connections (runtime.step_channel); off: Ray calls
+        self.use_step_channel = os.environ.get("MESHSHARD_STEP_CHANNEL", "1") != "0"
+        self._channels: dict = {}  # host -> StepChannel, for this generation
+        self._channel_generation = -1
+        self.channel_lock = threading.Lock()  # one step on the channels at a time
         self._start(range(num_hosts))
 
     # --- actors ------------------------------------------------------------------
@@ -426,6 +432,84 @@ class RayCluster:
     def backend(self):
         return RayBackend(self)
 
+    # --- step channels (runtime.step_channel) --------------------------------------
+    def step_channels(self, hosts) -> dict | None:
+        """Open connections to ``hosts`` for step calls (reused until the actors restart
+        or a call fails); None when switched off."""
+        if not self.use_step_channel or self.closed:
+            return None
+        if self._channel_generation != self.generation:
+            self.close_channels()
+            self._channel_generation = self.generation
+        missing = [h for h in hosts if h not in self._channels]
+        if missing:
+            import secrets
+
+            from meshshard.runtime.step_channel import StepChannel
+
+            token = secrets.token_bytes(16)
+            refs = {h: self._actors[h].open_step_channel.remote(token) for h in missing}
+            for h, address in self._call(refs, "opening step connections").items():
+                self._channels[h] = StepChannel(address, token)
+        return {h: self._channels[h] for h in hosts}
+
+    def close_channels(self) -> None:
+        """Close every step connection (the actors wait for new ones)."""
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            ch.close()
+
+    def channel_call(self, channels: dict, what: str) -> dict:
+        """Results of the step calls just sent on ``channels``; a failure is noted and
+        raised like :meth:`_call`'s, and the connections are dropped (a blocked actor
+        would answer a later call with this one's result)."""
+        from meshshard.runtime.step_channel import gather_channels
+
+        try:
+            return gather_channels(channels, what, self.deaths)
+        except WorkerFault as fault:
+            raise self._channel_fault(fault) from None
+        except BaseException:  # interrupted: replies still due would confuse a later call
+            self.close_channels()
+            raise
+
+    def channel_send_failed(self, host: int, sent: list[int], what: str) -> WorkerFault:
+        """The fault when a step could not be sent to ``host``: dead if Ray says so; the
+        hosts in ``sent`` already run the step and will wait for it: blocked."""
+        from meshshard.runtime.step_channel import CLOSED_VERDICT_S
+
+        cause = self.deaths([host], CLOSED_VERDICT_S).get(host)
+        dead = ((host, cause),) if cause else ()
+        failed = () if cause else ((host, "its step connection closed"),)
+        return self._channel_fault(WorkerFault(Failure(what, dead, failed, tuple(sent), 0.0)))
+
+    def _channel_fault(self, fault: WorkerFault) -> WorkerFault:
+        self.close_channels()
+        f = fault.failure
+        self.dead.update(h for h, _ in f.dead)
+        self.blocked.update(f.blocked)
+        self._transport_ready = False
+        return fault.with_advice(self._advice())
+
+    def deaths(self, hosts, timeout_s: float = GRACE_S) -> dict[int, str]:
+        """Which of ``hosts`` Ray reports gone, with the cause: a ping each, answered at
+        once by a live actor, failed by Ray once it has noticed a dead one (a second or
+        so after the process exits) or still pending after ``timeout_s``."""
+        import ray
+
+        from meshshard.runtime.faults import death_cause, is_actor_death
+
+        refs = {h: self._actors[h].ping.remote() for h in hosts}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out = {}
+        for h, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as exc:
+                if is_actor_death(exc):
+                    out[h] = death_cause(exc)
+        return out
+
     def note_cleanup(self, ref) -> None:
         """Remember a fire-and-forget free/release call (``host_stats`` waits for them)."""
         self._cleanups.append(ref)
@@ -451,6 +535,7 @@ class RayCluster:
         import ray
 
         self.closed = True
+        self.close_channels()
         for a in self._actors:
             if a is not None:
                 with contextlib.suppress(Exception):  # already gone
@@ -581,16 +666,36 @@ class RayBackend:
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         return self.submit_step(per_worker).result()
 
-    def submit_step(self, per_worker: dict[int, tuple]) -> RayStep:
-        """Send the step to every host-actor now; :meth:`RayStep.result` waits."""
+    def submit_step(self, per_worker: dict[int, tuple]) -> RayStep | ChannelStep:
+        """Send the step to every host-actor now; ``result()`` waits.  Over the step
+        connections when this thread has them to itself and the step is not pipelined
+        (two pipelined steps run at once on an actor: Ray's threads do that)."""
+        cluster = self.cluster
+        pipelined = any(len(req) > 4 and req[4] is not None for req in per_worker.values())
+        if not pipelined and cluster.channel_lock.acquire(blocking=False):
+            try:
+                channels = cluster.step_channels(list(per_worker))
+                if channels is not None:
+                    sent = []
+                    for w, req in per_worker.items():
+                        try:
+                            channels[w].send((self.plan_id, *req))
+                        except OSError:
+                            what = f"step of plan {self.plan_id}"
+                            raise cluster.channel_send_failed(w, sent, what) from None
+                        sent.append(w)
+                    return ChannelStep(self, channels)
+            except BaseException:
+                cluster.channel_lock.release()
+                raise
+            cluster.channel_lock.release()
         refs = {
             w: self._actor(w).run_step.remote(self.plan_id, *req) for w, req in per_worker.items()
         }
         return RayStep(self, refs)
 
-    def collect(self, refs: dict) -> dict[int, dict]:
-        """The workers' results of a submitted step (their seconds and traces kept)."""
-        out = self.cluster._call(refs, f"step of plan {self.plan_id}")
+    def _results(self, out: dict) -> dict[int, dict]:
+        """The workers' by-value results (their seconds and traces kept)."""
         results = {}
         self.last_traces = {}
         for w, (result, seconds, trace) in out.items():
@@ -598,6 +703,10 @@ class RayBackend:
             if trace is not None:
                 self.last_traces[w] = trace
         return results
+
+    def collect(self, refs: dict) -> dict[int, dict]:
+        """The workers' results of a submitted step (their seconds and traces kept)."""
+        return self._results(self.cluster._call(refs, f"step of plan {self.plan_id}"))
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
@@ -671,6 +780,23 @@ class RayStep:
     def result(self) -> dict[int, dict]:
         """Wait for every host-actor; their results (raises their failures)."""
         return self.backend.collect(self.refs)
+
+
+class ChannelStep:
+    """A step sent over the step connections (:meth:`RayBackend.submit_step`); holds the
+    cluster's channel lock until :meth:`result` has every reply."""
+
+    def __init__(self, backend: RayBackend, channels: dict):
+        self.backend, self.channels = backend, channels
+
+    def result(self) -> dict[int, dict]:
+        """Wait for every host-actor; their results (raises their failures)."""
+        backend = self.backend
+        try:
+            out = backend.cluster.channel_call(self.channels, f"step of plan {backend.plan_id}")
+        finally:
+            backend.cluster.channel_lock.release()
+        return backend._results(out)
 
 
 @contextlib.contextmanager
