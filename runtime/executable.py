@@ -97,7 +97,7 @@ class RemoteArray:
         self.dtype = np.dtype(dtype)
         self.deleted = False
         self._backend = owner.backend
-        self._schedule_free = owner.schedule_free
+        self._schedule_free = owner.schedule_frees
         self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
         self._lost: str | None = None  # why it can no longer be fetched
 
@@ -118,7 +118,7 @@ class RemoteArray:
         kept there; None if the step must send it (by value) instead."""
         if self.deleted or self._lost or worker not in self.keys:
             return None
-        if _cluster_of(self._backend) is not _cluster_of(backend):
+        if self._backend is not backend and _cluster_of(self._backend) is not _cluster_of(backend):
             return None
         return self.keys[worker]
 
@@ -204,8 +204,7 @@ class RemoteArray:
         if not self.deleted:
             self.deleted = True
             self._host = None
-            for w, key in self.keys.items():
-                self._schedule_free(w, key)
+            self._schedule_free(self.keys.items())
 
     def __del__(self):
         try:
@@ -406,17 +405,22 @@ class Executable:
             self._settle_one()
 
     def schedule_free(self, worker: int, key: int) -> None:
-        """Drop a stored array on ``worker``: with the next step, or from the releaser
-        thread within :data:`FREE_DELAY_S` if no step takes it first (safe to call from
-        a finalizer).  The state a step replaces is dropped as it returns, so in a
-        training loop the next call carries those frees: no extra message per worker."""
+        """Drop a stored array on ``worker`` (see :meth:`schedule_frees`)."""
+        self.schedule_frees(((worker, key),))
+
+    def schedule_frees(self, items) -> None:
+        """Drop stored arrays, ``(worker, key)`` pairs: with the next step, or from the
+        releaser thread within :data:`FREE_DELAY_S` if no step takes them first (safe to
+        call from a finalizer).  The state a step replaces is dropped as it returns, so
+        in a training loop the next call carries those frees: no extra message."""
         with self._lock:
-            for step in self._inflight:
-                if (worker, key) in step.written:  # freed once its step has stored it
-                    step.deferred.append((worker, key))
-                    return
-            self._pending_free.setdefault(worker, []).append(key)
-            if self._free_armed:
+            for worker, key in items:
+                writer = next((s for s in self._inflight if (worker, key) in s.written), None)
+                if writer is not None:  # freed once its step has stored it
+                    writer.deferred.append((worker, key))
+                else:
+                    self._pending_free.setdefault(worker, []).append(key)
+            if self._free_armed or not self._pending_free:
                 return
             self._free_armed = True
         RELEASER.call_later(FREE_DELAY_S, self.flush_frees)
