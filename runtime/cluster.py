@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -77,8 +78,19 @@ def init(
         _CURRENT = RayCluster(address, num_hosts, devices_per_host, name)
     else:
         raise MeshshardInputError(f"init(backend={backend!r}): use 'ray' or 'threads'")
+    # shut down before the interpreter does (and before Ray's own exit hook, registered
+    # earlier): worker threads still inside XLA at interpreter exit abort the process
+    atexit.unregister(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
     log.info("meshshard cluster %s started", _CURRENT.spec.name)
     return _CURRENT
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception as exc:  # exiting anyway
+        log.debug("meshshard: shutdown at exit: %s", exc)
 
 
 def _reuse(cluster, address, num_hosts, devices_per_host, backend, name):

@@ -46,7 +46,10 @@ class Releaser:
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the releaser thread ``delay_s`` seconds from now (or at the
-        next :meth:`flush`); safe to call from ``__del__``."""
+        next :meth:`flush`); safe to call from ``__del__``.  Dropped at interpreter exit:
+        the process is ending, and freeing device arrays then can abort it."""
+        if sys.is_finalizing():
+            return
         self._queue.put((time.monotonic() + delay_s, next(self._seq), fn))
         if self._thread is None:
             self.start()
@@ -94,6 +97,8 @@ class Releaser:
 
     @staticmethod
     def _run_one(fn: Callable[[], None]) -> None:
+        if sys.is_finalizing():
+            return
         try:
             fn()
         except Exception as exc:  # the cluster may be gone: nothing left to free

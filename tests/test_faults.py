@@ -8,6 +8,7 @@ with ``jax.jit`` after recovery) on the local cluster and on a two-node
 
 import json
 import logging
+import os
 import pathlib
 import re
 import subprocess
@@ -117,8 +118,8 @@ class _Owner:
         self.backend = backend
         self.freed = []
 
-    def schedule_free(self, w, key):
-        self.freed.append((w, key))
+    def schedule_frees(self, items):
+        self.freed.extend(items)
 
 
 def test_evacuate_copies_from_survivors_and_marks_lost_arrays():
@@ -208,3 +209,29 @@ def test_refs_pickled_to_another_process_still_key_dicts(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[0, 1, 2]"
+
+
+@pytest.mark.slow
+def test_a_script_that_never_shuts_down_exits_cleanly(tmp_path):
+    """Worker threads still inside XLA at interpreter exit used to abort the process
+    (exit code 134); ``init`` registers a shutdown at exit."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import meshshard\n"
+        "from examples import mlp\n"
+        "meshshard.init(backend='threads')\n"
+        "batch = mlp.make_batch(8)\n"
+        "state = mlp.make_state(mlp.MLP(num_layers=2), batch['x'])\n"
+        "step = meshshard.parallelize(mlp.train_step, method=meshshard.PipeshardParallel(\n"
+        "    num_micro_batches=2, stages=[(1, 2), (1, 2)]))\n"
+        "for _ in range(2):\n"
+        "    state, loss = step(state, batch)\n"
+        "print('loss', float(loss))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("loss ")
