@@ -43,10 +43,17 @@ CLOSED_VERDICT_S = 10.0
 
 
 def send_msg(sock: socket.socket, obj) -> None:
-    """Send ``obj`` pickled, after its length."""
-    data = pickle.dumps(obj, protocol=5)
-    sock.sendall(_HEADER.pack(len(data)))
+    """Send ``obj`` pickled: the lengths, the pickle, then the array buffers it refers to
+    out of band (sent from where they lie: a large batch or state is not copied into the
+    pickle first)."""
+    buffers: list = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    sizes = [len(data), *(r.nbytes for r in raws)]
+    sock.sendall(_HEADER.pack(len(sizes)) + struct.pack(f"!{len(sizes)}Q", *sizes))
     sock.sendall(data)
+    for r in raws:
+        sock.sendall(r)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -62,9 +69,12 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 def recv_msg(sock: socket.socket):
-    """The next object :func:`send_msg` sent."""
-    (n,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
-    return pickle.loads(recv_exact(sock, n))
+    """The next object :func:`send_msg` sent (its arrays backed by the received bytes)."""
+    (count,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    sizes = struct.unpack(f"!{count}Q", recv_exact(sock, 8 * count))
+    data = recv_exact(sock, sizes[0])
+    buffers = [recv_exact(sock, n) for n in sizes[1:]]
+    return pickle.loads(data, buffers=buffers)
 
 
 class ChannelServer:

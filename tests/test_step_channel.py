@@ -17,6 +17,7 @@ from meshshard.runtime.step_channel import (
     gather_channels,
     recv_exact,
     recv_msg,
+    send_msg,
 )
 from tests.conftest import assert_trees_close
 
@@ -131,3 +132,18 @@ def test_steps_over_connections_equal_steps_over_ray_calls(ray_cluster):
     for s, loss in got.values():
         assert_trees_close(ref.params, s.params)
         assert_trees_close(ref_loss, loss)
+
+
+def test_arrays_travel_out_of_band_and_arrive_equal_and_writable():
+    a, b = socket.socketpair()
+    sent = [np.arange(1 << 20, dtype=np.float32), np.ones((4, 6))[:, ::2], 7, "x", np.int64(3)]
+    sender = threading.Thread(target=send_msg, args=(a, sent))
+    sender.start()
+    got = recv_msg(b)
+    sender.join()
+    assert got[2:4] == [7, "x"] and got[4] == 3
+    for want, have in zip(sent[:2], got[:2], strict=True):
+        np.testing.assert_array_equal(want, have)
+    got[0][0] = -1.0  # backed by the received bytes, usable in place
+    a.close()
+    b.close()
