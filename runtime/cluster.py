@@ -462,7 +462,19 @@ class RayCluster:
             token = secrets.token_bytes(16)
             refs = {h: self._actors[h].open_step_channel.remote(token) for h in missing}
             for h, address in self._call(refs, "opening step connections").items():
-                self._channels[h] = StepChannel(address, token)
+                try:
+                    self._channels[h] = StepChannel(address, token)
+                except OSError as exc:  # e.g. a firewall between the nodes
+                    log.warning(
+                        "cannot connect to host-actor w%d at %s:%d (%s); step calls go "
+                        "through Ray from now on",
+                        h,
+                        *address,
+                        exc,
+                    )
+                    self.use_step_channel = False
+                    self.close_channels()
+                    return None
         return {h: self._channels[h] for h in hosts}
 
     def close_channels(self) -> None:

@@ -147,3 +147,27 @@ def test_arrays_travel_out_of_band_and_arrive_equal_and_writable():
     got[0][0] = -1.0  # backed by the received bytes, usable in place
     a.close()
     b.close()
+
+
+@pytest.mark.ray
+def test_a_connection_that_cannot_open_falls_back_to_ray_calls(ray_cluster, monkeypatch, caplog):
+    import meshshard.runtime.step_channel as step_channel
+
+    def refuse(address, token, timeout_s=30.0):
+        raise ConnectionRefusedError("firewalled")
+
+    batch = mlp.make_batch(8)
+    state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    step = meshshard.parallelize(mlp.train_step, method=method)
+    ray_cluster.close_channels()
+    monkeypatch.setattr(step_channel, "StepChannel", refuse)
+    try:
+        got, loss = step(state, batch)
+        assert not ray_cluster.use_step_channel and not ray_cluster._channels
+        assert "step calls go through Ray from now on" in caplog.text
+    finally:
+        ray_cluster.use_step_channel = True
+    ref, ref_loss = jax.jit(mlp.train_step)(state, batch)
+    assert_trees_close(ref.params, meshshard.fetch(got).params)
+    assert_trees_close(ref_loss, loss)
