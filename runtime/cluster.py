@@ -337,11 +337,15 @@ class RayCluster:
         try:
             return gather(refs, what, timeout_s=timeout_s)
         except WorkerFault as fault:
-            f = fault.failure
-            self.dead.update(h for h, _ in f.dead)
-            self.blocked.update(f.blocked)
-            self._transport_ready = False  # messages of the failed call may be in flight
-            raise fault.with_advice(self._advice()) from None
+            raise self._noted(fault) from None
+
+    def _noted(self, fault: WorkerFault) -> WorkerFault:
+        """Note a failed call's dead and blocked actors; the fault with recovery advice."""
+        f = fault.failure
+        self.dead.update(h for h, _ in f.dead)
+        self.blocked.update(f.blocked)
+        self._transport_ready = False  # messages of the failed call may be in flight
+        return fault.with_advice(self._advice())
 
     def _advice(self) -> str:
         if not self.broken:
@@ -509,11 +513,7 @@ class RayCluster:
 
     def _channel_fault(self, fault: WorkerFault) -> WorkerFault:
         self.close_channels()
-        f = fault.failure
-        self.dead.update(h for h, _ in f.dead)
-        self.blocked.update(f.blocked)
-        self._transport_ready = False
-        return fault.with_advice(self._advice())
+        return self._noted(fault)
 
     def deaths(self, hosts, timeout_s: float = GRACE_S) -> dict[int, str]:
         """Which of ``hosts`` Ray reports gone, with the cause: a ping each, answered at

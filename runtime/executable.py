@@ -404,10 +404,6 @@ class Executable:
         while self._inflight:
             self._settle_one()
 
-    def schedule_free(self, worker: int, key: int) -> None:
-        """Drop a stored array on ``worker`` (see :meth:`schedule_frees`)."""
-        self.schedule_frees(((worker, key),))
-
     def schedule_frees(self, items) -> None:
         """Drop stored arrays, ``(worker, key)`` pairs: with the next step, or from the
         releaser thread within :data:`FREE_DELAY_S` if no step takes them first (safe to

@@ -58,9 +58,7 @@ class Releaser:
         """Wait until everything queued before this call has run, delayed calls
         included (tests, benchmarks)."""
         done = threading.Event()
-        self._queue.put((float("-inf"), next(self._seq), done.set))
-        if self._thread is None:
-            self.start()
+        self.call_later(float("-inf"), done.set)  # before every delayed call
         done.wait(timeout)
 
     def start(self) -> None:
