@@ -193,6 +193,14 @@ class AutoLayers:
         self.layers = layers
         functools.update_wrapper(self, fn)
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AutoLayers):
+            return NotImplemented
+        return (self.fn, self.layers) == (other.fn, other.layers)
+
+    def __hash__(self) -> int:
+        return hash((AutoLayers, self.fn, self.layers))
+
     def __call__(self, *args):
         token = _AUTO_LAYERS.set(self.layers)
         try:

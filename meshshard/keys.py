@@ -55,6 +55,19 @@ class KeyedStep:
         self.impls = impls
         self.out_impls: tuple = ()
 
+    def _identity(self) -> tuple:
+        return (self.fn, self.treedef, self.impls)
+
+    def __eq__(self, other: object) -> bool:
+        # equal wrappers of one step trace alike: a second ``parallelize`` (or ``lower``
+        # then a call) of the same function is served from the trace cache
+        if not isinstance(other, KeyedStep):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
     def __call__(self, *args):
         leaves = jax.tree.leaves(args)
         typed = [

@@ -76,6 +76,9 @@ class TracedStep:
     out_tree: object = None
     #: a step without meshshard.grad whose jaxpr holds a backward pass (jax.grad)
     transposed: bool = False
+    #: per output leaf, the PRNG implementation of a typed key the step returns as raw
+    #: data (None for other leaves); ``KeyedStep.restore`` wraps them back
+    out_key_impls: tuple = ()
 
     @property
     def jaxpr(self):
@@ -166,6 +169,8 @@ def trace_step(
     for key in keys:
         hit = _cached(key)
         if hit is not None:
+            if hasattr(fn, "out_impls"):  # a KeyedStep not traced itself: as its twin was
+                fn.out_impls = hit.out_key_impls
             return hit
     traced = _trace_step(fn, num_micro_batches, treedef, wheres, full_abs, in_batch)
     with _TRACES_LOCK:
@@ -230,6 +235,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         fingerprint=fingerprint(closed),
         out_tree=jax.tree.structure(out_shape),
         transposed=forward_only and transposed,
+        out_key_impls=tuple(getattr(fn, "out_impls", ())),
     )
 
 

@@ -3,6 +3,7 @@ process, a trace of the same planned fingerprint), and a Python-scalar leaf and 
 array the step returns for it are one signature."""
 
 import jax
+import numpy as np
 
 import meshshard
 from examples import mlp
@@ -78,3 +79,31 @@ def test_a_repeat_by_fingerprint_returns_the_same_trace_and_other_shapes_retrace
         fresh_copy, (state, batch), batch_argnums=(1,), num_micro_batches=2, fingerprint="0" * 16
     )
     assert unknown.fingerprint == first.fingerprint and len(calls) == 3
+
+
+def test_a_second_parallelize_of_one_step_is_served_from_the_trace_and_keys_stay_typed(
+    threads_cluster, monkeypatch
+):
+    """``lower`` then a call, and a second ``parallelize`` of the same function under
+    another method with the same micro-batches, trace the step once; the step's typed
+    key output comes back typed from every one of them."""
+    from tests.random_parity import dropout_case
+
+    calls = counting_traces(monkeypatch)
+    step_fn, state, batches = dropout_case("mlp")
+    want = jax.random.split(state.key)[0]
+    first = meshshard.parallelize(
+        step_fn, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    )
+    first.lower(state, batches[0], costs=False)
+    outs = [first(state, batches[0])[0]]
+    second = meshshard.parallelize(
+        step_fn,
+        method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, schedule="gpipe"),
+    )
+    outs.append(second(state, batches[0])[0])
+    assert len(calls) == 1
+    for got in outs:
+        assert got.key.dtype == state.key.dtype
+        np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want))
+        assert_trees_close(outs[0].params, got.params)
