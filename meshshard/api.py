@@ -15,7 +15,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.keys import physical_call
+from meshshard.keys import physical_call, physical_leaves
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
 
@@ -148,12 +148,13 @@ class ParallelizedFunction:
     def __call__(self, *args):
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
-        _, raw_args = physical_call(self.fn, args)  # typed keys travel as raw data
-        exe = self._executable_for(args, raw_args)
-        args = raw_args
+        # typed keys travel as raw data; the arguments are flattened once per call
+        _, raw_args, leaves, tree = physical_leaves(self.fn, args)
+        exe = self._executable_for(args, raw_args, (leaves, tree))
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
-            args = (*args, np.arange(exe.plan.num_micro_batches, dtype=np.int32))
-        return exe.keyed_step.restore(exe(*args))
+            index = np.arange(exe.plan.num_micro_batches, dtype=np.int32)
+            raw_args, leaves, tree = (*raw_args, index), [*leaves, index], None
+        return exe.keyed_step.restore(exe.call_flat(raw_args, leaves, tree))
 
     def placement(self, *args, argnum: int = 0):
         """Where each leaf of ``args[argnum]`` lives when the step runs on ``args``: a tree
@@ -164,9 +165,10 @@ class ParallelizedFunction:
 
         return placement_of(self._executable_for(args), args, argnum)
 
-    def _executable_for(self, args, raw_args=None):
+    def _executable_for(self, args, raw_args=None, flat=None):
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
-        data, when the caller has them), compiling it on first use."""
+        data, and ``flat``: their leaves and tree structure, when the caller has them),
+        compiling it on first use."""
         from meshshard.passes.pipeline import plan_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
@@ -178,7 +180,7 @@ class ParallelizedFunction:
         args = raw_args
         # the cache key from the leaves themselves: building ShapeDtypeStructs for every
         # leaf on every call was the driver's largest own cost (runtime_overhead.py)
-        leaves, tree = jax.tree.flatten(args)
+        leaves, tree = jax.tree.flatten(args) if flat is None else flat
         key = (
             tree,
             tuple((getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves),

@@ -94,9 +94,16 @@ class KeyedStep:
 
 def physical_call(fn: Callable, args: tuple) -> tuple[KeyedStep, tuple]:
     """``(step, args)`` with typed keys in ``args`` replaced by their raw data."""
+    step, raw_args, _, _ = physical_leaves(fn, args)
+    return step, raw_args
+
+
+def physical_leaves(fn: Callable, args: tuple) -> tuple[KeyedStep, tuple, list, object]:
+    """:func:`physical_call` plus the raw arguments' leaves and tree structure, so a
+    step call flattens its arguments once."""
     leaves, treedef = jax.tree.flatten(args)
     impls = tuple(key_impl(x) if is_typed_key(x) else None for x in leaves)
     if not any(impls):
-        return KeyedStep(fn, treedef, impls), args
+        return KeyedStep(fn, treedef, impls), args, leaves, treedef
     raw = [x if impl is None else _raw(x) for x, impl in zip(leaves, impls, strict=True)]
-    return KeyedStep(fn, treedef, impls), jax.tree.unflatten(treedef, raw)
+    return KeyedStep(fn, treedef, impls), jax.tree.unflatten(treedef, raw), raw, treedef

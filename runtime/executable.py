@@ -101,6 +101,24 @@ class RemoteArray:
         self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
         self._lost: str | None = None  # why it can no longer be fetched
 
+    @classmethod
+    def _stored(cls, owner_ref, backend, schedule_free, keys, shape, dtype, groups) -> RemoteArray:
+        """A step's output under ``keys``, from values the executable normalised once per
+        plan (``shape`` a tuple, ``dtype`` a NumPy dtype, ``groups`` tuples): a GPT step
+        makes ~160 of these, so the checks of ``__init__`` are not repeated per step."""
+        self = cls.__new__(cls)
+        self._owner = owner_ref
+        self.keys = keys
+        self.groups = groups
+        self.shape = shape
+        self.dtype = dtype
+        self.deleted = False
+        self._backend = backend
+        self._schedule_free = schedule_free
+        self._host = None
+        self._lost = None
+        return self
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -243,6 +261,8 @@ class Executable:
         self.compile_seconds = backend.compile(fn, abstract_args, batch_argnums, plan)
         self._mesh_workers = {m.id: m.workers for m in plan.meshes}
         self.layout = StepLayout.of_plan(plan)
+        self._out_specs = self._output_specs()
+        self._donate_ranges: dict = {}  # argument structure -> donated leaf ranges
         self._leaf_pos = {spec.leaf: pos for pos, spec in enumerate(plan.inputs)}
         self._small_outputs = [  # the program outputs a worker may return by value
             i
@@ -280,13 +300,18 @@ class Executable:
             self.clock_rtts = {w: rtt for w, (_, rtt) in offsets.items()}
 
     def __call__(self, *args):
+        return self.call_flat(args)
+
+    def call_flat(self, args: tuple, flat: list | None = None, tree=None):
+        """Run the step on ``args``; ``flat`` (their leaves) and ``tree`` (their structure)
+        when the caller flattened them already, as ``parallelize`` does."""
         if self.trace_log is None:
-            return self._call(args)
+            return self._call(args, None, flat, tree)
         from meshshard.runtime.trace_record import StepTrace, clock_ns
 
         t0 = clock_ns()
         marks: list = []
-        out = self._call(args, marks)
+        out = self._call(args, marks, flat, tree)
         t3 = clock_ns()
         t1, t2 = marks
         driver = (("prepare", t0, t1), ("workers", t1, t2), ("outputs", t2, t3))
@@ -294,7 +319,7 @@ class Executable:
         self.trace_log.add(self.plan.streams, StepTrace(driver, workers, self._offsets))
         return out
 
-    def _call(self, args, marks: list | None = None):
+    def _call(self, args, marks: list | None = None, flat=None, tree=None):
         if self.released:
             raise MeshshardRuntimeError(
                 "this compiled step was released (step.release()); call the parallelized "
@@ -302,14 +327,15 @@ class Executable:
             )
         plan = self.plan
         self.backend.ensure_ready(self.recompile)
-        flat, _ = jax.tree.flatten(args)
+        if flat is None:
+            flat, tree = jax.tree.flatten(args)
         if len(flat) != len(plan.inputs):
             raise MeshshardInputError(
                 f"the step was compiled for {len(plan.inputs)} input leaves but got {len(flat)}; "
                 "call it with arguments of the same structure as when it was compiled"
             )
         base = _KEYS.reserve(self.layout.num_keys)
-        donated = self._donated(args)
+        donated = self._donated(args, flat, tree)
         with self._lock:
             frees, self._pending_free = self._pending_free, {}
         requests = {
@@ -410,12 +436,18 @@ class Executable:
         call from a finalizer).  The state a step replaces is dropped as it returns, so
         in a training loop the next call carries those frees: no extra message."""
         with self._lock:
+            pending, inflight = self._pending_free, self._inflight
             for worker, key in items:
-                writer = next((s for s in self._inflight if (worker, key) in s.written), None)
-                if writer is not None:  # freed once its step has stored it
-                    writer.deferred.append((worker, key))
+                if inflight:
+                    writer = next((s for s in inflight if (worker, key) in s.written), None)
+                    if writer is not None:  # freed once its step has stored it
+                        writer.deferred.append((worker, key))
+                        continue
+                keys = pending.get(worker)
+                if keys is None:
+                    pending[worker] = [key]
                 else:
-                    self._pending_free.setdefault(worker, []).append(key)
+                    keys.append(key)
             if self._free_armed or not self._pending_free:
                 return
             self._free_armed = True
@@ -447,28 +479,53 @@ class Executable:
     def __del__(self):
         self.release_soon()
 
-    def _donated(self, args) -> list[RemoteArray]:
-        out = []
-        for i in self.donate_argnums:
-            out += [x for x in jax.tree.leaves(args[i]) if isinstance(x, RemoteArray)]
-        return out
+    def _donated(self, args, flat: list, tree) -> list[RemoteArray]:
+        """The arrays of the donated arguments (released once the step has them)."""
+        if not self.donate_argnums:
+            return []
+        ranges = self._donate_ranges.get(tree) if tree is not None else None
+        if ranges is None:
+            sizes = [len(jax.tree.leaves(a)) for a in args]
+            starts = list(itertools.accumulate([0, *sizes]))
+            ranges = [(starts[i], starts[i + 1]) for i in self.donate_argnums if i < len(args)]
+            if tree is not None:
+                self._donate_ranges[tree] = ranges
+        return [x for a, b in ranges for x in flat[a:b] if isinstance(x, RemoteArray)]
 
     def _output_leaves(self, flat, base: int) -> list:
         """The step's result leaves: a :class:`RemoteArray` of the keys ``base + offset``
         the workers store each program output under (:meth:`_by_value` replaces those
         that come back by value), inputs and literals as they are."""
         leaves = []
-        for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
-            if o.source == "literal":
-                leaves.append(np.asarray(o.literal, dtype=o.dtype).reshape(o.shape))
-            elif o.source == "input":
-                leaves.append(flat[o.input_leaf])
-            else:
-                keys = {w: base + off for w, off in lay.holders}
-                array = RemoteArray(self, keys, o.shape, o.dtype, lay.groups)
-                self.backend.track(array)
+        owner, backend, free = weakref.ref(self), self.backend, self.schedule_frees
+        track, stored = backend.track, RemoteArray._stored
+        for kind, what, shape, dtype, groups in self._out_specs:
+            if kind == "stored":
+                array = stored(
+                    owner, backend, free, {w: base + off for w, off in what}, shape, dtype, groups
+                )
+                track(array)
                 leaves.append(array)
+            elif kind == "input":
+                leaves.append(flat[what])
+            else:  # a literal
+                leaves.append(np.asarray(what, dtype=dtype).reshape(shape))
         return leaves
+
+    def _output_specs(self) -> tuple:
+        """Per output leaf, what :meth:`_output_leaves` needs, normalised once: ``(kind,
+        holders | input leaf | literal, shape, dtype, groups)``."""
+        specs = []
+        for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
+            shape, dtype = tuple(o.shape), np.dtype(o.dtype)
+            if o.source == "literal":
+                specs.append(("literal", o.literal, shape, dtype, ()))
+            elif o.source == "input":
+                specs.append(("input", o.input_leaf, shape, dtype, ()))
+            else:
+                groups = tuple(tuple(g) for g in lay.groups)
+                specs.append(("stored", tuple(lay.holders), shape, dtype, groups))
+        return tuple(specs)
 
     def _by_value(self, leaves: list, results: dict[int, dict]):
         """The result tree, with the outputs the workers returned by value as arrays."""

@@ -49,3 +49,29 @@ def test_key_blocks_never_overlap():
     a, b, c = keys.reserve(5), next(keys), keys.reserve(0)
     assert (a, b, c) == (10, 15, 16)
     assert keys.reserve(2) == 16
+
+
+def test_donated_state_is_released_and_the_batch_is_kept(threads_cluster):
+    """``donate_argnums=(0,)``: once a step has the state it was given, that state's
+    stored arrays are dropped (found from the flattened arguments by position); the
+    batch argument and the step's new state stay usable, and training equals jax.jit."""
+    from meshshard.runtime.executable import RemoteArray
+    from tests.conftest import assert_trees_close
+
+    batches = [mlp.make_batch(8, seed=i) for i in range(3)]
+    state = mlp.make_state(mlp.MLP(num_layers=4), batches[0]["x"])
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    step = meshshard.parallelize(mlp.train_step, method=method, donate_argnums=(0,))
+    ref, got = state, state
+    kept = []
+    for b in batches:
+        ref, _ = jax.jit(mlp.train_step)(ref, b)
+        new, _ = step(got, b)
+        kept.append(got)
+        got = new
+    remote = lambda tree: [x for x in jax.tree.leaves(tree) if isinstance(x, RemoteArray)]  # noqa: E731
+    assert not remote(kept[0])  # the host state it started from has nothing stored
+    for donated in kept[1:]:
+        assert remote(donated) and all(x.deleted for x in remote(donated))
+    assert remote(got) and not any(x.deleted for x in remote(got))
+    assert_trees_close(ref.params, got.params)
