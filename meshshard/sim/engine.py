@@ -293,6 +293,7 @@ class _Engine:
             CorePool(self, cluster.host_cores, self._complete) if cluster.host_cores else None
         )
         self.queues: dict[int, list[_Queue]] = {}
+        self._host_seconds: dict[type, float] = {}
         self._build()
 
     # --- building ------------------------------------------------------------------
@@ -317,18 +318,23 @@ class _Engine:
         self.queues[w] = qs
         state = StreamState(w)
         carried = 0.0  # host seconds of communications, paid by the next compute op
+        host_of = self._host_seconds  # per instruction type: the runtime's own work
         for i, ins in enumerate(stream.instructions):
-            rule = RULES.get(type(ins))
+            kind = type(ins)
+            rule = RULES.get(kind)
             if rule is None:
                 raise TypeError(f"w{w}: cannot simulate instruction {ins!r}")
             op = _Op(len(self.ops), w, i, ins, rule)
             self.ops.append(op)
-            op.queue = qs[1] if (overlap and ins.is_comm) else qs[0]
+            comm = ins.is_comm
+            op.queue = qs[1] if (overlap and comm) else qs[0]
             op.queue.ops.append(op)
-            op.blocking = (not overlap) or (not ins.is_comm) or serial
+            op.blocking = (not overlap) or (not comm) or serial
             rule.build(self, op, state)
-            host = self.cluster.host_seconds(ins.opcode.value)  # the runtime's own work
-            if ins.is_comm:
+            host = host_of.get(kind)
+            if host is None:
+                host = host_of[kind] = self.cluster.host_seconds(ins.opcode.value)
+            if comm:
                 carried += host
             else:
                 op.dur += host + carried

@@ -87,15 +87,17 @@ def _buffer_events(recs: Sequence[OpRecord], end: float) -> list[tuple[float, in
         ins = r.instruction
         reads = ins.reads
         if reads:
-            writes = ins.writes
+            r_end = r.end
             for b in reads:
-                # ``alive`` only holds written buffers: one membership test suffices
-                if b not in written and b not in writes:
-                    alive[b] = 0.0
-                    written.add(b)
-                    events.append((0.0, -1, 1, b))
-                end_b = readers_end.get(b, 0.0)
-                readers_end[b] = r.end if r.end > end_b else end_b
+                end_b = readers_end.get(b)
+                if end_b is None:  # its first read: held from 0 unless written before
+                    readers_end[b] = r_end
+                    if b not in written and b not in ins.writes:
+                        alive[b] = 0.0
+                        written.add(b)
+                        events.append((0.0, -1, 1, b))
+                elif r_end > end_b:
+                    readers_end[b] = r_end
         if isinstance(ins, Free):
             b = ins.buffer
             if b in alive:
@@ -125,25 +127,31 @@ def memory_profile(
     peaks: dict[int, tuple[float, float, dict[str, float]]] = {}
     curves: dict[int, list[tuple[float, float]]] = {}
     unknown: set[BufferRef] = set()
-    sizes: dict[tuple[BufferRef, int], float] = {}
+    group_sizes: dict[tuple[BufferRef, int], float] = {}  # one buffer group on one worker
 
-    def size(buf: BufferRef, w: int) -> float:
-        n = sizes.get((buf, w))
-        if n is None:
-            n = sizes.get((buf.group, w))
+    def group_size(buf: BufferRef, w: int) -> float:
+        group = buf.group
+        n = group_sizes.get((group, w))
         if n is None:
             n = bytes_per_device(plan, buf, w)
             if n is None:
-                unknown.add(buf.group)
+                unknown.add(group)
                 n = 0.0
-            sizes[(buf.group, w)] = n
-        sizes[(buf, w)] = n
+            group_sizes[(group, w)] = n
         return n
 
     for recs in records:
         if not recs:
             continue
         w = recs[0].worker
+        sizes: dict[BufferRef, float] = {}  # this worker's buffers
+
+        def size(buf: BufferRef, w: int = w, sizes: dict = sizes) -> float:
+            n = sizes.get(buf)
+            if n is None:
+                n = sizes[buf] = group_size(buf, w)
+            return n
+
         events = _buffer_events(recs, end)
         # at one instant, stream order decides (a FREE before the next RUN releases first)
         # ties (one instant, one instruction, one direction) leave the peak unchanged
@@ -153,7 +161,7 @@ def memory_profile(
         best = (-1.0, 0.0, {})
         curve: list[tuple[float, float]] = []
         for t, _, sign, b in events:
-            n = size(b, w)
+            n = size(b)
             held += sign * n
             c = category(b)
             by_cat[c] = by_cat.get(c, 0.0) + sign * n
