@@ -16,7 +16,6 @@ import threading
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Sequence
 
 from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
@@ -24,6 +23,7 @@ from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
 from meshshard.runtime.executable import CLOSED_STEP
 from meshshard.runtime.faults import GRACE_S, Failure, WorkerFault, gather
+from meshshard.runtime.live_arrays import LiveArrays
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class RayCluster:
         self.dead: set[int] = set()  # hosts whose actor process is gone
         self.blocked: set[int] = set()  # hosts left inside a failed call
         self.closed = False
-        self.arrays: weakref.WeakSet = weakref.WeakSet()  # live RemoteArrays kept here
+        self.arrays = LiveArrays()  # live RemoteArrays kept here
         #: step calls over direct connections (runtime.step_channel); off: Ray calls
         self.use_step_channel = os.environ.get("MESHSHARD_STEP_CHANNEL", "1") != "0"
         self._channels: dict = {}  # host -> StepChannel, for this generation
