@@ -125,13 +125,17 @@ def _barrier(ins: Instruction) -> bool:
 
 
 def _hoist(ins: list[Instruction], kinds: set[str], sparse_rows) -> list[Instruction]:
-    """Each gradient collective moves up to just after the last instruction it depends on
-    (never past other communication or a ``WAIT``)."""
+    """Each gradient collective moves up to just after the last instruction it depends on:
+    past compute and past point-to-point ``SEND``/``RECV`` of other buffers (so a stage's
+    last gradient send, issued after it, overtakes its queued chunks at run time), never
+    past another collective, a ``WAIT`` or a ``WAITALL``.  Every replica's stream moves
+    alike, so the members of a group still issue their collectives in one order, and a
+    collective only waits for what its members did before (never for a moved send)."""
     out: list[Instruction] = []
     for x in ins:
         if isinstance(x, Collective) and traffic_kind(x, sparse_rows) in kinds:
             j = len(out)
-            while j and not out[j - 1].is_comm and not isinstance(out[j - 1], Wait):
+            while j and _passable(out[j - 1]):
                 if _touches(out[j - 1], x):
                     break
                 j -= 1
@@ -139,6 +143,13 @@ def _hoist(ins: list[Instruction], kinds: set[str], sparse_rows) -> list[Instruc
         else:
             out.append(x)
     return out
+
+
+def _passable(x: Instruction) -> bool:
+    """Whether a hoisted collective may move above ``x`` (given no buffer conflict)."""
+    if isinstance(x, Wait | WaitAll):
+        return False
+    return not x.is_comm or isinstance(x, Send | Recv)
 
 
 def _is_apply(x: Instruction) -> bool:

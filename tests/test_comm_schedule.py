@@ -202,3 +202,31 @@ def test_trace_colours_the_three_kinds(plan2bw):
     events = chrome_trace(simulate(p, p.cluster))["traceEvents"]
     kinds = {e["args"]["traffic"]: e["cname"] for e in events if "cname" in e}
     assert kinds == TRAFFIC_COLOURS
+
+
+@pytest.mark.fast
+def test_allreduce_chunks_are_queued_before_the_last_gradient_send():
+    """Under 1F1B a stage's accumulators are complete after its last backward, whose
+    input gradient is sent after it: the hoisted chunks now come before that ``SEND`` (so
+    the send, of higher priority, overtakes them at run time), the send still follows
+    the backward it carries, and the plan simulates without deadlock."""
+    plan = dp_plan("1f1b")
+    got = schedule_comm(plan, {"allreduce", "p2p"})
+    assert verify(got) == []
+    passed = 0
+    for before, after in zip(plan.streams, got.streams, strict=True):
+        ins = list(after.instructions)
+        colls = [i for i, x in enumerate(ins) if isinstance(x, Collective)]
+        sends = [i for i, x in enumerate(ins) if isinstance(x, Send)]
+        old = list(before.instructions)
+        old_first_coll = next(i for i, x in enumerate(old) if isinstance(x, Collective))
+        late_sends = [(x.buffer, x.peer) for x in old[:old_first_coll] if isinstance(x, Send)]
+        if sends and colls and sends[-1] > colls[0]:
+            passed += 1
+            last_send = ins[sends[-1]]
+            # it was before the all-reduce, now after
+            assert (last_send.buffer, last_send.peer) in late_sends
+            writer = max(i for i, x in enumerate(ins[: sends[-1]]) if last_send.buffer in x.writes)
+            assert writer < colls[0]  # the backward it carries still runs first
+    assert passed  # some stage's last gradient send now follows its chunks
+    assert simulate(got).iteration_time > 0
