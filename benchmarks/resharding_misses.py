@@ -4,7 +4,7 @@
 
 Reads a ``resharding_random.py --json`` file, rebuilds each case (same seed), and for
 every case where ``broadcast`` takes over 1.05x of the largest bound recorded (NIC,
-tight, hop) prints a row: the class (more destination hosts than source hosts with
+tight, hop, relay) prints a row: the class (more destination hosts than source hosts with
 one-chunk or multi-chunk relays, or other), the ratio and the case.  Ends with a count
 per class.
 """
@@ -25,7 +25,7 @@ from resharding_random import random_problem  # noqa: E402
 
 from meshshard.resharding.hops import one_chunk_relays  # noqa: E402
 
-BOUNDS = ("nic_bound_s", "tight_bound_s", "hop_bound_s")
+BOUNDS = ("nic_bound_s", "tight_bound_s", "hop_bound_s", "relay_bound_s")
 
 
 def classify(problem) -> str:
