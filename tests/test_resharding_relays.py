@@ -153,14 +153,15 @@ def test_no_cut_schedule_beats_the_relay_bound(nbytes):
     """The same with the halves also sent apart: each host takes the array in one
     host-level message or its two halves in two, each from either holder, through
     chains of every shape; every such schedule (up to 6 messages), in every order,
-    takes at least the relay bound, and the best is within 5% of it (equal to it at
-    4 KiB: the holders send one host a half each).  About 15 s and 30 s."""
+    takes at least the relay bound, and the best takes it (at 4 KiB the holders send
+    the third host a half each; at 62 KB a chain of two and a direct send, or the
+    same split).  About 15 s and 30 s."""
     p = resharding_problem_1d(nbytes)
     bound = relay_bound(p, CLUSTER)
     times = _times(p, cut=True, max_messages=6)
     assert len(times) >= 3838
     assert min(times) >= bound * (1 - 1e-9)
-    assert min(times) <= bound * 1.05
+    assert min(times) <= bound * 1.001  # the bound is the best schedule's time
 
 
 def resharding_problem_1d(nbytes):
@@ -181,7 +182,7 @@ def test_relay_bytes_is_the_smallest_relay_over_larger_messages():
 def test_the_term_names_its_split():
     p = resharding_problem_1d(62208)
     text = str(relay_bound_terms(p, CLUSTER))
-    assert text.startswith("relay bound 129.905 us: relays, 3 hosts from 2 holders: 1 relayed")
+    assert text.startswith("relay bound 134.650 us: relays, 3 hosts from 2 holders: all direct")
 
 
 @pytest.mark.slow
