@@ -231,3 +231,28 @@ def test_no_strategy_beats_the_relay_bound(problem, scale):
         else:
             msgs = plan_resharding(p, strategy, cluster, simulate=False).messages
         assert simulate_resharding(p, msgs, cluster) >= bound * (1 - 1e-9), strategy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [(0,), (0, 1)], ids=["1dev", "2dev"])
+def test_no_schedule_of_single_holder_halves_beats_the_relay_bound(devices):
+    """The hop bound's case (two hosts each hold a different half, three hosts need
+    both) with 71 KiB halves, where relays pipeline and the hop term does not apply:
+    every whole-slice schedule of tests/test_resharding_hops.py (chains of every shape,
+    every order, 1 MiB and 32 KiB chunks) takes at least the relay bound, the best
+    within 6% of it, and the hop bound is far lower."""
+    import test_resharding_hops as hops
+
+    dst = MeshSpec(1, (3, len(devices)), hops.DST_HOSTS)
+    p = resharding_problem((146016,), "int8", hops.SRC, ("host",), dst, ())
+    bound = relay_bound(p, hops.CLUSTER)
+    assert bound > 1.4 * hop_bound(p, hops.CLUSTER)
+    times = []
+    for order in hops.schedules():
+        msgs = hops._messages(p, order, devices)
+        for chunk in (0, MIN_CHUNK_BYTES):
+            chunked = [dataclasses.replace(m, chunk_bytes=chunk) if m.group else m for m in msgs]
+            times.append(simulate_resharding(p, chunked, hops.CLUSTER))
+    assert len(times) >= 386
+    assert min(times) >= bound * (1 - 1e-9)
+    assert min(times) <= bound * 1.06

@@ -39,7 +39,12 @@ splits, of the largest of these:
    (``k_h = 1``) that operation carries ``I_h <= b <= V_h`` bytes and it is busy
    ``>= 2 alpha + g(I_h, V_h) / B``, ``g(x, y) = inf_{x <= b <= y} (b + c(b))``
    (:func:`relay_bytes`: ``c`` drops where ``b`` crosses a multiple of the chunk, so a
-   larger message can relay sooner).  The fan-out to its devices is left out.
+   larger message can relay sooner).  Where ``k_h > 1`` and it takes exactly ``k_h``
+   operations, their roots are distinct and make a smallest cover ``C``, so the one
+   from ``r`` carries at least the bytes of ``h``'s slices that only ``r`` holds in
+   ``C``, and the relaying one adds at least the least chunk such an operation can
+   have (:func:`least_chunk`, over every smallest cover and root); with more
+   operations it pays one latency more.  The fan-out to its devices is left out.
 2. *The holders' work*: each ``h`` in ``D`` is the depth-1 receiver of at least
    ``k_h`` operations carrying at least ``I_h`` bytes; the operations that reach the
    rest have their depth-1 receiver in the rest (a host of ``D`` forwards nothing), at
@@ -92,7 +97,7 @@ from meshshard.resharding.bound import (
 from meshshard.resharding.hops import hop_bound_terms
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
+__all__ = ["least_chunk", "relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
 
 _MAX_HOSTS = 12  # splits of the destination hosts tried: 2 ** hosts
 
@@ -113,33 +118,76 @@ def relay_bytes(least: float, most: float = math.inf, hops: int = 1) -> float:
     return best
 
 
+def least_chunk(least: float, most: float) -> float:
+    """``inf c(b)`` over ``least <= b <= most``: ``c(b) = b / m`` rises on each
+    ``((m - 1) C, m C]``, so at ``least`` or just past the next multiple of ``C``.
+
+    >>> least_chunk(1000, 1000), least_chunk(73008, 73008), least_chunk(32768, 10**6)
+    (1000.0, 24336.0, 16384.0)
+    """
+    m = max(1, math.ceil(least / MIN_CHUNK_BYTES))
+    best = smallest_chunk(least)
+    if m * MIN_CHUNK_BYTES < most:
+        best = min(best, m * MIN_CHUNK_BYTES / (m + 1))
+    return best
+
+
 @dataclass(frozen=True)
 class _Host:
-    """A destination host: its smallest cover ``k``, ingress ``least`` and the most
-    bytes it can take, ``most`` (module docstring)."""
+    """A destination host: its smallest cover ``k``, ingress ``least``, the most bytes
+    it can take, ``most``, and, where ``k > 1``, the least chunk its relaying operation
+    can have if it takes exactly ``k`` (module docstring, 1.)."""
 
     k: int
     least: int
     most: int
+    chunk: float = 0.0
+
+
+def _exclusive_chunk(slices, k: int, most: int, hosts: tuple[int, ...]) -> float:
+    """Over the smallest covers ``C`` of ``slices`` (``(holder hosts, bytes)``) and their
+    roots ``r``, the least chunk of an operation from ``r`` that carries at least the
+    bytes only ``r`` holds in ``C``."""
+    best = math.inf
+    for cover in itertools.combinations(hosts, k):
+        if not all(holders & set(cover) for holders, _ in slices):
+            continue
+        for r in cover:
+            mine = sum(n for holders, n in slices if holders & set(cover) == {r})
+            best = min(best, least_chunk(mine, most) if mine else 0.0)
+    return 0.0 if best == math.inf else best
 
 
 def _hosts(problem: ReshardingProblem, tight: LowerBound) -> list[_Host]:
     """One :class:`_Host` per destination host that needs data, from ``tight``'s
     ingress terms (``slices`` is the smallest cover, ``nbytes`` the ingress)."""
     most: dict[int, int] = {}
+    slices: dict[int, list[tuple[frozenset[int], int]]] = {}
     for need in problem.needs:
+        nbytes = need.nbytes(problem.itemsize)
+        holders = frozenset(h for h, _ in need.holders)
         for h, _ in need.receivers:
-            most[h] = most.get(h, 0) + need.nbytes(problem.itemsize)
-    ingress = [t for t in tight.terms if t.side == "ingress" and not t.detail]
-    return [_Host(t.slices, t.nbytes, most[t.members[0]]) for t in ingress]
+            most[h] = most.get(h, 0) + nbytes
+        for h in {h for h, _ in need.receivers}:
+            slices.setdefault(h, []).append((holders, nbytes))
+    out = []
+    for t in tight.terms:
+        if t.side != "ingress" or t.detail:
+            continue
+        h = t.members[0]
+        chunk = 0.0
+        if 1 < t.slices and len(problem.src.hosts) <= _MAX_HOSTS:
+            chunk = _exclusive_chunk(slices[h], t.slices, most[h], problem.src.hosts)
+        out.append(_Host(t.slices, t.nbytes, most[h], chunk))
+    return out
 
 
 def _relaying(h: _Host, lat: float, bw: float) -> float:
     """Seconds a destination host that forwards or is reached at depth 2 or more at
     least once is busy (1.)."""
-    many = (max(h.k, 2) + 1) * lat + h.least / bw
     if h.k > 1:
-        return many
+        return h.least / bw + min((h.k + 2) * lat, (h.k + 1) * lat + h.chunk / bw)
+    many = 3 * lat + h.least / bw
     return min(many, 2 * lat + relay_bytes(h.least, h.most) / bw)
 
 
