@@ -1,5 +1,7 @@
 """The balanced candidate (meshshard/resharding/balance.py): the busiest sender's last
-slice shared with another holder, chosen where it is faster, executed exactly on threads."""
+slice shared with another holder, and whole flows dispatched as one unit
+(meshshard/resharding/whole.py), each chosen where it is faster, executed exactly on
+threads."""
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from meshshard.plan import MeshSpec, TensorSpec, TransferSpec
 from meshshard.resharding import plan_resharding, simulate_resharding
 from meshshard.resharding.balance import balanced
 from meshshard.resharding.hops import hop_bound
+from meshshard.resharding.relays import relay_bound
 from meshshard.resharding.whole import dispatch_slices
 from meshshard.runtime.transfer_run import (
     expected_bytes_received,
@@ -111,3 +114,30 @@ def test_shared_slice_for_several_devices_delivers_exact_tiles_on_threads():
     assert "last slice shared" in plan.notes[0]
     assert any(len(m.group) == 2 for m in plan.messages)
     _assert_exact_on_threads(p, plan, dst)
+
+
+def _pooled_problem(rows: int):
+    """Both source hosts hold the whole array, a half per device; three destination
+    hosts of one device each need all of it."""
+    return resharding_problem((rows, 154), "int32", SRC, ("device", None), DST, (None, None))
+
+
+def test_a_flow_dispatched_whole_meets_the_relay_bound():
+    """int32[308, 154] took 1.21x its relay bound: dispatched slice by slice, the two
+    holders alternated and every host took two messages.  The flow as one unit is one
+    chain of two hosts and one direct send, and takes the relay bound."""
+    p = _pooled_problem(308)
+    slices = dispatch_slices(p, CLUSTER, "in chains of two hosts")
+    pooled = dispatch_slices(p, CLUSTER, "in chains of two hosts", pooled=True)
+    assert len(pooled) == 4 and len({(m.src, m.group or m.dst) for m in pooled}) == 2
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert "whole flows dispatched" in plan.notes[0] and len(plan.messages) == 2
+    assert plan.sim_time_s == pytest.approx(relay_bound(p, CLUSTER), rel=1e-9)
+    assert plan.sim_time_s < simulate_resharding(p, slices, CLUSTER) / 1.2
+
+
+def test_a_flow_dispatched_whole_delivers_exact_tiles_on_threads():
+    p = _pooled_problem(308)
+    plan = plan_resharding(p, "broadcast", CLUSTER, simulate=False)
+    assert "whole flows dispatched" in plan.notes[0]
+    _assert_exact_on_threads(p, plan, DST)
