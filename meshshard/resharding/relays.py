@@ -6,8 +6,9 @@ ingress bytes ``I_h``) and lets a chain's second host overlap with its first, so
 more destination hosts need the data than source hosts hold it, the bound stays near
 one message while every plan takes nearly two.  Two replicated holders of 62 KB (nine
 6.8 KB slices) and three hosts that each need all of it: the tight bound allows 79.8
-us, no schedule the runtime can run takes under 134.7 us (the term below) (a chain of two plus a direct send, or each holder sending
-one host all of it and the third host half), and the relay bound is that.
+us, but no schedule the runtime can run takes under 134.7 us, the relay bound (the
+example below); a chain of two hosts plus a direct send takes that, and so does each
+holder sending one host all of it and the third host half.
 
 **The argument** (the plans' and the runtime's execution model, as for the tight
 bound: a worker runs one communication operation at a time and each is a rendezvous
