@@ -45,25 +45,25 @@ def chains(hosts):
                     yield (chain,) + tail
 
 
-def deliveries(piece, hosts):
+def deliveries(piece, hosts, roots):
     """Every set of messages ``(root, chain, piece)`` that brings ``piece`` to ``hosts``
     once each: chains of every shape, each from either holder."""
     for cut in chains(hosts):
-        for roots in itertools.product(ROOTS, repeat=len(cut)):
-            yield tuple((r, c, piece) for r, c in zip(roots, cut, strict=True))
+        for picked in itertools.product(roots, repeat=len(cut)):
+            yield tuple((r, c, piece) for r, c in zip(picked, cut, strict=True))
 
 
-def structures(cut):
+def structures(cut, roots):
     """Every message set: the hosts in ``whole`` take the array in one message each,
     the others (with ``cut``) its two pieces in separate messages."""
     for k in range(len(HOSTS) + 1) if cut else (len(HOSTS),):
         for whole in itertools.combinations(HOSTS, k):
             rest = tuple(h for h in HOSTS if h not in whole)
-            for w in deliveries("whole", whole):
+            for w in deliveries("whole", whole, roots):
                 if not rest:
                     yield w
                     continue
-                for a, b in itertools.product(deliveries("head", rest), repeat=2):
+                for a, b in itertools.product(deliveries("head", rest, roots), repeat=2):
                     yield w + a + tuple((r, c, "tail") for r, c, _ in b)
 
 
@@ -83,21 +83,23 @@ def _renamed(msgs, roots, hosts, pieces):
     return [(roots[r], tuple(hosts[h] for h in c), pieces[p]) for r, c, p in msgs]
 
 
-def schedules(cut, max_messages):
+def schedules(cut, max_messages, roots=ROOTS):
     """Every schedule (message set in every order) of at most ``max_messages``
     messages: one message set per class under :data:`SYMMETRIES`, each in every
     order, one per class of equal per-worker sequences."""
     sets = set()
-    for msgs in structures(cut):
+    same = {r: r for r in ROOTS}
+    symmetries = SYMMETRIES if roots == ROOTS else [x for x in SYMMETRIES if x[0] == same]
+    for msgs in structures(cut, roots):
         if len(msgs) > max_messages:
             continue
-        key = min(tuple(sorted(_renamed(msgs, *s))) for s in SYMMETRIES)
+        key = min(tuple(sorted(_renamed(msgs, *s))) for s in symmetries)
         if key in sets:
             continue
         sets.add(key)
         seen = set()
         for order in itertools.permutations(msgs):
-            per = tuple(tuple(m for m in order if w == m[0] or w in m[1]) for w in ROOTS + HOSTS)
+            per = tuple(tuple(m for m in order if w == m[0] or w in m[1]) for w in roots + HOSTS)
             if per not in seen:
                 seen.add(per)
                 yield order
@@ -118,12 +120,12 @@ def _messages(problem, order, chunk):
     return out
 
 
-def _times(problem, cut, max_messages):
+def _times(problem, cut, max_messages, roots=ROOTS):
     """Simulated seconds of every schedule, with 1 MiB and 32 KiB chunks where a
     message is more than one chunk."""
     chunks = (0, MIN_CHUNK_BYTES) if problem.shape[0] > MIN_CHUNK_BYTES else (0,)
     out = []
-    for order in schedules(cut, max_messages):
+    for order in schedules(cut, max_messages, roots):
         for chunk in chunks:
             out.append(simulate_resharding(problem, _messages(problem, order, chunk), CLUSTER))
     return out
@@ -256,3 +258,21 @@ def test_no_schedule_of_single_holder_halves_beats_the_relay_bound(devices):
     assert len(times) >= 386
     assert min(times) >= bound * (1 - 1e-9)
     assert min(times) <= bound * 1.06
+
+
+@pytest.mark.slow
+def test_one_holder_every_schedule_is_above_the_bound_and_the_plan_is_the_best():
+    """One source host (the halves on its two devices), three hosts that need the array
+    whole: every schedule of the family above (from the one root) takes at least the
+    relay bound, and ``broadcast``'s plan takes the best of them.  The bound is 1.18x
+    lower here: for one holder it is loose (the random benchmark's remaining
+    one-holder misses are this), not the plan."""
+    src = MeshSpec(0, (1, 2), (0,))
+    p = resharding_problem((62208,), "int8", src, ("device",), DST, (None,))
+    bound = relay_bound(p, CLUSTER)
+    times = _times(p, cut=True, max_messages=6, roots=(0,))
+    assert len(times) >= 2450
+    assert min(times) >= bound * (1 - 1e-9)
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert plan.sim_time_s == pytest.approx(min(times), rel=1e-9)
+    assert 1.15 < min(times) / bound < 1.2
