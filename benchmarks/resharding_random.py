@@ -10,8 +10,9 @@ mesh axis on at most one dim, or none) and a size between 4 KiB and 16 MiB
 strategy plans it and the simulator runs the plan; ``broadcast_search`` gets a node
 budget of ``--search-nodes`` (default 20,000) to keep the suite short.
 
-Prints, for ``broadcast``: the ratio to the NIC bound, the tight bound and the hop
-bound (:mod:`meshshard.resharding.hops`; distribution and worst cases); every
+Prints, for ``broadcast``: the ratio to the NIC bound, the tight bound, the hop
+bound (:mod:`meshshard.resharding.hops`) and the relay bound
+(:mod:`meshshard.resharding.relays`; distribution and worst cases); every
 (case, strategy) that finishes before a bound (there must be none); and every case
 where a baseline is faster, with by how much.  Writes one record per case with ``--json``.
 """
@@ -35,11 +36,19 @@ from meshshard.plan import MeshSpec, spec_str  # noqa: E402
 from meshshard.resharding import STRATEGIES, plan_resharding, simulate_resharding  # noqa: E402
 from meshshard.resharding.bound import tight_bound  # noqa: E402
 from meshshard.resharding.hops import hop_bound  # noqa: E402
+from meshshard.resharding.relays import relay_bound  # noqa: E402
 from meshshard.resharding.search import broadcast_search  # noqa: E402
 from meshshard.tiles import resharding_problem  # noqa: E402
 
 AXES = ("host", "device")
 DTYPES = {"int8": 1, "float32": 4, "int32": 4}
+BOUNDS = (
+    ("nic_bound_s", "NIC"),
+    ("tight_bound_s", "tight"),
+    ("hop_bound_s", "hop"),
+    ("relay_bound_s", "relay"),
+)
+"""Each record's bounds, weakest first: each is at least the one before it."""
 
 
 def _spec(rng: np.random.Generator, ndim: int) -> tuple:
@@ -100,6 +109,7 @@ def run_case(p, cluster: ClusterSpec, search_nodes: int) -> dict:
     tight = tight_bound(p, cluster)
     return {
         "hop_bound_s": hop_bound(p, cluster),
+        "relay_bound_s": relay_bound(p, cluster),
         "case": label(p),
         "nbytes": int(np.prod(p.shape)) * p.itemsize,
         "nic_bound_s": nic,
@@ -128,7 +138,7 @@ def _beaten(rows: list[dict], key: str) -> list[str]:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    """The target check: ratios to the three bounds (NIC, tight, hop), that no strategy
+    """The target check: ratios to the bounds (NIC, tight, hop, relay), that no strategy
     beats any of them, and every case a baseline wins."""
     ours = np.array([r["times_s"]["broadcast"] for r in rows])
     nic = ours / np.array([r["nic_bound_s"] for r in rows])
@@ -136,7 +146,7 @@ def summarize(rows: list[dict]) -> list[str]:
         f"{len(rows)} cases; broadcast / NIC bound: median {np.median(nic):.3f}x, "
         f"p95 {np.percentile(nic, 95):.3f}x, max {nic.max():.3f}x"
     ]
-    for key, name in (("tight_bound_s", "tight"), ("hop_bound_s", "hop")):
+    for key, name in BOUNDS[1:]:
         ratio = ours / np.array([r[key] for r in rows])
         out.append(
             f"broadcast / {name} bound: median {np.median(ratio):.3f}x, "
@@ -144,7 +154,7 @@ def summarize(rows: list[dict]) -> list[str]:
             f"max {ratio.max():.3f}x, {int((ratio > 1.05).sum())} case(s) over 1.05x"
         )
         out += _worst(rows, ratio, name)
-    for key in ("nic_bound_s", "tight_bound_s", "hop_bound_s"):
+    for key, _ in BOUNDS:
         out += _beaten(rows, key)
     lost = []
     for r in rows:

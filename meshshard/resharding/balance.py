@@ -9,7 +9,9 @@ pay a latency per piece.  :func:`balanced` cuts only the busiest sender's last
 slice: another holder with time to spare sends its first rows *first*, before its own
 messages (the receiver is idle then), and the busiest sender sends the rest at the
 end, so both finish together: ``A: s1, s3[x:]`` and ``B: s3[:x], s2``, one latency
-more on ``B`` but ``x`` bytes less on ``A``.  The share equalises the two senders'
+more on ``B`` but ``x`` bytes less on ``A``.  A message to one host may list several
+of its devices (a two-member group, fanned out on arrival); chains and host-level
+messages are left alone.  The share equalises the two senders'
 busy time (``alpha + bytes / B`` per message); the estimate of
 :mod:`~meshshard.resharding.estimate` decides whether the result is kept.
 
@@ -60,10 +62,10 @@ def _last_of(messages: Sequence[Message], host: int) -> int:
 def balanced(
     problem: ReshardingProblem, messages: Sequence[Message], cluster: ClusterSpec
 ) -> list[Message] | None:
-    """``messages`` with the busiest sender's last point-to-point slice shared with the
+    """``messages`` with the busiest sender's last one-host slice shared with the
     least busy other holder of it (module docstring); None where nothing can move."""
-    if not messages or any(m.group or m.blocks for m in messages):
-        return None
+    if not messages or any(len(m.group) > 2 or m.blocks for m in messages):
+        return None  # chains and host-level messages are left alone
     busy = _busy(messages, cluster)
     top = max(busy, key=lambda h: (busy[h], -h))
     i = _last_of(messages, top)
@@ -86,6 +88,8 @@ def balanced(
     first = dataclasses.replace(
         m, src=helper, index=head, nbytes=block_nbytes(head, itemsize), src_device=others[helper]
     )
+    if m.group:  # a two-member group: one receiving host, several of its devices
+        first = dataclasses.replace(first, group=(helper, m.dst))
     first = dataclasses.replace(first, round=0)
     last = dataclasses.replace(
         m, index=rest, nbytes=block_nbytes(rest, itemsize), round=m.round + 1

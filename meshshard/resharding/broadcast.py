@@ -57,7 +57,8 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
     :func:`~meshshard.resharding.realize.overhead` (they matter for small slices and
     long chains), each realised in both round orders with slices cut to the LP's
     shares or rounded to whole slices; whole slices dispatched to all receiving hosts
-    at once, per host, or in chains of two; whole slices by a small bounded search.
+    at once, per host, or in chains of two, each slice on its own or each flow's slices
+    together; whole slices by a small bounded search.
     The estimate of :mod:`~meshshard.resharding.estimate` picks one (the first of
     equals, so the choice is deterministic).
     """
@@ -80,6 +81,9 @@ def broadcast(problem: ReshardingProblem, cluster: ClusterSpec) -> Planned:
         candidates.append(
             (f"whole slices dispatched {grouping}", dispatch_slices(problem, cluster, grouping))
         )
+        if len(pools) < len(problem.needs):  # some flow has several slices: move it whole
+            msgs = dispatch_slices(problem, cluster, grouping, pooled=True)
+            candidates.append((f"whole flows dispatched {grouping}", msgs))
     if len(problem.needs) <= _SEARCH_MAX_SLICES:
         candidates.append(("whole slices by bounded search", searched_slices(problem, cluster)))
     for desc, msgs in list(candidates):

@@ -32,7 +32,7 @@ GROUPINGS = {
 
 
 def dispatch_slices(
-    problem: ReshardingProblem, cluster: ClusterSpec, grouping: str
+    problem: ReshardingProblem, cluster: ClusterSpec, grouping: str, *, pooled: bool = False
 ) -> list[Message]:
     """Whole slices, dispatched as hosts free up: whenever a sender that holds a slice and
     all its receiving hosts are idle, it starts, busiest receivers first (their remaining
@@ -40,35 +40,72 @@ def dispatch_slices(
     a slice to all its receiving hosts in one chain, to each on its own, or in chains of
     two (the sender is free again once its own hop is done, so short chains overlap).
     Few messages and no NIC idle while work is ready: the better plan when latency or
-    pipeline fill rule (small arrays)."""
+    pipeline fill rule (small arrays).  With ``pooled``, the slices with the same holder
+    hosts and receiving hosts move as one unit (the same sender host, receivers and
+    round, so they merge into one host-level message,
+    :mod:`~meshshard.resharding.merge`): one chain of two and one direct send for a
+    replicated array that three hosts need, where slice by slice the holders would
+    alternate."""
     itemsize = problem.itemsize
-    items = []  # (need, receiving hosts, targets, busy seconds per member)
-    for need in problem.needs:
-        targets = by_host(need.receivers)
-        for group in GROUPINGS[grouping](list(targets)):
-            busy = busy_seconds(need.nbytes(itemsize), 1 + len(group), cluster)
-            items.append((need, group, targets, busy))
+    items = []  # (slices, receiving hosts, busy seconds per member)
+    for unit in _units(problem, pooled):
+        nbytes = sum(n.nbytes(itemsize) for n in unit)
+        for group in GROUPINGS[grouping](list(by_host(unit[0].receivers))):
+            items.append((unit, group, busy_seconds(nbytes, 1 + len(group), cluster)))
+    placed = _dispatch(items)
+    rounds = {t: k for k, t in enumerate(sorted({p[0] for p in placed}))}
+    loads: dict = {}
+    out = []
+    for t, unit, s, group in placed:
+        for need in unit:
+            devs = [d for hh, d in need.holders if hh == s]
+            sender = (s, min(devs, key=lambda d: loads.get((s, d), 0)))
+            loads[sender] = loads.get(sender, 0) + need.nbytes(itemsize)
+            targets = by_host(need.receivers)
+            rcv = [(h, targets[h]) for h in group]
+            out.append(make_message(need.index, itemsize, sender, rcv, rounds[t]))
+    return out
+
+
+def _units(problem: ReshardingProblem, pooled: bool) -> list[list]:
+    """The slices, one per unit, or pooled by (holder hosts, receiving hosts)."""
+    if not pooled:
+        return [[n] for n in problem.needs]
+    pools: dict[tuple, list] = {}
+    for n in problem.needs:
+        key = (frozenset(h for h, _ in n.holders), frozenset(h for h, _ in n.receivers))
+        pools.setdefault(key, []).append(n)
+    return list(pools.values())
+
+
+def _dispatch(items: list) -> list[tuple[float, list, int, list[int]]]:
+    """List scheduling of ``items`` (``(slices, receiving hosts, busy seconds per
+    member)``): ``(start, slices, sender host, receiving hosts)`` per item
+    (:func:`dispatch_slices`)."""
     left: dict[int, float] = {}
-    for _, group, _, busy in items:
+    for _, group, busy in items:
         for h, took in zip(group, busy[1:], strict=True):
             left[h] = left.get(h, 0.0) + took
     free: dict[int, float] = {}
     sent: dict[int, float] = {}
-    loads: dict = {}
     placed = []
     pending = list(range(len(items)))
     now = 0.0
     while pending:
         order = sorted(
             pending,
-            key=lambda i: (-max(left[h] for h in items[i][1]), -items[i][3][0], items[i][0].index),
+            key=lambda i: (
+                -max(left[h] for h in items[i][1]),
+                -items[i][2][0],
+                items[i][0][0].index,
+            ),
         )
         started = set()
         for i in order:
-            need, group, targets, busy = items[i]
+            unit, group, busy = items[i]
             if any(free.get(h, 0.0) > now for h in group):
                 continue
-            idle = [h for h in by_host(need.holders) if free.get(h, 0.0) <= now]
+            idle = [h for h in by_host(unit[0].holders) if free.get(h, 0.0) <= now]
             if not idle:
                 continue
             s = min(idle, key=lambda h: (sent.get(h, 0.0), h))
@@ -77,17 +114,13 @@ def dispatch_slices(
             sent[s] = sent.get(s, 0.0) + busy[0]
             for h, took in zip(group, busy[1:], strict=True):
                 left[h] -= took
-            devs = [d for hh, d in need.holders if hh == s]
-            sender = (s, min(devs, key=lambda d: loads.get((s, d), 0)))
-            loads[sender] = loads.get(sender, 0) + need.nbytes(itemsize)
-            placed.append((now, need, sender, [(h, targets[h]) for h in group]))
+            placed.append((now, unit, s, group))
             started.add(i)
         pending = [i for i in pending if i not in started]
         later = [t for t in free.values() if t > now]
         if pending and later:
             now = min(later)
-    rounds = {t: k for k, t in enumerate(sorted({p[0] for p in placed}))}
-    return [make_message(n.index, itemsize, snd, rcv, rounds[t]) for t, n, snd, rcv in placed]
+    return placed
 
 
 def searched_slices(problem: ReshardingProblem, cluster: ClusterSpec) -> list[Message]:
