@@ -3,7 +3,6 @@
 import dataclasses
 import sys
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,17 +10,13 @@ from hypothesis import strategies as st
 from meshshard.cluster import ClusterSpec, gbit
 from meshshard.plan import MeshSpec
 from meshshard.resharding import (
-    STRATEGIES,
     lower_bound,
     lower_bound_terms,
-    plan_resharding,
-    simulate_resharding,
 )
-from meshshard.resharding.search import broadcast_search
 from meshshard.tiles import ReshardingProblem, SliceNeed, resharding_problem
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_resharding_properties import problems  # noqa: E402
+from test_resharding_properties import problems, scaled, strategy_times  # noqa: E402
 
 P38 = ClusterSpec.preset("aws-p3.8xlarge")
 GIB2 = (1024, 1024, 512)  # int32: 2 GiB
@@ -110,19 +105,7 @@ CLUSTER6 = dataclasses.replace(P38, num_hosts=6)
 @given(problem=problems(), scale=st.sampled_from([1 << 12, 1 << 20]))
 def test_no_strategy_beats_the_bound(problem, scale):
     """The simulated time of every strategy's plan is at least the bound."""
-    f = max(1, scale // int(np.prod(problem.shape)))
-    p = resharding_problem(
-        (problem.shape[0] * f,) + problem.shape[1:],
-        problem.dtype,
-        problem.src,
-        problem.src_spec,
-        problem.dst,
-        problem.dst_spec,
-    )
+    p = scaled(problem, scale)
     bound = lower_bound(p, CLUSTER6)
-    for strategy in STRATEGIES:
-        if strategy == "broadcast_search":
-            msgs, _ = broadcast_search(p, CLUSTER6, max_nodes=2000)
-        else:
-            msgs = plan_resharding(p, strategy, CLUSTER6, simulate=False).messages
-        assert simulate_resharding(p, msgs, CLUSTER6) >= bound * (1 - 1e-9), strategy
+    for strategy, t in strategy_times(p, CLUSTER6):
+        assert t >= bound * (1 - 1e-9), strategy

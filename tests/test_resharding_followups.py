@@ -7,14 +7,13 @@ the NIC bandwidth, ``c`` the 32 KiB chunk); the simulator judges the plans.
 import dataclasses
 import sys
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshshard.cluster import ClusterSpec
 from meshshard.plan import MeshSpec, Message
-from meshshard.resharding import STRATEGIES, plan_resharding, simulate_resharding
+from meshshard.resharding import plan_resharding, simulate_resharding
 from meshshard.resharding.blocks import volume
 from meshshard.resharding.bound import (
     MIN_CHUNK_BYTES,
@@ -26,11 +25,10 @@ from meshshard.resharding.bound import (
 from meshshard.resharding.chunks import chain_chunk, chain_edges, with_chunks
 from meshshard.resharding.estimate import estimate_makespan
 from meshshard.resharding.gather import gathered
-from meshshard.resharding.search import broadcast_search
 from meshshard.tiles import resharding_problem
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_resharding_properties import problems  # noqa: E402
+from test_resharding_properties import problems, scaled, strategy_times  # noqa: E402
 
 P38 = ClusterSpec.preset("aws-p3.8xlarge")
 CLUSTER6 = dataclasses.replace(P38, num_hosts=6)
@@ -88,23 +86,11 @@ def test_tight_terms_name_what_binds():
 def test_no_strategy_beats_the_tight_bound(problem, scale):
     """Every strategy's simulated plan takes at least the tight bound, which is at least
     the NIC bound."""
-    f = max(1, scale // int(np.prod(problem.shape)))
-    p = resharding_problem(
-        (problem.shape[0] * f,) + problem.shape[1:],
-        problem.dtype,
-        problem.src,
-        problem.src_spec,
-        problem.dst,
-        problem.dst_spec,
-    )
+    p = scaled(problem, scale)
     tight = tight_bound(p, CLUSTER6)
     assert tight >= lower_bound(p, CLUSTER6)
-    for strategy in STRATEGIES:
-        if strategy == "broadcast_search":
-            msgs, _ = broadcast_search(p, CLUSTER6, max_nodes=2000)
-        else:
-            msgs = plan_resharding(p, strategy, CLUSTER6, simulate=False).messages
-        assert simulate_resharding(p, msgs, CLUSTER6) >= tight * (1 - 1e-9), strategy
+    for strategy, t in strategy_times(p, CLUSTER6):
+        assert t >= tight * (1 - 1e-9), strategy
 
 
 # --- NCCL-like chunks ---------------------------------------------------------------------

@@ -75,6 +75,33 @@ def problems(draw):
     )
 
 
+def scaled(problem, scale: int):
+    """A drawn ``problem`` with its first dimension grown to about ``scale`` elements (the
+    bounds' property tests run each case at a latency- and a bandwidth-bound size)."""
+    f = max(1, scale // int(np.prod(problem.shape)))
+    return resharding_problem(
+        (problem.shape[0] * f,) + problem.shape[1:],
+        problem.dtype,
+        problem.src,
+        problem.src_spec,
+        problem.dst,
+        problem.dst_spec,
+    )
+
+
+def strategy_times(p, cluster):
+    """``(strategy, simulated seconds)`` of every strategy's plan for ``p`` (the bounded
+    search with a small node budget): what no lower bound may exceed."""
+    from meshshard.resharding import simulate_resharding
+
+    for strategy in STRATEGIES:
+        if strategy == "broadcast_search":
+            msgs, _ = broadcast_search(p, cluster, max_nodes=2000)
+        else:
+            msgs = plan_resharding(p, strategy, cluster, simulate=False).messages
+        yield strategy, simulate_resharding(p, msgs, cluster)
+
+
 def tiles(mesh, spec, shape):
     blocks = device_blocks(mesh.shape, spec, shape)
     return {

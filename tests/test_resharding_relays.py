@@ -19,30 +19,16 @@ from meshshard.resharding.bound import MIN_CHUNK_BYTES, tight_bound
 from meshshard.resharding.hops import hop_bound
 from meshshard.resharding.merge import merged
 from meshshard.resharding.relays import relay_bound, relay_bound_terms, relay_bytes
-from meshshard.resharding.search import broadcast_search
 from meshshard.tiles import resharding_problem
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from test_resharding_properties import problems  # noqa: E402
+from test_resharding_hops import chains  # noqa: E402
+from test_resharding_properties import problems, scaled, strategy_times  # noqa: E402
 
 CLUSTER = dataclasses.replace(ClusterSpec.preset("aws-p3.8xlarge"), num_hosts=5)
 SRC = MeshSpec(0, (2, 2), (0, 1))  # each host holds the two halves, one per device
 DST = MeshSpec(1, (3, 1), (2, 3, 4))
 ROOTS, HOSTS = (0, 1), (2, 3, 4)
-
-
-def chains(hosts):
-    """Every way to cut ``hosts`` into chains: disjoint ordered tuples covering them."""
-    if not hosts:
-        yield ()
-        return
-    first, rest = hosts[0], hosts[1:]
-    for k in range(len(rest) + 1):
-        for others in itertools.combinations(rest, k):
-            left = tuple(h for h in rest if h not in others)
-            for chain in itertools.permutations((first,) + others):
-                for tail in chains(left):
-                    yield (chain,) + tail
 
 
 def deliveries(piece, hosts, roots):
@@ -216,23 +202,11 @@ def test_no_strategy_beats_the_relay_bound(problem, scale):
     """Every strategy's simulated plan takes at least the relay bound, which is at
     least the hop bound (the property test of the tight bound, on the relay bound)."""
     cluster = dataclasses.replace(CLUSTER, num_hosts=6)
-    f = max(1, scale // int(np.prod(problem.shape)))
-    p = resharding_problem(
-        (problem.shape[0] * f,) + problem.shape[1:],
-        problem.dtype,
-        problem.src,
-        problem.src_spec,
-        problem.dst,
-        problem.dst_spec,
-    )
+    p = scaled(problem, scale)
     bound = relay_bound(p, cluster)
     assert bound >= hop_bound(p, cluster)
-    for strategy in STRATEGIES:
-        if strategy == "broadcast_search":
-            msgs, _ = broadcast_search(p, cluster, max_nodes=2000)
-        else:
-            msgs = plan_resharding(p, strategy, cluster, simulate=False).messages
-        assert simulate_resharding(p, msgs, cluster) >= bound * (1 - 1e-9), strategy
+    for strategy, t in strategy_times(p, cluster):
+        assert t >= bound * (1 - 1e-9), strategy
 
 
 @pytest.mark.slow
