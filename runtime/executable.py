@@ -89,35 +89,37 @@ class RemoteArray:
     """
 
     def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
-        self._owner = weakref.ref(owner)
-        self.keys = dict(keys)
-        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
-        self.groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.deleted = False
-        self._backend = owner.backend
-        self._schedule_free = owner.schedule_frees
-        self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
-        self._lost: str | None = None  # why it can no longer be fetched
+        self._fill(
+            weakref.ref(owner),
+            owner.backend,
+            owner.schedule_frees,
+            dict(keys),
+            tuple(shape),
+            np.dtype(dtype),
+            tuple(tuple(g) for g in groups),
+        )
 
     @classmethod
     def _stored(cls, owner_ref, backend, schedule_free, keys, shape, dtype, groups) -> RemoteArray:
         """A step's output under ``keys``, from values the executable normalised once per
         plan (``shape`` a tuple, ``dtype`` a NumPy dtype, ``groups`` tuples): a GPT step
-        makes ~160 of these, so the checks of ``__init__`` are not repeated per step."""
+        makes ~160 of these, so the normalising of ``__init__`` is not repeated per step."""
         self = cls.__new__(cls)
+        self._fill(owner_ref, backend, schedule_free, keys, shape, dtype, groups)
+        return self
+
+    def _fill(self, owner_ref, backend, schedule_free, keys, shape, dtype, groups) -> None:
         self._owner = owner_ref
-        self.keys = keys
-        self.groups = groups
-        self.shape = shape
-        self.dtype = dtype
+        self.keys: dict[int, int] = keys
+        self.shape: tuple = shape
+        self.dtype: np.dtype = dtype
+        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
+        self.groups: tuple[tuple[int, ...], ...] = groups
         self.deleted = False
         self._backend = backend
         self._schedule_free = schedule_free
-        self._host = None
-        self._lost = None
-        return self
+        self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
+        self._lost: str | None = None  # why it can no longer be fetched
 
     @property
     def ndim(self) -> int:

@@ -145,13 +145,6 @@ def memory_profile(
             continue
         w = recs[0].worker
         sizes: dict[BufferRef, float] = {}  # this worker's buffers
-
-        def size(buf: BufferRef, w: int = w, sizes: dict = sizes) -> float:
-            n = sizes.get(buf)
-            if n is None:
-                n = sizes[buf] = group_size(buf, w)
-            return n
-
         events = _buffer_events(recs, end)
         # at one instant, stream order decides (a FREE before the next RUN releases first)
         # ties (one instant, one instruction, one direction) leave the peak unchanged
@@ -161,7 +154,9 @@ def memory_profile(
         best = (-1.0, 0.0, {})
         curve: list[tuple[float, float]] = []
         for t, _, sign, b in events:
-            n = size(b)
+            n = sizes.get(b)
+            if n is None:
+                n = sizes[b] = group_size(b, w)
             held += sign * n
             c = category(b)
             by_cat[c] = by_cat.get(c, 0.0) + sign * n
