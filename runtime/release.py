@@ -18,6 +18,7 @@ state it replaced instead of a separate message per worker.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import logging
@@ -38,6 +39,8 @@ class Releaser:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._busy = threading.Lock()  # held while a call runs
+        self._closed = False
         self._seq = itertools.count()
 
     def call(self, fn: Callable[[], None]) -> None:
@@ -48,7 +51,7 @@ class Releaser:
         """Run ``fn()`` on the releaser thread ``delay_s`` seconds from now (or at the
         next :meth:`flush`); safe to call from ``__del__``.  Dropped at interpreter exit:
         the process is ending, and freeing device arrays then can abort it."""
-        if sys.is_finalizing():
+        if self._closed or sys.is_finalizing():
             return
         self._queue.put((time.monotonic() + delay_s, next(self._seq), fn))
         if self._thread is None:
@@ -57,6 +60,8 @@ class Releaser:
     def flush(self, timeout: float | None = 30.0) -> None:
         """Wait until everything queued before this call has run, delayed calls
         included (tests, benchmarks)."""
+        if self._closed:
+            return
         done = threading.Event()
         self.call_later(float("-inf"), done.set)  # before every delayed call
         done.wait(timeout)
@@ -65,14 +70,28 @@ class Releaser:
         """Start the thread if it is not running (a compiled step does, so a finalizer
         never has to); not at interpreter exit, when a new thread would never start and
         the process is about to drop everything anyway."""
-        if sys.is_finalizing():
+        if self._closed or sys.is_finalizing():
             return
         with self._start_lock:
             if self._thread is None:
+                import jax  # noqa: F401  (its exit hook first, so :meth:`close` runs before it)
+
                 self._thread = threading.Thread(
                     target=self._run, name="meshshard-releaser", daemon=True
                 )
                 self._thread.start()
+                atexit.register(self.close)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop running calls, after the one in progress (if any) ends; later calls are
+        dropped.  Runs at interpreter exit before JAX's own exit hook, which frees the
+        backends: a call that drops device arrays after that aborts the process."""
+        if not self._busy.acquire(timeout=timeout):
+            log.warning("meshshard: a cleanup call still runs at exit; exiting anyway")
+            self._closed = True
+            return
+        self._closed = True
+        self._busy.release()
 
     def _run(self) -> None:
         waiting: list = []  # heap of (deadline, seq, fn)
@@ -93,14 +112,14 @@ class Releaser:
             while waiting and waiting[0][0] <= now:
                 self._run_one(heapq.heappop(waiting)[2])
 
-    @staticmethod
-    def _run_one(fn: Callable[[], None]) -> None:
-        if sys.is_finalizing():
-            return
-        try:
-            fn()
-        except Exception as exc:  # the cluster may be gone: nothing left to free
-            log.debug("meshshard: cleanup skipped: %s", exc)
+    def _run_one(self, fn: Callable[[], None]) -> None:
+        with self._busy:
+            if self._closed or sys.is_finalizing():
+                return
+            try:
+                fn()
+            except Exception as exc:  # the cluster may be gone: nothing left to free
+                log.debug("meshshard: cleanup skipped: %s", exc)
 
 
 #: The driver process's releaser.
