@@ -68,6 +68,11 @@ Cutting slices only adds operations, and host-level messages are operations of o
 root, so both are covered; relays that forward several roots' blocks in one message
 are not in the runtime (a destination host forwards only inside a chain).
 
+The relay bound also takes, where one source host holds everything and every
+destination host needs all of it, the one-holder term
+(:mod:`~meshshard.resharding.oneholder`): there the split above only counts the
+holder's latencies and bytes once two operations reach the relaying hosts.
+
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
     >>> from meshshard.tiles import resharding_problem
