@@ -30,8 +30,8 @@ B. *No full operation*: ``r`` runs two or more and sends every element twice:
 C. *One full operation, carrying ``b >= F`` bytes of ``F < U`` elements*: ``r`` runs it
    and two or more others and sends ``>= b + 2 (U - F) >= 2 U - F`` bytes: ``>= 3 alpha
    + (2 U - F) / B``; the full operation's last host is busy ``>= m alpha + (b + (m - 1)
-   c(b)) / B`` in it and then takes the other ``U - F`` bytes in one operation or more:
-   ``>= (m + 1) alpha + (U + (m - 1) c_F) / B``, ``c_F = inf_{F <= b <= V} c(b)``
+   c(b)) / B`` in it and takes the other ``U - F`` bytes in one operation or more
+   (before or after it, one at a time): ``>= (m + 1) alpha + (U + (m - 1) c_F) / B``, ``c_F = inf_{F <= b <= V} c(b)``
    (:func:`~meshshard.resharding.bound.least_chunk`).  The first falls as ``F`` grows
    and the second does not, so for every ``F*`` the smaller of the two at ``F*`` is a
    bound for all ``F``: the term takes the best ``F*`` on a grid.
