@@ -11,7 +11,8 @@ described cluster to the messages of a :class:`~meshshard.plan.TransferSpec`.
 One module per job: ``blocks`` (block arithmetic, message building), ``coverage``
 (the contract), ``bound`` (NIC and tight bounds), ``hops`` (the hop bound for small
 multicasts to more hosts than hold the data), ``relays`` (the relay bound: a host
-reached through a relay pays a second hop, or the holders send more), ``baselines`` (the paper's send/recv, local all-gather,
+reached through a relay pays a second hop, or the holders send more), ``oneholder``
+(its term for one source host that every destination host needs all of), ``baselines`` (the paper's send/recv, local all-gather,
 broadcast without and with size balancing), ``search`` (the paper's bounded search),
 ``rounds`` (the LP over NIC-disjoint rounds), ``realize`` (rounds to messages),
 ``whole`` (whole-slice schedules), ``balance`` (a sender's last slice shared with

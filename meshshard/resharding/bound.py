@@ -95,8 +95,10 @@ __all__ = [
     "lower_bound_terms",
     "min_senders",
     "receiver_groups",
+    "relay_bytes",
     "host_bandwidth",
     "landing_hosts",
+    "least_chunk",
     "multicast_seconds",
     "smallest_chunk",
     "tight_bound",
@@ -271,6 +273,36 @@ def smallest_chunk(nbytes: float) -> float:
     (1000.0, 32768.0, 16385.0)
     """
     return nbytes / max(1, math.ceil(nbytes / MIN_CHUNK_BYTES))
+
+
+def relay_bytes(least: float, most: float = math.inf, hops: int = 1) -> float:
+    """``inf (b + hops c(b))`` over ``least <= b <= most``, ``c``
+    :func:`smallest_chunk`: ``b + hops b / m`` rises on each
+    ``((m - 1) C, m C]``, so the infimum is at ``least`` or just past the next multiple
+    of the chunk ``C`` (where there is room below ``most``).
+
+    >>> relay_bytes(1000), relay_bytes(62208, 62208), relay_bytes(62208), relay_bytes(1000, 2000, 2)
+    (2000.0, 93312.0, 87381.33333333333, 3000.0)
+    """
+    m = max(1, math.ceil(least / MIN_CHUNK_BYTES))
+    best = least + hops * smallest_chunk(least)
+    if m * MIN_CHUNK_BYTES < most:
+        best = min(best, m * MIN_CHUNK_BYTES * (1 + hops / (m + 1)))
+    return best
+
+
+def least_chunk(least: float, most: float) -> float:
+    """``inf c(b)`` over ``least <= b <= most``: ``c(b) = b / m`` rises on each
+    ``((m - 1) C, m C]``, so at ``least`` or just past the next multiple of ``C``.
+
+    >>> least_chunk(1000, 1000), least_chunk(73008, 73008), least_chunk(32768, 10**6)
+    (1000.0, 24336.0, 16384.0)
+    """
+    m = max(1, math.ceil(least / MIN_CHUNK_BYTES))
+    best = smallest_chunk(least)
+    if m * MIN_CHUNK_BYTES < most:
+        best = min(best, m * MIN_CHUNK_BYTES / (m + 1))
+    return best
 
 
 def multicast_seconds(nbytes: int, senders: int, receivers: int, cluster: ClusterSpec) -> float:

@@ -68,6 +68,11 @@ Cutting slices only adds operations, and host-level messages are operations of o
 root, so both are covered; relays that forward several roots' blocks in one message
 are not in the runtime (a destination host forwards only inside a chain).
 
+The relay bound also takes, where one source host holds everything and every
+destination host needs all of it, the one-holder term
+(:mod:`~meshshard.resharding.oneholder`): there the split above only counts the
+holder's latencies and bytes once two operations reach the relaying hosts.
+
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
     >>> from meshshard.tiles import resharding_problem
@@ -90,47 +95,18 @@ from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
 from meshshard.resharding.bound import (
-    MIN_CHUNK_BYTES,
     BoundTerm,
     LowerBound,
-    smallest_chunk,
+    least_chunk,
+    relay_bytes,
 )
 from meshshard.resharding.hops import hop_bound_terms
+from meshshard.resharding.oneholder import one_holder_terms
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["least_chunk", "relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
 
 _MAX_HOSTS = 12  # splits of the destination hosts tried: 2 ** hosts
-
-
-def relay_bytes(least: float, most: float = math.inf, hops: int = 1) -> float:
-    """``inf (b + hops c(b))`` over ``least <= b <= most``, ``c``
-    :func:`~meshshard.resharding.bound.smallest_chunk`: ``b + hops b / m`` rises on each
-    ``((m - 1) C, m C]``, so the infimum is at ``least`` or just past the next multiple
-    of the chunk ``C`` (where there is room below ``most``).
-
-    >>> relay_bytes(1000), relay_bytes(62208, 62208), relay_bytes(62208), relay_bytes(1000, 2000, 2)
-    (2000.0, 93312.0, 87381.33333333333, 3000.0)
-    """
-    m = max(1, math.ceil(least / MIN_CHUNK_BYTES))
-    best = least + hops * smallest_chunk(least)
-    if m * MIN_CHUNK_BYTES < most:
-        best = min(best, m * MIN_CHUNK_BYTES * (1 + hops / (m + 1)))
-    return best
-
-
-def least_chunk(least: float, most: float) -> float:
-    """``inf c(b)`` over ``least <= b <= most``: ``c(b) = b / m`` rises on each
-    ``((m - 1) C, m C]``, so at ``least`` or just past the next multiple of ``C``.
-
-    >>> least_chunk(1000, 1000), least_chunk(73008, 73008), least_chunk(32768, 10**6)
-    (1000.0, 24336.0, 16384.0)
-    """
-    m = max(1, math.ceil(least / MIN_CHUNK_BYTES))
-    best = smallest_chunk(least)
-    if m * MIN_CHUNK_BYTES < most:
-        best = min(best, m * MIN_CHUNK_BYTES / (m + 1))
-    return best
 
 
 @dataclass(frozen=True)
@@ -254,10 +230,12 @@ def relay_terms(
 
 
 def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> LowerBound:
-    """The hop bound's terms (the tight bound's and the hop term) and the relay term;
-    the bound is their maximum."""
+    """The hop bound's terms (the tight bound's and the hop term), the relay term and,
+    for one holder, the one-holder term (:mod:`~meshshard.resharding.oneholder`); the
+    bound is their maximum."""
     hop = hop_bound_terms(problem, cluster)
-    terms = hop.terms + tuple(relay_terms(problem, cluster, hop))
+    extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
+    terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
 
