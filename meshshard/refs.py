@@ -104,8 +104,19 @@ def _opt(text: str | None) -> int | None:
     return int(text) if text is not None else None
 
 
-_INTERNED: dict[tuple, BufferRef] = {}
-"""Every :class:`BufferRef` made in this process, by its fields (a few thousand per plan)."""
+_INTERNED: dict[tuple, object] = {}
+"""Every buffer, program and transfer reference made in this process, by class and fields
+(a few thousand per plan)."""
+
+
+def _interned(cls, fields: tuple):
+    """The one object of ``cls`` with these field values (made on first use).  The types
+    are part of the key: ``1 == 1.0 == True`` must not share a reference."""
+    key = (cls, *fields, *map(type, fields))
+    ref = _INTERNED.get(key)
+    if ref is None:
+        ref = _INTERNED[key] = object.__new__(cls)
+    return ref
 
 
 def _cache_key(ref, key: tuple) -> None:
@@ -114,8 +125,24 @@ def _cache_key(ref, key: tuple) -> None:
     object.__setattr__(ref, "_hash", hash(key))
 
 
-class _Keyed:
-    """Equality and hashing through the cached identity tuple of a frozen reference."""
+class _Ref:
+    """A reference interned by its fields (:func:`_interned`): equal references are one
+    object, so identity is equality and the hot dicts the simulator and the verifier key
+    by them hash and compare in C, without a Python call per lookup."""
+
+    __slots__ = ()
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __reduce__(self):
+        # Rebuild from the fields in the receiving process: interned there, and a cached
+        # hash mixes in str hashes (enum members), which differ between processes.
+        return (self.__class__, tuple(getattr(self, f.name) for f in fields(self)))
+
+
+class _Keyed(_Ref):
+    """Equality and hashing through the cached identity tuple of a frozen key that is
+    made afresh per use (the simulator's matching keys), not interned."""
 
     __slots__ = ()
 
@@ -127,20 +154,15 @@ class _Keyed:
     def __hash__(self) -> int:
         return self._hash
 
-    def __reduce__(self):
-        # Rebuild from the fields in the receiving process: the cached hash mixes in
-        # str hashes (enum members), which differ between processes (PYTHONHASHSEED).
-        return (self.__class__, tuple(getattr(self, f.name) for f in fields(self)))
-
 
 @dataclass(frozen=True, eq=False)
-class TransferRef(_Keyed):
+class TransferRef(_Ref):
     """Cross-mesh transfer number ``index`` of a plan (prints as ``t{index}``)."""
 
     index: int
 
-    def __post_init__(self) -> None:
-        _cache_key(self, (self.index,))
+    def __new__(cls, index):
+        return _interned(cls, (index,))
 
     def __str__(self) -> str:
         return f"t{self.index}"
@@ -164,7 +186,7 @@ class TransferRef(_Keyed):
 
 
 @dataclass(frozen=True, eq=False)
-class BufferRef(_Keyed):
+class BufferRef(_Ref):
     """One buffer group (``mb=None``) or its instance for micro-batch ``mb``.
 
     ``owner`` is the stage (``P X R A``), the mesh (``S O``) or the transfer index
@@ -178,17 +200,7 @@ class BufferRef(_Keyed):
     version: int | None = None
 
     def __new__(cls, kind, owner, mb=None, virtual=None, version=None):
-        # interned: equal references are one object, so the hot dicts the simulator and
-        # the verifier key by them find theirs by identity without calling ``__eq__``
-        key = (kind, owner, mb, virtual, version, type(kind), type(owner), type(mb))
-        ref = _INTERNED.get(key)
-        if ref is None or ref.__class__ is not cls:
-            ref = _INTERNED[key] = object.__new__(cls)
-        return ref
-
-    def __post_init__(self) -> None:
-        if "_key" not in self.__dict__:
-            _cache_key(self, (self.kind, self.owner, self.mb, self.virtual, self.version))
+        return _interned(cls, (kind, owner, mb, virtual, version))
 
     def __str__(self) -> str:
         v = f"v{self.virtual}" if self.virtual is not None else ""
@@ -249,7 +261,7 @@ PROGRAM_TOKEN = r"(?:s\d+(?:v\d+)?\.[FBW]|m\d+\.apply\d*|gather\.w\d+)"
 
 
 @dataclass(frozen=True, eq=False)
-class ProgramRef(_Keyed):
+class ProgramRef(_Ref):
     """A compiled program: ``s{stage}.F``/``.B``/``.W``, ``m{mesh}.apply``, ``gather.w{worker}``.
 
     An update split into phases by cross-mesh communication has one program per phase,
@@ -261,8 +273,8 @@ class ProgramRef(_Keyed):
     virtual: int | None = None
     part: int | None = None
 
-    def __post_init__(self) -> None:
-        _cache_key(self, (self.phase, self.owner, self.virtual, self.part))
+    def __new__(cls, phase, owner, virtual=None, part=None):
+        return _interned(cls, (phase, owner, virtual, part))
 
     def __str__(self) -> str:
         if self.phase is Phase.APPLY:
