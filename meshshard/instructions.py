@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import ClassVar
 
 from meshshard.refs import (
@@ -90,7 +91,15 @@ class Instruction:
     """Base of all instructions; ``priority`` is the communication-scheduling slot."""
 
     opcode: ClassVar[Opcode]
+    #: True for instructions that move data between workers (a class constant: the
+    #: simulator and the runtime read it per instruction)
+    is_comm: ClassVar[bool] = False
     priority: int = 0
+
+    @cached_property
+    def label(self) -> str:
+        """``str(self)``, made once: the simulator names a span and a flow by it."""
+        return str(self)
 
     @property
     def reads(self) -> tuple[BufferRef, ...]:
@@ -101,11 +110,6 @@ class Instruction:
     def writes(self) -> tuple[BufferRef, ...]:
         """Buffers this instruction (or its completion) writes."""
         return ()
-
-    @property
-    def is_comm(self) -> bool:
-        """True for instructions that move data between workers."""
-        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +205,7 @@ class Run(Instruction):
 class _Comm(Instruction):
     """Communication of message ``message`` of ``transfer`` through ``buffer``."""
 
+    is_comm: ClassVar[bool] = True
     buffer: BufferRef
     transfer: TransferRef | None
     message: int
@@ -209,10 +214,6 @@ class _Comm(Instruction):
         _set(self, "buffer", BufferRef.of(self.buffer))
         if self.transfer is not None:  # None for an all-reduce (it carries no transfer)
             _set(self, "transfer", TransferRef.of(self.transfer))
-
-    @property
-    def is_comm(self) -> bool:
-        return True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -625,7 +625,7 @@ class _Engine:
             pair.nbytes,
             self.topo.latency(a, b),
             lambda flow, pair=pair: self._p2p_done(pair),
-            str(send.ins),
+            send.ins.label,
         )
 
     def _start_fanout(self, pair: _P2P) -> None:

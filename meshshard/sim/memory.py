@@ -16,6 +16,7 @@ convention of :mod:`meshshard.instructions`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
 from meshshard.instructions import Free
 from meshshard.plan import MeshSpec, Plan, Spec
@@ -73,6 +74,9 @@ def bytes_per_device(plan: Plan, buffer: BufferRef, worker: int) -> float | None
         return None
     mesh = meshes.get(spec.mesh)
     return float(sum(t.nbytes / _shards(t.spec, mesh) for t in spec.tensors))
+
+
+_EVENT_ORDER = itemgetter(0, 1, 2)  # (time, index, direction): not the buffer
 
 
 def _buffer_events(recs: Sequence[OpRecord], end: float) -> list[tuple[float, int, int, BufferRef]]:
@@ -148,7 +152,7 @@ def memory_profile(
         events = _buffer_events(recs, end)
         # at one instant, stream order decides (a FREE before the next RUN releases first)
         # ties (one instant, one instruction, one direction) leave the peak unchanged
-        events.sort(key=lambda e: (e[0], e[1], e[2]))
+        events.sort(key=_EVENT_ORDER)
         held = 0.0
         by_cat: dict[str, float] = {}
         best = (-1.0, 0.0, {})

@@ -120,10 +120,10 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
                 comm.append((r.comm_start, r.comm_end))
                 if record:
                     spans.append(
-                        Span(track, "comm", str(ins), r.comm_start, r.comm_end, _category(ins))
+                        Span(track, "comm", ins.label, r.comm_start, r.comm_end, _category(ins))
                     )
             elif isinstance(ins, Wait | WaitAll) and record and r.end > r.head:
-                spans.append(Span(track, "compute", str(ins), r.head, r.end, "wait"))
+                spans.append(Span(track, "compute", ins.label, r.head, r.end, "wait"))
         workers.append(
             WorkerStats(
                 worker=w,
