@@ -18,6 +18,7 @@ from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
+from meshshard.static_args import WithStatic, dynamic_positions, static_key, static_positions
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class ParallelizedFunction:
         batch_argnums: Sequence[int],
         trace: str | None = None,
         _one_2bw_variant: bool = False,
+        static_argnums: Sequence[int] | str = "auto",
     ):
         if trace is not None and not isinstance(trace, str | os.PathLike):
             raise MeshshardInputError(
@@ -53,6 +55,13 @@ class ParallelizedFunction:
         self.method = method
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
+        if static_argnums != "auto" and isinstance(static_argnums, str):
+            raise MeshshardInputError(
+                f"static_argnums must be 'auto' or argument positions, got {static_argnums!r}"
+            )
+        self.static_argnums = static_argnums if static_argnums == "auto" else tuple(static_argnums)
+        self._variants: dict = {}  # static values -> the step compiled with them bound
+        self._last_variant: ParallelizedFunction | None = None
         self._executables: dict = {}
         self._lowered: Plan | None = None
         self.last_compile_seconds: float | None = None
@@ -87,6 +96,10 @@ class ParallelizedFunction:
             self.trace_log = TraceLog(os.fspath(trace))
         for exe in self._executables.values():
             exe.record(self.trace_log)
+        for variant in self._variants.values():
+            variant.trace_log = self.trace_log
+            for exe in variant._executables.values():
+                exe.record(self.trace_log)
         if self.trace_log is not None and not self._at_exit:
             self._at_exit = True
             atexit.register(_write_at_exit, weakref.ref(self))
@@ -113,6 +126,11 @@ class ParallelizedFunction:
         ``costs`` fills each program's FLOPs and bytes from JAX's cost analysis, which
         the simulator needs.  ``profile`` also runs the step on the running cluster to
         time every program on its mesh (see :meth:`profile`) into ``self.program_times``."""
+        target, args = self._route(args)
+        if target is not self:
+            plan = target.lower(*args, cluster=cluster, costs=costs, profile=profile)
+            self.program_times = target.program_times
+            return plan
         if profile:
             self.program_times = self.profile(*args)
         from meshshard.passes.pipeline import plan_step
@@ -143,9 +161,14 @@ class ParallelizedFunction:
         ``args`` each time: donated arguments must be host arrays."""
         from meshshard.profiling import ProfileCache, profile_step
 
-        return profile_step(self, args, steps, ProfileCache(cache_dir))
+        target, args = self._route(args)
+        return profile_step(target, args, steps, ProfileCache(cache_dir))
 
     def __call__(self, *args):
+        if self.static_argnums:
+            target, args = self._route(args)
+            if target is not self:
+                return target(*args)
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
         # typed keys travel as raw data; the arguments are flattened once per call
@@ -163,7 +186,34 @@ class ParallelizedFunction:
         straight into that layout."""
         from meshshard.checkpoint import placement_of
 
+        target, dynamic = self._route(args)
+        if target is not self:
+            static = tuple(i for i, _ in target.fn.statics)
+            return target.placement(
+                *dynamic, argnum=dynamic_positions([argnum], static, "argnum")[0]
+            )
         return placement_of(self._executable_for(args), args, argnum)
+
+    def _route(self, args: tuple) -> tuple[ParallelizedFunction, tuple]:
+        """The step to run ``args`` and its arguments: this step and ``args`` when none is
+        static, else the step compiled with these static values bound (made on first use)
+        and the other arguments."""
+        static = static_positions(args, self.static_argnums) if self.static_argnums else ()
+        if not static:
+            self._last_variant = None
+            return self, args
+        donate = dynamic_positions(self.donate_argnums, static, "donate_argnums")
+        batch = dynamic_positions(self.batch_argnums, static, "batch_argnums")
+        key = static_key(args, static)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = ParallelizedFunction(
+                WithStatic(self.fn, key), self.method, donate, batch, static_argnums=()
+            )
+            variant.trace_log = self.trace_log
+            self._variants[key] = variant
+        self._last_variant = variant
+        return variant, tuple(a for i, a in enumerate(args) if i not in static)
 
     def _executable_for(self, args, raw_args=None, flat=None):
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
@@ -236,6 +286,9 @@ class ParallelizedFunction:
         """Drop every compiled version of this step on the workers now (also done when
         this object is garbage-collected).  Arrays it returned stay valid; the next call
         compiles again."""
+        variants, self._variants = self._variants, {}
+        for variant in variants.values():
+            variant.release()
         executables, self._executables = self._executables, {}
         for exe in executables.values():
             exe.release()
@@ -253,6 +306,8 @@ class ParallelizedFunction:
     def plan(self) -> Plan | None:
         """The plan of the most recent compilation, else of the last ``lower`` (None
         before either)."""
+        if self._last_variant is not None:
+            return self._last_variant.plan
         if self._two_bw is not None:
             return self._two_bw.last.plan
         if not self._executables:
@@ -262,6 +317,8 @@ class ParallelizedFunction:
     @property
     def executable(self):
         """The most recent compiled executable (None before the first call)."""
+        if self._last_variant is not None:
+            return self._last_variant.executable
         if self._two_bw is not None:
             return self._two_bw.last.executable
         return list(self._executables.values())[-1] if self._executables else None
@@ -274,6 +331,7 @@ def parallelize(
     donate_argnums: Sequence[int] = (),
     batch_argnums: Sequence[int] = (1,),
     trace: str | None = None,
+    static_argnums: Sequence[int] | str = "auto",
 ):
     """Parallelize a train step ``fn(state, batch, ...)`` with ``method``.
 
@@ -288,11 +346,18 @@ def parallelize(
     ``trace="out.json"`` records every call's measured timeline (each worker's
     instructions, its communications from issue to completion, the driver's dispatch)
     and writes the last 20 calls as Chrome-trace JSON (open in ui.perfetto.dev) at
-    ``release()``, at exit, or on ``write_trace()``.
+    ``release()``, at exit, or on ``write_trace()``.  Arguments in ``static_argnums``
+    reach ``fn`` as the Python values themselves (a mode string, a flag), each distinct
+    value compiled once, as with ``jax.jit``; the default ``"auto"`` makes static the
+    arguments that cannot be arrays (strings, booleans, enums, plain objects).
     """
-    if fn is None:
-        return lambda f: ParallelizedFunction(f, method, donate_argnums, batch_argnums, trace)
-    return ParallelizedFunction(fn, method, donate_argnums, batch_argnums, trace)
+
+    def make(f):
+        return ParallelizedFunction(
+            f, method, donate_argnums, batch_argnums, trace, static_argnums=static_argnums
+        )
+
+    return make if fn is None else make(fn)
 
 
 def _warn_guessed_reductions(traced) -> None:

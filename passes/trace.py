@@ -102,10 +102,19 @@ def _abstract(leaf, where: str, arg_name: str):
     if isinstance(leaf, bool | int | float) and arg_name != "batch":
         arr = np.asarray(leaf)
         return jax.ShapeDtypeStruct(arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype))
+    if arg_name == "batch":
+        fix = (
+            "every leaf of a batch argument must be an array (numpy or jax) with the batch "
+            "as its first dimension; move other values into a closure or a non-batch argument"
+        )
+    else:
+        fix = (
+            "pass the whole argument as static (parallelize(..., static_argnums=...): the "
+            "step sees the Python value, compiled once per value), or move the value into "
+            "a closure"
+        )
     raise MeshshardInputError(
-        f"{arg_name} leaf {where} is a {type(leaf).__name__}, not an array; "
-        "every leaf of a batch argument must be an array (numpy or jax) with the batch as "
-        "its first dimension; move other values into a closure or a non-batch argument"
+        f"{arg_name} leaf {where} is a {type(leaf).__name__}, not an array; {fix}"
     )
 
 
