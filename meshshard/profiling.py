@@ -110,9 +110,10 @@ def profile_step(
 def program_collectives(plan: Plan, traced, devices: Sequence | None = None) -> dict[str, tuple]:
     """The collectives XLA compiled into each program of ``plan`` on its mesh shape,
     compiled on this process's devices (``devices``; a mesh of H x D needs H*D of them,
-    which CPU emulation provides with ``--xla_force_host_platform_device_count``)."""
-    from meshshard.hlo_collectives import collectives_of
-    from meshshard.runtime.programs import _specs_for, build_programs, make_mesh, sharding
+    which CPU emulation provides with ``--xla_force_host_platform_device_count``).  Every
+    mesh's programs, compiled as the runtime compiles them
+    (:func:`meshshard.hlo_collectives.program_collectives`)."""
+    from meshshard.hlo_collectives import program_collectives as of_mesh
 
     devices = list(devices if devices is not None else jax.devices())
     out: dict[str, tuple] = {}
@@ -123,30 +124,8 @@ def program_collectives(plan: Plan, traced, devices: Sequence | None = None) -> 
                 f"but this process has {len(devices)}; set XLA_FLAGS="
                 f"--xla_force_host_platform_device_count={m.num_devices}"
             )
-        mesh = make_mesh(devices[: m.num_devices], m.shape)
-        programs = build_programs(traced, plan, m.id, mesh)
-        for spec in plan.programs:
-            if spec.mesh != m.id:
-                continue
-            args = []
-            for g in spec.inputs:
-                for tensor, s in zip(_tensors(plan, g), _specs_for(plan, g, m.id), strict=True):
-                    args.append(
-                        jax.ShapeDtypeStruct(tensor.shape, tensor.dtype, sharding=sharding(mesh, s))
-                    )
-            compiled = programs[spec.name].fn.lower(*args).compile()
-            out[str(spec.name)] = collectives_of(compiled)
+        out.update(of_mesh(plan, traced, m.id, devices[: m.num_devices]))
     return out
-
-
-def _tensors(plan: Plan, group):
-    from meshshard.refs import BufferKind
-
-    if group.kind is BufferKind.TRANSFER:
-        return (plan.transfer(group).tensor,)
-    if group.kind is BufferKind.REDUCTION:
-        return (plan.reduction(group).tensor,)
-    return plan.buffer(group).tensors
 
 
 def profile_script(

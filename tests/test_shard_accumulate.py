@@ -85,6 +85,19 @@ def test_auto_sharding_reduces_once_per_step_where_it_splits_the_batch(monkeypat
 
 
 @pytest.mark.slow
+def test_every_mesh_compiles_for_the_fidelity_benchmark_with_partial_sums(monkeypatch):
+    """``meshshard.profiling.program_collectives`` (the fidelity benchmark's) compiles the
+    partial-sum accumulators at their stored shape: it used to compile them at the
+    gradient's shape, and a pipelined plan with local accumulation failed to compile."""
+    from meshshard.profiling import program_collectives as all_meshes
+
+    plan, traced = _auto_plan(monkeypatch, "local")
+    got = all_meshes(plan, traced)
+    assert set(got) == {str(p.name) for p in plan.programs}
+    assert count_by_kind(got["m1.apply"]) == {"all-reduce": 1}, got["m1.apply"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model,method",
     [
