@@ -109,20 +109,17 @@ _INTERNED: dict[tuple, object] = {}
 (a few thousand per plan)."""
 
 
-def _interned(cls, fields: tuple):
+def _interned(cls, values: tuple):
     """The one object of ``cls`` with these field values (made on first use).  The types
     are part of the key: ``1 == 1.0 == True`` must not share a reference."""
-    key = (cls, *fields, *map(type, fields))
+    key = (cls, *values, *map(type, values))
     ref = _INTERNED.get(key)
-    if ref is None:
-        ref = _INTERNED[key] = object.__new__(cls)
+    if ref is None:  # set once here: the classes have no __init__ to set them per call
+        ref = object.__new__(cls)
+        for f, value in zip(fields(cls), values, strict=True):
+            object.__setattr__(ref, f.name, value)
+        _INTERNED[key] = ref
     return ref
-
-
-def _cache_key(ref, key: tuple) -> None:
-    """Store a reference's identity tuple and its hash once (refs key hot dicts)."""
-    object.__setattr__(ref, "_key", key)
-    object.__setattr__(ref, "_hash", hash(key))
 
 
 class _Ref:
@@ -135,27 +132,12 @@ class _Ref:
     __hash__ = object.__hash__
 
     def __reduce__(self):
-        # Rebuild from the fields in the receiving process: interned there, and a cached
-        # hash mixes in str hashes (enum members), which differ between processes.
+        # Rebuild from the fields in the receiving process, interned there (an identity
+        # hash means nothing in another process).
         return (self.__class__, tuple(getattr(self, f.name) for f in fields(self)))
 
 
-class _Keyed(_Ref):
-    """Equality and hashing through the cached identity tuple of a frozen key that is
-    made afresh per use (the simulator's matching keys), not interned."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._key == other._key
-
-    def __hash__(self) -> int:
-        return self._hash
-
-
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class TransferRef(_Ref):
     """Cross-mesh transfer number ``index`` of a plan (prints as ``t{index}``)."""
 
@@ -185,7 +167,7 @@ class TransferRef(_Ref):
         return value if isinstance(value, TransferRef) else TransferRef.parse(value)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class BufferRef(_Ref):
     """One buffer group (``mb=None``) or its instance for micro-batch ``mb``.
 
@@ -260,7 +242,7 @@ _PROGRAM = re.compile(
 PROGRAM_TOKEN = r"(?:s\d+(?:v\d+)?\.[FBW]|m\d+\.apply\d*|gather\.w\d+)"
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class ProgramRef(_Ref):
     """A compiled program: ``s{stage}.F``/``.B``/``.W``, ``m{mesh}.apply``, ``gather.w{worker}``.
 

@@ -114,7 +114,9 @@ class WithStatic:
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, WithStatic) and self.step_fn == other.step_fn and self.statics == other.statics
+            isinstance(other, WithStatic)
+            and self.step_fn == other.step_fn
+            and self.statics == other.statics
         )
 
     def __hash__(self) -> int:

@@ -492,7 +492,8 @@ class _Engine:
                 op.head = self.now
             if not self._deps_done(op):
                 return
-            self._arrive(op)
+            op.state = ARRIVED  # (inline: once per op of the plan)
+            op.rule.arrive(self, op)
 
     def _deps_done(self, op: _Op) -> bool:
         deps, ops = op.deps, self.ops
@@ -505,10 +506,6 @@ class _Engine:
                 return False
             op.dep_i += 1
         return True
-
-    def _arrive(self, op: _Op) -> None:
-        op.state = ARRIVED
-        op.rule.arrive(self, op)
 
     def rendezvous(self, op: _Op) -> list[_Op] | None:
         """Register ``op`` at its rendezvous; all members (marked started) once complete.
@@ -548,7 +545,11 @@ class _Engine:
         op.end = self.now
         if op.start == _INF:
             op.start = self.now
-        self._wake(op)
+        waiting = self.waiters.pop(op.id, None)  # (inline :meth:`_wake`: once per op)
+        if waiting:
+            for other in waiting:
+                other.registered = -1
+                self._schedule_pump(other.queue)
         self._schedule_pump(op.queue)
 
     def _wake(self, op: _Op) -> None:

@@ -9,16 +9,18 @@ one entry here and nothing in the event loop::
     >>> RULES[Send].comm_span, RULES[WaitAll].comm_span
     ('flow', None)
 
-Matching keys are small frozen dataclasses (never tuples read by position): SPMD
-programs of a multi-host mesh meet at a :class:`RunKey`, the two sides of a message at
-a :class:`P2PKey`, and the members of a collective at a :class:`CollKey`.
+Matching keys are named tuples, read by field name (never by position), hashed and
+compared in C (the engine makes one per instruction): SPMD programs of a multi-host
+mesh meet at a :class:`RunKey`, the two sides of a message at a :class:`P2PKey`, and
+the members of a collective at a :class:`CollKey`.  Their field counts differ, so keys
+of two kinds never compare equal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from meshshard.instructions import (
     Collective,
@@ -38,8 +40,6 @@ from meshshard.refs import (
     CollectiveKind,
     ProgramRef,
     TransferRef,
-    _cache_key,
-    _Keyed,
 )
 
 if TYPE_CHECKING:  # the engine passes itself in; no import cycle at run time
@@ -48,20 +48,15 @@ if TYPE_CHECKING:  # the engine passes itself in; no import cycle at run time
 __all__ = ["Rule", "RULES", "RunKey", "P2PKey", "CollKey", "StreamState"]
 
 
-@dataclass(frozen=True, eq=False)
-class RunKey(_Keyed):
+class RunKey(NamedTuple):
     """The ``n``-th run of ``program`` on micro-batch ``mb`` (an SPMD rendezvous)."""
 
     program: ProgramRef
     mb: int | None
     n: int
 
-    def __post_init__(self) -> None:
-        _cache_key(self, (self.program, self.mb, self.n))
 
-
-@dataclass(frozen=True, eq=False)
-class P2PKey(_Keyed):
+class P2PKey(NamedTuple):
     """The ``n``-th message ``message`` of ``transfer`` in ``buffer`` from ``src`` to ``dst``."""
 
     transfer: TransferRef
@@ -71,13 +66,8 @@ class P2PKey(_Keyed):
     dst: int
     n: int
 
-    def __post_init__(self) -> None:
-        key = (self.transfer, self.message, self.buffer, self.src, self.dst, self.n)
-        _cache_key(self, key)
 
-
-@dataclass(frozen=True, eq=False)
-class CollKey(_Keyed):
+class CollKey(NamedTuple):
     """The ``n``-th collective ``kind`` of message ``message`` over ``group``."""
 
     kind: CollectiveKind
@@ -87,10 +77,6 @@ class CollKey(_Keyed):
     group: tuple[int, ...]
     root: int | None
     n: int
-
-    def __post_init__(self) -> None:
-        key = (self.kind, self.transfer, self.message, self.buffer, self.group, self.root)
-        _cache_key(self, key + (self.n,))
 
 
 @dataclass
