@@ -118,7 +118,8 @@ def _interned(cls, values: tuple):
         ref = object.__new__(cls)
         for f, value in zip(fields(cls), values, strict=True):
             object.__setattr__(ref, f.name, value)
-        _INTERNED[key] = ref
+        # atomic: two threads making the same reference at once get one object
+        ref = _INTERNED.setdefault(key, ref)
     return ref
 
 
