@@ -164,7 +164,9 @@ class ParallelizedFunction:
         target, args = self._route(args)
         return profile_step(target, args, steps, ProfileCache(cache_dir))
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            args = _positional(self.fn, args, kwargs)
         if self.static_argnums:
             target, args = self._route(args)
             if target is not self:
@@ -416,6 +418,28 @@ def plan_needs_index(plan: Plan) -> bool:
     from meshshard.passes.random_draws import INDEX_PATH
 
     return bool(plan.inputs) and plan.inputs[-1].path == INDEX_PATH
+
+
+def _positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
+    """``args`` with the keyword arguments of a call put in their positions (the step's
+    arguments are numbered: batch_argnums, donate_argnums); refused, naming the argument,
+    where the step's signature has no position for it."""
+    import inspect
+
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise MeshshardInputError(
+            f"cannot call {getattr(fn, '__name__', 'the step')} with {sorted(kwargs)} as "
+            f"keywords: {exc}"
+        ) from None
+    if bound.kwargs:
+        raise MeshshardInputError(
+            f"argument(s) {sorted(bound.kwargs)} of {getattr(fn, '__name__', 'the step')} "
+            "are keyword-only; a parallelized step numbers its arguments (batch_argnums, "
+            "donate_argnums, static_argnums), so give them positions in the step's signature"
+        )
+    return bound.args
 
 
 def _layered(fn: Callable, method: Method) -> Callable:

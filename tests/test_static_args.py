@@ -94,3 +94,20 @@ def test_bad_static_arguments_are_refused_with_the_fix(threads_cluster):
         meshshard.parallelize(moded_step, static_argnums=(1,))(state, batch, "l1", 1)
     with pytest.raises(MeshshardInputError, match="static_argnums must be"):
         meshshard.parallelize(moded_step, static_argnums="all")
+
+
+def test_keyword_arguments_take_their_positions(threads_cluster):
+    state, batch = setup()
+    method = DataParallel(mesh_shape=(1, 2))
+    step = meshshard.parallelize(moded_step, method=method, static_argnums=(2, 3))
+    ref = reference(moded_step, state, batch, "l2", 1, static=(2, 3))
+    assert_trees_close(ref, step(state, batch=batch, scale=1, mode="l2"))
+    assert list(step._variants) == [((2, "l2"), (3, 1))]  # the keywords' positions
+
+    def kw_only(state, batch, *, mode):
+        return moded_step(state, batch, mode, 1)
+
+    with pytest.raises(MeshshardInputError, match=r"\['mode'\].*keyword-only"):
+        meshshard.parallelize(kw_only)(state, batch, mode="l1")
+    with pytest.raises(MeshshardInputError, match="cannot call moded_step"):
+        step(state, batch, "l1", 1, colour="red")
