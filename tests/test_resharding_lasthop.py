@@ -1,0 +1,143 @@
+"""The last-hop term (meshshard/resharding/lasthop.py): valid against every schedule of
+small one-holder families where each destination host takes at most one chunk for two
+devices, the best schedule takes it, and so does ``broadcast``'s plan."""
+
+import dataclasses
+import itertools
+import sys
+
+import pytest
+
+from meshshard.plan import MeshSpec
+from meshshard.resharding import plan_resharding, simulate_resharding
+from meshshard.resharding.blocks import make_message
+from meshshard.resharding.lasthop import last_hop
+from meshshard.resharding.merge import merged
+from meshshard.resharding.relays import relay_bound, relay_bound_terms
+from meshshard.tiles import resharding_problem
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_resharding_relays import CLUSTER, HOSTS, schedules  # noqa: E402
+
+SRC = MeshSpec(0, (1, 2), (0,))  # one holder, the halves on its two devices
+DST = MeshSpec(1, (3, 2), HOSTS)  # three hosts x 2 devices
+
+
+def _message(problem, i, chain, parts):
+    """One host-level message from the holder through ``chain`` carrying ``parts``
+    (``(need, devices per host)``), in round ``i``."""
+    msgs = []
+    for need, devices in parts:
+        src = next(iter(need.holders))
+        msgs.append(make_message(need.index, 1, src, [(h, devices[h]) for h in chain]))
+    return dataclasses.replace(merged(msgs), round=i)
+
+
+def _sharded_times(problem):
+    """Every schedule where each destination host takes its third of the array in one
+    message to both devices or in one message per device, in every order of the
+    holder's messages (each host's own messages come from the holder only, so the
+    holder's order is the whole schedule)."""
+    per_device = {}
+    for need in problem.needs:
+        ((h, d),) = need.receivers
+        per_device.setdefault((h, d), []).append(need)
+    out = []
+    for split in itertools.product((False, True), repeat=len(HOSTS)):
+        deliveries = []
+        for h, apart in zip(HOSTS, split, strict=True):
+            groups = [(0,), (1,)] if apart else [(0, 1)]
+            for devs in groups:
+                parts = [(n, {h: (d,)}) for d in devs for n in per_device[(h, d)]]
+                deliveries.append(((h,), parts))
+        for order in itertools.permutations(deliveries):
+            msgs = [_message(problem, i, c, parts) for i, (c, parts) in enumerate(order)]
+            out.append(simulate_resharding(problem, msgs, CLUSTER))
+    return out
+
+
+@pytest.mark.parametrize("nbytes", [11400, 30000])
+def test_egress_plus_last_hop_every_schedule_is_above_and_the_best_meets_it(nbytes):
+    """One holder, three hosts that each need a different third (a sixth per device,
+    at most one chunk per host): one message per host, or one per device, in every
+    order (1,158 schedules).  None is below the bound, the best takes it (three
+    messages, the last fanned out), and so does ``broadcast``'s plan; the egress term
+    alone is one fabric latency lower."""
+    p = resharding_problem((nbytes,), "int8", SRC, ("device",), DST, (("host", "device"),))
+    assert last_hop(p, CLUSTER) == CLUSTER.intra_latency
+    terms = relay_bound_terms(p, CLUSTER)
+    assert terms.binding.resource == "w0 egress + last hop"
+    times = _sharded_times(p)
+    assert len(times) == 1158
+    assert min(times) >= terms.seconds * (1 - 1e-9)
+    assert min(times) <= terms.seconds * 1.001
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert plan.sim_time_s == pytest.approx(min(times), rel=1e-3)
+
+
+def _replicated_messages(problem, order, mode):
+    """The runtime's messages for one schedule of ``schedules`` where every device
+    needs the whole array: ``mode`` ``"both"`` sends the halves to both devices of each
+    host, ``"gather"`` to device 0 only (a local all-gather fills device 1), and
+    ``"devices"`` reads the pieces as devices: ``head`` is the whole array for device
+    0, ``tail`` for device 1, ``whole`` for both."""
+    head, tail = sorted(problem.needs, key=lambda n: n.index)
+    out = []
+    for i, (_, chain, piece) in enumerate(order):
+        if mode == "devices":
+            devs = {"head": (0,), "tail": (1,), "whole": (0, 1)}[piece]
+            needs = (head, tail)
+        else:
+            devs = (0, 1) if mode == "both" else (0,)
+            needs = {"head": (head,), "tail": (tail,), "whole": (head, tail)}[piece]
+        out.append(_message(problem, i, chain, [(n, dict.fromkeys(chain, devs)) for n in needs]))
+    return out
+
+
+def _replicated_times(problem, mode):
+    """Simulated seconds of every schedule of ``schedules`` (one holder, up to 6
+    messages, every order up to renaming hosts) in ``mode``."""
+    out = []
+    for order in schedules(True, 6, roots=(0,)):
+        out.append(
+            simulate_resharding(problem, _replicated_messages(problem, order, mode), CLUSTER)
+        )
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nbytes", [4096, 21712])
+def test_one_holder_no_chain_plus_last_hop_every_schedule_is_above_and_the_best_meets_it(nbytes):
+    """One holder, three hosts x 2 devices that each need the whole array (at most one
+    chunk): every schedule of the one-holder family (halves or the whole, chains of
+    every shape, every order) with both devices in each message, with device 0 only
+    and a local all-gather, or with the whole array to each device in its own message.
+    None is below the bound (the one-holder term's case B plus a fabric latency), the
+    best takes it to 0.3% (the fabric hop's bytes), and so does ``broadcast``'s plan.
+    About 10 s each."""
+    p = resharding_problem((nbytes,), "int8", SRC, ("device",), DST, (None,))
+    terms = relay_bound_terms(p, CLUSTER)
+    bound = terms.seconds
+    times = [t for mode in ("both", "gather", "devices") for t in _replicated_times(p, mode)]
+    assert len(times) >= 3000
+    assert min(times) >= bound * (1 - 1e-9)
+    assert min(times) <= bound * 1.003  # the hop also moves the bytes, 0.2 us at 21 KB
+    assert bound > relay_bound(
+        resharding_problem(
+            (nbytes,), "int8", SRC, ("device",), MeshSpec(1, (3, 1), HOSTS), (None,)
+        ),
+        CLUSTER,
+    )
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert plan.sim_time_s == pytest.approx(min(times), rel=1e-3)
+
+
+def test_outside_the_family_no_hop():
+    """Several holders, a host over one chunk, or a host with one receiving device: no
+    last hop."""
+    two = MeshSpec(0, (2, 1), (0, 1))
+    assert last_hop(resharding_problem((4096,), "int8", two, ("host",), DST, (None,)), CLUSTER) == 0
+    big = resharding_problem((1 << 16,), "int8", SRC, ("device",), DST, (None,))
+    assert last_hop(big, CLUSTER) == 0
+    one = resharding_problem((4096,), "int8", SRC, ("device",), MeshSpec(1, (3, 1), HOSTS), (None,))
+    assert last_hop(one, CLUSTER) == 0
