@@ -66,7 +66,8 @@ def test_egress_plus_last_hop_every_schedule_is_above_and_the_best_meets_it(nbyt
     p = resharding_problem((nbytes,), "int8", SRC, ("device",), DST, (("host", "device"),))
     assert last_hop(p, CLUSTER) == CLUSTER.intra_latency
     terms = relay_bound_terms(p, CLUSTER)
-    assert terms.binding.resource == "w0 egress + last hop"
+    last = next(t for t in terms.terms if t.resource == "w0 egress + last hop")
+    assert last.seconds == terms.seconds  # the relay term's all-direct split ties
     times = _sharded_times(p)
     assert len(times) == 1158
     assert min(times) >= terms.seconds * (1 - 1e-9)
@@ -141,3 +142,78 @@ def test_outside_the_family_no_hop():
     assert last_hop(big, CLUSTER) == 0
     one = resharding_problem((4096,), "int8", SRC, ("device",), MeshSpec(1, (3, 1), HOSTS), (None,))
     assert last_hop(one, CLUSTER) == 0
+
+
+TWO = MeshSpec(0, (2, 1), (0, 1))  # two holders, each with the whole array
+
+
+def _two_holder_schedules(problem):
+    """Every schedule where each destination host takes its third in one message to
+    both devices or one message per device, each message from either holder, in
+    every order; one per class of equal per-worker sequences up to swapping the
+    holders."""
+    per_device = {}
+    for need in problem.needs:
+        ((h, d),) = need.receivers
+        per_device.setdefault((h, d), []).append(need)
+    seen = set()
+    for split in itertools.product((False, True), repeat=len(HOSTS)):
+        deliveries = [
+            (h, devs)
+            for h, apart in zip(HOSTS, split, strict=True)
+            for devs in ([(0,), (1,)] if apart else [(0, 1)])
+        ]
+        for roots in itertools.product((0, 1), repeat=len(deliveries)):
+            msgs = [(r, h, devs) for r, (h, devs) in zip(roots, deliveries, strict=True)]
+            for order in itertools.permutations(msgs):
+                key = min(
+                    tuple(
+                        tuple((swap[r], h, d) for r, h, d in order if w in (swap[r], h))
+                        for w in (0, 1, *HOSTS)
+                    )
+                    for swap in ({0: 0, 1: 1}, {0: 1, 1: 0})
+                )
+                if key not in seen:
+                    seen.add(key)
+                    yield [
+                        (r, (h,), [(n, {h: (d,)}) for d in devs for n in per_device[(h, d)]])
+                        for r, h, devs in order
+                    ]
+
+
+def _two_holder_message(problem, i, root, chain, parts):
+    """:func:`_message` from holder ``root``'s copy of each block."""
+    msgs = []
+    for need, devices in parts:
+        src = next(ref for ref in need.holders if ref[0] == root)
+        msgs.append(make_message(need.index, 1, src, [(h, devices[h]) for h in chain]))
+    return dataclasses.replace(merged(msgs), round=i)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nbytes", [9000, 30000])
+def test_two_holders_all_direct_plus_half_a_hop_every_schedule_is_above(nbytes):
+    """Two holders of the whole array, three hosts x 2 devices that each need a
+    different third (no slice shared, so no host can relay): every schedule of one
+    message per host or one per device, each from either holder, in every order.
+    None is below the bound (the relay term's all-direct split: four messages, plus
+    half a fabric latency, the least the holders' last messages leave), the best is
+    within 4% of it (one holder's last message fans out: a whole latency), and
+    ``broadcast``'s plan takes the best.  About 20 s each."""
+    p = resharding_problem((nbytes,), "int8", TWO, (None,), DST, (("host", "device"),))
+    terms = relay_bound_terms(p, CLUSTER)
+    assert "all direct" in str(terms) and "then a hop" in str(terms)
+    times = [
+        simulate_resharding(
+            p,
+            [_two_holder_message(p, i, r, c, parts) for i, (r, c, parts) in enumerate(order)],
+            CLUSTER,
+        )
+        for order in _two_holder_schedules(p)
+    ]
+    assert len(times) >= 1000
+    assert min(times) >= terms.seconds * (1 - 1e-9)
+    assert min(times) <= terms.seconds * 1.04
+    assert min(times) > terms.seconds + CLUSTER.intra_latency / 2 * 0.99  # the gap is half a hop
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert plan.sim_time_s == pytest.approx(min(times), rel=1e-3)

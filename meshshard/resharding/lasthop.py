@@ -48,24 +48,48 @@ one operation, unless the bound with ``h`` taking two is already that high.  Two
   ``>= 2 alpha + 2 U / B + hop`` (:func:`last_hop` passed to
   :func:`~meshshard.resharding.oneholder.one_holder_seconds`).
 
+**Several holders** (the relay term's split where every destination host is the
+depth-1 and last receiver of each operation it takes, so every operation is a message
+to one host; :mod:`~meshshard.resharding.relays`, 2.).  Where every receiving host is a
+*landing host* (:func:`~meshshard.resharding.bound.landing_hosts`: at most one chunk,
+and no smallest cover of its slices can send it a message for one device only), call
+a root *clean* if its last operation goes to one device of a host ``h`` and no local
+all-gather runs there.  If no root is clean, every root's last operation is followed
+by a hop (2. or 3. above): the plan ends ``>= max_r W_r + hop``, and the split's bound
+on the busiest root (``exact`` or ``more``) plus ``hop`` holds.  If ``q >= 1`` roots
+are clean, each clean root's host takes one operation more than its smallest cover
+``k_h`` (a landing host), so there are ``>= K + d`` operations (``d`` such hosts);
+``c`` clean last operations into one host run one after another there, the ``i``-th
+ending ``>= (i - 1) alpha`` after the first, so summing ``end >= W_r + offset_r`` over
+the ``s`` roots: ``s end >= (K + d) alpha + Y / B + alpha sum_h c_h (c_h - 1) / 2 + (s
+- q) hop >= (K + q) alpha + Y / B + (s - q) hop``, least at ``q = 1`` (``alpha >=
+hop``).  So the split allows no less than ``min(exact + hop, more + (s - 1) hop / s)``
+(:func:`direct_hop`).
+
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
     >>> from meshshard.tiles import resharding_problem
     >>> p = resharding_problem((36, 324), "int8", MeshSpec(0, (1, 4), (0,)), (None, "host"),
     ...                        MeshSpec(1, (3, 3), (1, 2, 3)), (None, ("host", "device")))
     >>> from meshshard.resharding.relays import relay_bound_terms
-    >>> print(relay_bound_terms(p, ClusterSpec.preset("aws-p3.8xlarge")))
-    relay bound 104.331 us: w0 egress + last hop, 11.4 KiB out in 3 messages, then a 5.000 us hop
+    >>> b = relay_bound_terms(p, ClusterSpec.preset("aws-p3.8xlarge"))
+    >>> print(b)
+    relay bound 104.331 us: relays, 3 hosts from 1 holders: all direct, 3 messages, then a hop
+    >>> print(next(t for t in b.terms if t.resource.endswith("last hop")))
+    w0 egress + last hop, 11.4 KiB out in 3 messages, then a 5.000 us hop
+
+(Both the egress term and the relay term's all-direct split gain the hop here; the
+hosts share no slice, so none can relay.)
 """
 
 from __future__ import annotations
 
 from meshshard.cluster import ClusterSpec
-from meshshard.resharding.bound import MIN_CHUNK_BYTES, BoundTerm, LowerBound
+from meshshard.resharding.bound import MIN_CHUNK_BYTES, BoundTerm, LowerBound, landing_hosts
 from meshshard.resharding.result import fmt_bytes, fmt_seconds
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["last_hop", "last_hop_terms"]
+__all__ = ["direct_hop", "last_hop", "last_hop_terms"]
 
 
 def last_hop(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
@@ -107,3 +131,15 @@ def last_hop_terms(
             BoundTerm(f"{t.resource} + last hop", t.nbytes, t.slices, 1, t.seconds + hop, detail)
         )
     return out
+
+
+def direct_hop(problem: ReshardingProblem, cluster: ClusterSpec, tight: LowerBound) -> float:
+    """The hop every root's last operation still needs in the relay term's all-direct
+    split (module docstring, several holders): ``min(nic_latency, intra_latency)`` where
+    every receiving host is a landing host of ``tight``
+    (:func:`~meshshard.resharding.bound.landing_hosts`), else 0."""
+    receiving = {h for n in problem.needs for h, _ in n.receivers}
+    hosts = landing_hosts(problem, cluster, tight)
+    if not receiving or not receiving <= hosts.keys():
+        return 0.0
+    return min(hosts[h] for h in receiving)
