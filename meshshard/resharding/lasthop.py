@@ -10,15 +10,21 @@ allowed 99.3 us (three messages of 3.8 KiB from one holder), but every plan take
 more fabric latency (104.3 us).
 
 **The family**: one source host ``r`` holds every slice any destination host needs;
-every destination host that needs data takes at most
-:data:`~meshshard.resharding.bound.MIN_CHUNK_BYTES` in all, and its devices that need
-data are two or more.
+every destination host that needs data has two devices or more that need data, and its
+messages *land whole*: its devices' tiles add up to at most one chunk
+(:data:`~meshshard.resharding.bound.MIN_CHUNK_BYTES`), so no message to it is larger,
+or its ingress ``I_h`` plus ``hop B`` bytes does.  (A message carries each element at
+most once per device.  In the second case a message to ``h`` over one chunk carries
+``>= hop B`` bytes that ``h`` already gets, a second copy for another device, which
+the holder sends and ``h`` takes on top of everything the bounds below count, each
+element once per host or once per operation: it costs ``>= hop`` anyway.)
 
 **The argument** (the tight bound's execution model: a worker runs one operation at a
 time; ``r``, the root of every operation, is busy ``>= alpha + b / B`` in each, so its
 last operation ``O`` ends, at its depth-1 receiver ``h``, no sooner than ``r``'s busy
 time ``W``; a message of at most one chunk lands whole on one device before it goes
-on; a host's local all-gather runs after all its messages arrived).  One of these
+on; a host's local all-gather runs after all its messages arrived).  Take ``O`` at
+most one chunk (else, above, it costs a hop in bytes).  One of these
 holds:
 
 1. ``O`` reaches a second host: that host is at depth 2 and gets its last byte ``>=
@@ -52,7 +58,8 @@ one operation, unless the bound with ``h`` taking two is already that high.  Two
 depth-1 and last receiver of each operation it takes, so every operation is a message
 to one host; :mod:`~meshshard.resharding.relays`, 2.).  Where every receiving host is a
 *landing host* (:func:`~meshshard.resharding.bound.landing_hosts`: at most one chunk,
-and no smallest cover of its slices can send it a message for one device only), call
+and no smallest cover of its slices can send it a message for one device only) whose
+messages land whole (as above), call
 a root *clean* if its last operation goes to one device of a host ``h`` and no local
 all-gather runs there.  If no root is clean, every root's last operation is followed
 by a hop (2. or 3. above): the plan ends ``>= max_r W_r + hop``, and the split's bound
@@ -85,33 +92,57 @@ hosts share no slice, so none can relay.)
 from __future__ import annotations
 
 from meshshard.cluster import ClusterSpec
-from meshshard.resharding.bound import MIN_CHUNK_BYTES, BoundTerm, LowerBound, landing_hosts
+from meshshard.resharding.bound import (
+    MIN_CHUNK_BYTES,
+    BoundTerm,
+    LowerBound,
+    host_bandwidth,
+    landing_hosts,
+)
 from meshshard.resharding.result import fmt_bytes, fmt_seconds
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["direct_hop", "last_hop", "last_hop_terms"]
 
 
+def _lands_whole(problem: ReshardingProblem, extra: float) -> bool:
+    """Whether every receiving host's messages land whole or pay ``extra`` bytes
+    (module docstring): its devices' tiles add up to at most one chunk, or its ingress
+    plus ``extra`` does."""
+    ingress: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for need in problem.needs:
+        nbytes = need.nbytes(problem.itemsize)
+        for h in {h for h, _ in need.receivers}:
+            ingress[h] = ingress.get(h, 0) + nbytes
+        for h, _ in need.receivers:
+            most[h] = most.get(h, 0) + nbytes
+    return all(most[h] <= MIN_CHUNK_BYTES or ingress[h] + extra <= MIN_CHUNK_BYTES for h in ingress)
+
+
+def _hop(cluster: ClusterSpec) -> float:
+    """``min(nic_latency, intra_latency)``."""
+    return float(min(cluster.nic_latency, cluster.intra_latency))
+
+
 def last_hop(problem: ReshardingProblem, cluster: ClusterSpec) -> float:
     """``min(nic_latency, intra_latency)`` where the problem is in the family (module
-    docstring: one holder; every receiving host takes at most one chunk, for two
-    devices or more), else 0: what the plan still takes after the holder's last
-    operation left it."""
+    docstring: one holder; every receiving host's messages land whole, for two devices
+    or more), else 0: what the plan still takes after the holder's last operation left
+    it."""
     roots = {h for n in problem.needs for h, _ in n.holders}
     if len(roots) != 1:
         return 0.0
-    nbytes: dict[int, int] = {}
     devices: dict[int, set[int]] = {}
     for need in problem.needs:
-        for h in {h for h, _ in need.receivers}:
-            nbytes[h] = nbytes.get(h, 0) + need.nbytes(problem.itemsize)
         for h, d in need.receivers:
             devices.setdefault(h, set()).add(d)
-    if not nbytes or any(n > MIN_CHUNK_BYTES for n in nbytes.values()):
+    hop = _hop(cluster)
+    if not devices or any(len(ds) < 2 for ds in devices.values()):
         return 0.0
-    if any(len(ds) < 2 for ds in devices.values()):
+    if not _lands_whole(problem, hop * host_bandwidth(cluster)):
         return 0.0
-    return float(min(cluster.nic_latency, cluster.intra_latency))
+    return hop
 
 
 def last_hop_terms(
@@ -137,9 +168,12 @@ def direct_hop(problem: ReshardingProblem, cluster: ClusterSpec, tight: LowerBou
     """The hop every root's last operation still needs in the relay term's all-direct
     split (module docstring, several holders): ``min(nic_latency, intra_latency)`` where
     every receiving host is a landing host of ``tight``
-    (:func:`~meshshard.resharding.bound.landing_hosts`), else 0."""
+    (:func:`~meshshard.resharding.bound.landing_hosts`) whose messages land whole, else
+    0."""
     receiving = {h for n in problem.needs for h, _ in n.receivers}
     hosts = landing_hosts(problem, cluster, tight)
     if not receiving or not receiving <= hosts.keys():
+        return 0.0
+    if not _lands_whole(problem, _hop(cluster) * tight.bandwidth):
         return 0.0
     return min(hosts[h] for h in receiving)
