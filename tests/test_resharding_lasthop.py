@@ -11,6 +11,7 @@ import pytest
 from meshshard.plan import MeshSpec
 from meshshard.resharding import plan_resharding, simulate_resharding
 from meshshard.resharding.blocks import make_message
+from meshshard.resharding.bound import tight_bound_terms
 from meshshard.resharding.lasthop import last_hop
 from meshshard.resharding.merge import merged
 from meshshard.resharding.relays import relay_bound, relay_bound_terms
@@ -21,6 +22,11 @@ from test_resharding_relays import CLUSTER, HOSTS, schedules  # noqa: E402
 
 SRC = MeshSpec(0, (1, 2), (0,))  # one holder, the halves on its two devices
 DST = MeshSpec(1, (3, 2), HOSTS)  # three hosts x 2 devices
+
+
+def _last_hop(problem):
+    """:func:`last_hop` with the tight bound's terms."""
+    return last_hop(problem, CLUSTER, tight_bound_terms(problem, CLUSTER))
 
 
 def _message(problem, i, chain, parts):
@@ -64,7 +70,7 @@ def test_egress_plus_last_hop_every_schedule_is_above_and_the_best_meets_it(nbyt
     messages, the last fanned out), and so does ``broadcast``'s plan; the egress term
     alone is one fabric latency lower."""
     p = resharding_problem((nbytes,), "int8", SRC, ("device",), DST, (("host", "device"),))
-    assert last_hop(p, CLUSTER) == CLUSTER.intra_latency
+    assert _last_hop(p) == CLUSTER.intra_latency
     terms = relay_bound_terms(p, CLUSTER)
     last = next(t for t in terms.terms if t.resource == "w0 egress + last hop")
     assert last.seconds == terms.seconds  # the relay term's all-direct split ties
@@ -137,11 +143,11 @@ def test_outside_the_family_no_hop():
     """Several holders, a host over one chunk, or a host with one receiving device: no
     last hop."""
     two = MeshSpec(0, (2, 1), (0, 1))
-    assert last_hop(resharding_problem((4096,), "int8", two, ("host",), DST, (None,)), CLUSTER) == 0
+    assert _last_hop(resharding_problem((4096,), "int8", two, ("host",), DST, (None,))) == 0
     big = resharding_problem((1 << 16,), "int8", SRC, ("device",), DST, (None,))
-    assert last_hop(big, CLUSTER) == 0
+    assert _last_hop(big) == 0
     one = resharding_problem((4096,), "int8", SRC, ("device",), MeshSpec(1, (3, 1), HOSTS), (None,))
-    assert last_hop(one, CLUSTER) == 0
+    assert _last_hop(one) == 0
 
 
 TWO = MeshSpec(0, (2, 1), (0, 1))  # two holders, each with the whole array
@@ -215,5 +221,76 @@ def test_two_holders_all_direct_plus_half_a_hop_every_schedule_is_above(nbytes):
     assert min(times) >= terms.seconds * (1 - 1e-9)
     assert min(times) <= terms.seconds * 1.04
     assert min(times) > terms.seconds + CLUSTER.intra_latency / 2 * 0.99  # the gap is half a hop
+    plan = plan_resharding(p, "broadcast", CLUSTER)
+    assert plan.sim_time_s == pytest.approx(min(times), rel=1e-3)
+
+
+ONE = MeshSpec(1, (1, 2), (2,))  # one destination host x 2 devices
+
+
+def _ingress_sets(problem):
+    """Every message set that brings one destination host its data from two holders
+    of different halves: per holder one message (a block per slice for all its
+    devices, or a block per slice and device), one message per device, or one
+    message to a single device (a local all-gather fills the other)."""
+    per_root = {}
+    for need in problem.needs:
+        ((r, _),) = {(h, 0) for h, _ in need.holders}
+        per_root.setdefault(r, []).append(need)
+    options = {}
+    for r, needs in per_root.items():
+        pairs = [(n, d) for n in needs for _, d in n.receivers]
+        options[r] = [
+            [[(n, (d,)) for n, d in pairs]],  # a block per slice and device
+            [[(n, tuple(d for _, d in n.receivers)) for n in needs]],  # a block per slice
+            [[(n, (d,)) for n, dd in pairs if dd == d] for d in (0, 1)],  # one per device
+            [[(n, (0,)) for n in needs]],  # device 0 only
+        ]
+    for choice in itertools.product(*options.values()):
+        msgs = [(r, parts) for r, sets in zip(options, choice, strict=True) for parts in sets]
+        yield [(r, parts) for r, parts in msgs if parts]
+
+
+def _ingress_times(problem):
+    """Simulated seconds of every set of :func:`_ingress_sets` in every order (those
+    that reshard exactly)."""
+    out = []
+    for msgs in _ingress_sets(problem):
+        for order in itertools.permutations(msgs):
+            built = []
+            for i, (_, parts) in enumerate(order):
+                blocks = [
+                    make_message(n.index, 1, next(iter(n.holders)), [(2, devs)])
+                    for n, devs in parts
+                ]
+                built.append(dataclasses.replace(merged(blocks), round=i))
+            try:
+                out.append(simulate_resharding(problem, built, CLUSTER))
+            except ValueError:
+                continue  # a device left without its tile
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shape", "src_spec", "dst_spec"),
+    [((48000,), ("host",), (None,)), ((2, 18000), ("host", None), (None, "device"))],
+    ids=["replicated", "columns"],
+)
+def test_ingress_plus_last_hop_every_schedule_is_above_and_the_best_meets_it(
+    shape, src_spec, dst_spec
+):
+    """Two holders of different halves, one host x 2 devices: each device needs all of
+    it (48 KB, a copy per device would be 48 KB per message, over a chunk) or its own
+    columns of both halves (36 KB).  Every message set (one per holder, a block per
+    slice or per slice and device, one per device, or one to device 0 and a local
+    all-gather), in every order: none is below the bound (the host's ingress plus a
+    fabric latency), the best takes it to 0.3%, and so does ``broadcast``'s plan."""
+    p = resharding_problem(shape, "int8", TWO, src_spec, ONE, dst_spec)
+    terms = relay_bound_terms(p, CLUSTER)
+    assert terms.binding.resource == "w2 ingress + last hop"
+    times = _ingress_times(p)
+    assert len(times) >= 20
+    assert min(times) >= terms.seconds * (1 - 1e-9)
+    assert min(times) <= terms.seconds * 1.003
     plan = plan_resharding(p, "broadcast", CLUSTER)
     assert plan.sim_time_s == pytest.approx(min(times), rel=1e-3)

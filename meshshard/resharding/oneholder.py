@@ -140,7 +140,7 @@ def one_holder_terms(
     if family is None:
         return []
     m, total, most = family
-    hop = last_hop(problem, cluster)
+    hop = last_hop(problem, cluster, tight)
     seconds, how = one_holder_seconds(m, total, most, tight.latency, tight.bandwidth, hop)
     detail = f"{m} hosts need all {fmt_bytes(total)}: {how}"
     return [BoundTerm("one holder", total, 0, m, seconds, detail)]

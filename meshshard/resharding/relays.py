@@ -105,7 +105,7 @@ from meshshard.resharding.bound import (
     relay_bytes,
 )
 from meshshard.resharding.hops import hop_bound_terms
-from meshshard.resharding.lasthop import direct_hop, last_hop_terms
+from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
 from meshshard.tiles import ReshardingProblem
 
@@ -260,7 +260,7 @@ def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
     maximum."""
     hop = hop_bound_terms(problem, cluster)
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
-    extra += last_hop_terms(problem, cluster, hop)
+    extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
