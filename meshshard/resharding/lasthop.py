@@ -29,7 +29,9 @@ most one chunk, ending at ``h`` (its depth-1 receiver) no sooner than ``r``'s (o
 ``h``'s) busy time ``W``.  One of these holds, ``hop = min(alpha, intra_latency)``:
 
 1. ``O`` reaches a second host: that host is at depth 2 and gets its last byte ``>=
-   alpha + c / B`` after ``h`` did: the plan ends ``>= W + alpha``;
+   alpha + c / B`` after ``h`` did: the plan ends ``>= W + alpha`` (for a host's
+   ingress: ``h`` forwards in ``O`` or is at depth 2 or more, busy ``>= 2 alpha`` in
+   it, so ``W`` itself is ``alpha`` more);
 2. ``O`` reaches two devices of ``h`` or more: it lands on one of them, then crosses
    the fabric: ``>= W + intra_latency``;
 3. ``O`` reaches one device of ``h`` and ``h`` runs a local all-gather: it starts after
