@@ -104,6 +104,7 @@ from meshshard.resharding.bound import (
     least_chunk,
     relay_bytes,
 )
+from meshshard.resharding.cleanlast import clean_last_terms
 from meshshard.resharding.hops import hop_bound_terms
 from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
@@ -254,13 +255,14 @@ def relay_terms(
 
 
 def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> LowerBound:
-    """The hop bound's terms (the tight bound's and the hop term), the relay term and,
-    for one holder, the one-holder term (:mod:`~meshshard.resharding.oneholder`) and
-    the last-hop term (:mod:`~meshshard.resharding.lasthop`); the bound is their
-    maximum."""
+    """The hop bound's terms (the tight bound's and the hop term), the relay term, for
+    one holder the one-holder term (:mod:`~meshshard.resharding.oneholder`), and the
+    last-hop terms (:mod:`~meshshard.resharding.lasthop`,
+    :mod:`~meshshard.resharding.cleanlast`); the bound is their maximum."""
     hop = hop_bound_terms(problem, cluster)
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
     extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
+    extra += clean_last_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
