@@ -1,6 +1,8 @@
-"""The last-hop term (meshshard/resharding/lasthop.py): valid against every schedule of
-small one-holder families where each destination host takes at most one chunk for two
-devices, the best schedule takes it, and so does ``broadcast``'s plan."""
+"""The last-hop terms (meshshard/resharding/lasthop.py): valid against every schedule of
+small families whose hosts' messages land whole on one of two devices (one holder's
+egress and its "no chain through all", several holders all direct, a host's ingress);
+the best schedule takes the bound (or, all direct, half a hop more), and so does
+``broadcast``'s plan."""
 
 import dataclasses
 import itertools
