@@ -12,12 +12,14 @@ One module per job: ``blocks`` (block arithmetic, message building), ``coverage`
 (the contract), ``bound`` (NIC and tight bounds), ``hops`` (the hop bound for small
 multicasts to more hosts than hold the data), ``relays`` (the relay bound: a host
 reached through a relay pays a second hop, or the holders send more), ``oneholder``
-(its term for one source host that every destination host needs all of), ``baselines`` (the paper's send/recv, local all-gather,
-broadcast without and with size balancing), ``search`` (the paper's bounded search),
-``rounds`` (the LP over NIC-disjoint rounds), ``realize`` (rounds to messages),
-``whole`` (whole-slice schedules), ``balance`` (a sender's last slice shared with
-another holder), ``broadcast`` (ours: picks among those),
-``estimate`` (fast makespan estimate), ``simulate``, ``result``, ``planner``.
+(its term for one source host that every destination host needs all of), ``lasthop``
+and ``cleanlast`` (the hop a message that lands on one device still owes),
+``baselines`` (the paper's send/recv, local all-gather, broadcast without and with
+size balancing), ``search`` (the paper's bounded search), ``rounds`` (the LP over
+NIC-disjoint rounds), ``realize`` (rounds to messages), ``whole`` (whole-slice
+schedules), ``balance`` (a sender's last slice shared with another holder),
+``broadcast`` (ours: picks among those), ``estimate`` (fast makespan estimate),
+``simulate``, ``result``, ``planner``.
 This module only re-exports.
 """
 

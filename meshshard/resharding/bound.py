@@ -97,6 +97,7 @@ __all__ = [
     "receiver_groups",
     "relay_bytes",
     "host_bandwidth",
+    "single_device_last",
     "landing_hosts",
     "least_chunk",
     "multicast_seconds",
@@ -456,7 +457,7 @@ def _fan_out_terms(
     return out
 
 
-def _single_device_last(
+def single_device_last(
     slices: list[tuple[frozenset[int], frozenset[int]]], k: int, hosts: tuple[int, ...]
 ) -> bool:
     """Whether ``k`` source hosts can cover ``slices`` (``(holder hosts, devices)`` of one
@@ -493,7 +494,7 @@ def landing_hosts(
     for t in nic.terms:
         if t.side != "ingress" or t.nbytes > MIN_CHUNK_BYTES:
             continue
-        if not _single_device_last(per_host[t.members[0]], t.slices, problem.src.hosts):
+        if not single_device_last(per_host[t.members[0]], t.slices, problem.src.hosts):
             out[t.members[0]] = extra
     return out
 

@@ -26,7 +26,9 @@ A. *One full operation carries every element*: it carries ``U <= b <= V`` bytes,
    its last host is done ``>= m alpha + g(U, V) / B``, ``g(x, y) = inf_{x <= b <= y} (b
    + (m - 1) c(b))`` (:func:`~meshshard.resharding.bound.relay_bytes`).
 B. *No full operation*: ``r`` runs two or more and sends every element twice:
-   ``>= 2 alpha + 2 U / B``.
+   ``>= 2 alpha + 2 U / B``; where each host takes at most one chunk for two devices
+   or more, its last operation still needs one hop after that
+   (:mod:`~meshshard.resharding.lasthop`).
 C. *One full operation, carrying ``b >= F`` bytes of ``F < U`` elements*: ``r`` runs it
    and two or more others and sends ``>= b + 2 (U - F) >= 2 U - F`` bytes: ``>= 3 alpha
    + (2 U - F) / B``; the full operation's last host is busy ``>= m alpha + (b + (m - 1)
@@ -69,6 +71,7 @@ from meshshard.resharding.bound import (
     least_chunk,
     relay_bytes,
 )
+from meshshard.resharding.lasthop import last_hop
 from meshshard.resharding.result import fmt_bytes
 from meshshard.tiles import ReshardingProblem
 
@@ -112,12 +115,15 @@ def _one_full_some_elements(m: int, total: int, most: int, lat: float, bw: float
     return best
 
 
-def one_holder_seconds(m: int, total: int, most: int, lat: float, bw: float) -> tuple[float, str]:
+def one_holder_seconds(
+    m: int, total: int, most: int, lat: float, bw: float, hop: float = 0.0
+) -> tuple[float, str]:
     """The term's seconds for ``m`` hosts that each need ``total`` bytes, at most
-    ``most`` each, from one holder (module docstring), and which case is smallest."""
+    ``most`` each, from one holder (module docstring), and which case is smallest;
+    ``hop`` (:func:`~meshshard.resharding.lasthop.last_hop`) is added to case B."""
     cases = {
         "one chain through all": m * lat + relay_bytes(total, most, m - 1) / bw,
-        "no chain through all": 2 * lat + 2 * total / bw,
+        "no chain through all": 2 * lat + 2 * total / bw + hop,
         "one partial chain through all": _one_full_some_elements(m, total, most, lat, bw),
         "two chains through all": max(2 * m * lat, (m + 2) * lat + total / bw),
     }
@@ -134,6 +140,7 @@ def one_holder_terms(
     if family is None:
         return []
     m, total, most = family
-    seconds, how = one_holder_seconds(m, total, most, tight.latency, tight.bandwidth)
+    hop = last_hop(problem, cluster, tight)
+    seconds, how = one_holder_seconds(m, total, most, tight.latency, tight.bandwidth, hop)
     detail = f"{m} hosts need all {fmt_bytes(total)}: {how}"
     return [BoundTerm("one holder", total, 0, m, seconds, detail)]

@@ -30,7 +30,9 @@ For every plan some split holds, so the plan takes at least the *smallest*, over
 splits, of the largest of these:
 
 0. *Never one relay*: an operation that relays has a forwarder and a host beyond it,
-   both outside ``D``, so the rest is empty or has two hosts or more.
+   both outside ``D``, so the rest is empty or has two hosts or more; and both need
+   the operation's blocks (a host receives only what its devices need), so each host
+   of the rest needs a slice that another host of the rest needs.
 1. *A relaying host* ``h`` (not in ``D``) takes part in at least ``k_h`` operations
    (their roots cover its slices), carrying at least ``I_h`` bytes to it.  As the
    last, depth-1 receiver of ``b`` bytes it is busy ``>= alpha + b / B``; as a
@@ -62,7 +64,9 @@ splits, of the largest of these:
    ``s + 1`` largest share a machine).  And where the rest has ``m`` hosts and one
    operation, it is one chain through them all: its last host, at depth ``m``, is
    done ``>= m alpha + (b + (m - 1) c(b)) / B`` with ``b`` at least every ``I_h`` and
-   at most every ``V_h`` of the rest.
+   at most every ``V_h`` of the rest.  Where every host is in ``D`` and takes at most
+   one chunk, the roots' last messages still land and hop
+   (:mod:`~meshshard.resharding.lasthop`).
 
 Cutting slices only adds operations, and host-level messages are operations of one
 root, so both are covered; relays that forward several roots' blocks in one message
@@ -100,7 +104,9 @@ from meshshard.resharding.bound import (
     least_chunk,
     relay_bytes,
 )
+from meshshard.resharding.cleanlast import clean_last_terms
 from meshshard.resharding.hops import hop_bound_terms
+from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
 from meshshard.tiles import ReshardingProblem
 
@@ -119,6 +125,9 @@ class _Host:
     least: int
     most: int
     chunk: float = 0.0
+    peers: frozenset[int] = frozenset()
+    """The other destination hosts that need a slice it needs (0.)."""
+    host: int = -1
 
 
 def _exclusive_chunk(slices, k: int, most: int, hosts: tuple[int, ...]) -> float:
@@ -140,13 +149,16 @@ def _hosts(problem: ReshardingProblem, tight: LowerBound) -> list[_Host]:
     ingress terms (``slices`` is the smallest cover, ``nbytes`` the ingress)."""
     most: dict[int, int] = {}
     slices: dict[int, list[tuple[frozenset[int], int]]] = {}
+    peers: dict[int, set[int]] = {}
     for need in problem.needs:
         nbytes = need.nbytes(problem.itemsize)
         holders = frozenset(h for h, _ in need.holders)
+        receiving = {h for h, _ in need.receivers}
         for h, _ in need.receivers:
             most[h] = most.get(h, 0) + nbytes
-        for h in {h for h, _ in need.receivers}:
+        for h in receiving:
             slices.setdefault(h, []).append((holders, nbytes))
+            peers.setdefault(h, set()).update(receiving - {h})
     out = []
     for t in tight.terms:
         if t.side != "ingress" or t.detail:
@@ -155,8 +167,15 @@ def _hosts(problem: ReshardingProblem, tight: LowerBound) -> list[_Host]:
         chunk = 0.0
         if 1 < t.slices and len(problem.src.hosts) <= _MAX_HOSTS:
             chunk = _exclusive_chunk(slices[h], t.slices, most[h], problem.src.hosts)
-        out.append(_Host(t.slices, t.nbytes, most[h], chunk))
+        out.append(_Host(t.slices, t.nbytes, most[h], chunk, frozenset(peers[h]), h))
     return out
+
+
+def _relays_possible(rest: list[_Host]) -> bool:
+    """Whether ``rest`` can be the hosts that relay (0.): none, or each with another
+    host of ``rest`` that needs a slice it needs."""
+    inside = {h.host for h in rest}
+    return all(h.peers & inside for h in rest)
 
 
 def _relaying(h: _Host, lat: float, bw: float) -> float:
@@ -187,9 +206,11 @@ def _exact(groups: list[tuple[int, int]], senders: int, lat: float, bw: float) -
 
 
 def _split(
-    direct: list[_Host], rest: list[_Host], senders: int, lat: float, bw: float
+    direct: list[_Host], rest: list[_Host], senders: int, lat: float, bw: float, hop: float
 ) -> tuple[float, str]:
-    """The bound for one split (module docstring) and what binds it."""
+    """The bound for one split (module docstring) and what binds it; ``hop`` is what
+    each root's last message still needs where every host is direct
+    (:func:`~meshshard.resharding.lasthop.direct_hop`)."""
     groups = [(h.k, h.least) for h in direct]
     if rest:
         groups.append((max(h.k for h in rest), max(h.least for h in rest)))
@@ -199,10 +220,13 @@ def _split(
         b = relay_bytes(groups[-1][1], min(h.most for h in rest), m - 1)
         exact = max(exact, m * lat + b / bw)
     more = _more(groups, senders, lat, bw)
+    if not rest:
+        exact, more = exact + hop, more + (senders - 1) * hop / senders
     seconds = max([min(exact, more)] + [_relaying(h, lat, bw) for h in rest])
     k = sum(kh for kh, _ in groups)
     head = f"{len(rest)} relaying, {len(direct)} direct" if rest else "all direct"
-    return seconds, f"{head}, {k if exact <= more else f'{k + 1}+'} messages"
+    tail = ", then a hop" if hop and not rest else ""
+    return seconds, f"{head}, {k if exact <= more else f'{k + 1}+'} messages{tail}"
 
 
 def relay_terms(
@@ -215,13 +239,14 @@ def relay_terms(
     if not hosts or len(hosts) > _MAX_HOSTS:
         return []
     lat, bw = tight.latency, tight.bandwidth
+    hop = direct_hop(problem, cluster, tight)
     best, how = math.inf, ""
     for mask in itertools.product((True, False), repeat=len(hosts)):
         rest = [h for h, d in zip(hosts, mask, strict=True) if not d]
-        if len(rest) == 1:
+        if not _relays_possible(rest):
             continue  # 0.
         direct = [h for h, d in zip(hosts, mask, strict=True) if d]
-        seconds, what = _split(direct, rest, senders, lat, bw)
+        seconds, what = _split(direct, rest, senders, lat, bw, hop)
         if seconds < best:
             best, how = seconds, what
     detail = f"{len(hosts)} hosts from {senders} holders: {how}"
@@ -230,11 +255,14 @@ def relay_terms(
 
 
 def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> LowerBound:
-    """The hop bound's terms (the tight bound's and the hop term), the relay term and,
-    for one holder, the one-holder term (:mod:`~meshshard.resharding.oneholder`); the
-    bound is their maximum."""
+    """The hop bound's terms (the tight bound's and the hop term), the relay term, for
+    one holder the one-holder term (:mod:`~meshshard.resharding.oneholder`), and the
+    last-hop terms (:mod:`~meshshard.resharding.lasthop`,
+    :mod:`~meshshard.resharding.cleanlast`); the bound is their maximum."""
     hop = hop_bound_terms(problem, cluster)
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
+    extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
+    extra += clean_last_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
