@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -175,177 +176,261 @@ def synthetic_pipeline(
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if transfer not in ("send_recv", "broadcast"):
         raise ValueError(f"transfer must be 'send_recv' or 'broadcast', got {transfer!r}")
-    h, d = mesh_shape
     fwd = _per_stage(forward_flops, S, "forward_flops")
     bwd = (
         [2 * f for f in fwd]
         if backward_flops is None
         else _per_stage(backward_flops, S, "backward_flops")
     )
-    res = activation_bytes if residual_bytes is None else residual_bytes
-    cluster = cluster or ClusterSpec(name="synthetic", num_hosts=S * h, devices_per_host=d)
-
+    p = _Pipe(
+        S,
+        M,
+        schedule,
+        tuple(mesh_shape),
+        tuple(fwd),
+        tuple(bwd),
+        apply_flops,
+        activation_bytes,
+        activation_bytes if residual_bytes is None else residual_bytes,
+        param_bytes,
+        batch_bytes,
+        transfer,
+        dtype,
+    )
+    h, d = p.mesh_shape
     meshes = tuple(MeshSpec(s, (h, d), tuple(range(s * h, (s + 1) * h))) for s in range(S))
-    var = iter(range(1_000_000))
+    var = iter(range(1_000_000))  # tensor ids: the buffers', then the transfers'
+    buffers = _pipe_buffers(p, var)
+    transfers = _pipe_transfers(p, meshes, var)
+    tmap = {str(t.name): t for t in transfers}
+    streams = tuple(
+        WorkerStream(w, _pipe_stream(p, s, w, tmap)) for s in range(S) for w in meshes[s].hosts
+    )
+    stages, inputs, outputs = _pipe_header(p)
+    return Plan(
+        method=f"synthetic-{schedule}",
+        cluster=cluster or ClusterSpec(name="synthetic", num_hosts=S * h, devices_per_host=d),
+        num_micro_batches=M,
+        fingerprint="synthetic-" + hashlib.sha256(repr(p.key).encode()).hexdigest()[:12],
+        meshes=meshes,
+        stages=stages,
+        programs=_pipe_programs(p),
+        buffers=buffers,
+        transfers=transfers,
+        schedule=schedule_grid(schedule, S, M),
+        streams=streams,
+        inputs=inputs,
+        outputs=outputs,
+        notes=("synthetic plan built by meshshard.sim.synthetic (no traced program)",),
+    )
 
-    def fwd_t(s: int) -> str:  # activations s -> s+1
+
+@dataclass(frozen=True)
+class _Pipe:
+    """What :func:`synthetic_pipeline`'s arguments resolve to; the parts are built from it."""
+
+    S: int
+    M: int
+    schedule: str
+    mesh_shape: tuple[int, int]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    apply_flops: float
+    activation_bytes: int
+    res: int
+    param_bytes: int
+    batch_bytes: int
+    transfer: str
+    dtype: str
+
+    @property
+    def key(self) -> tuple:
+        """The values the plan's fingerprint hashes."""
+        return (
+            self.S,
+            self.M,
+            self.schedule,
+            self.mesh_shape,
+            list(self.fwd),
+            list(self.bwd),
+            self.apply_flops,
+            self.activation_bytes,
+            self.res,
+            self.param_bytes,
+            self.batch_bytes,
+            self.transfer,
+            self.dtype,
+        )
+
+    def fwd_t(self, s: int) -> str:
+        """The transfer of boundary ``s``'s activations (``s`` -> ``s + 1``)."""
         return f"t{s}"
 
-    def bwd_t(s: int) -> str:  # gradient s+1 -> s
-        return f"t{S - 1 + s}"
+    def bwd_t(self, s: int) -> str:
+        """The transfer of boundary ``s``'s gradient (``s + 1`` -> ``s``)."""
+        return f"t{self.S - 1 + s}"
 
-    # --- buffers, programs, transfers ------------------------------------------------
-    buffers: list[BufferSpec] = []
-    programs: list[ProgramSpec] = []
-    transfers: list[TransferSpec] = []
-    for s in range(S):
-        buffers += [
-            BufferSpec(
-                f"P{s}", s, False, (_tensor(next(var), f"stage{s}.params", param_bytes, dtype),)
-            ),
-            BufferSpec(
-                f"A{s}", s, False, (_tensor(next(var), f"stage{s}.grads", param_bytes, dtype),)
-            ),
-            BufferSpec(
-                f"S{s}",
-                s,
-                False,
-                (_tensor(next(var), f"stage{s}.opt_state", 2 * param_bytes, dtype),),
-            ),
-            BufferSpec(
-                f"O{s}",
-                s,
-                False,
-                (_tensor(next(var), f"stage{s}.new_state", 3 * param_bytes, dtype),),
-            ),
-            BufferSpec(f"R{s}", s, True, (_tensor(next(var), f"stage{s}.residuals", res, dtype),)),
-        ]
-        if s in (0, S - 1):
-            buffers.append(
-                BufferSpec(
-                    f"X{s}", s, True, (_tensor(next(var), f"stage{s}.batch", batch_bytes, dtype),)
-                )
-            )
-    for s in range(S - 1):
-        for name, src, dst, prod, cons in (
-            (fwd_t(s), s, s + 1, f"s{s}.F", f"s{s + 1}.F"),
-            (bwd_t(s), s + 1, s, f"s{s + 1}.B", f"s{s}.B"),
-        ):
-            spec = ("host",) if h > 1 and transfer == "send_recv" else ()
-            tensor = _tensor(next(var), f"{name}.array", activation_bytes, dtype, spec)
-            rows = tensor.shape[0]
-            if transfer == "send_recv":
-                per = rows // h
-                msgs = tuple(
-                    Message(
-                        meshes[src].hosts[i],
-                        meshes[dst].hosts[i],
-                        ((i * per, rows if i == h - 1 else (i + 1) * per),),
-                        activation_bytes // h
-                        if i < h - 1
-                        else activation_bytes - (h - 1) * (activation_bytes // h),
-                    )
-                    for i in range(h)
-                )
-            else:
-                group = (meshes[src].hosts[0], *meshes[dst].hosts)
-                msgs = (Message(group[0], group[1], ((0, rows),), activation_bytes, group=group),)
-            transfers.append(TransferSpec(name, tensor, spec, src, dst, prod, cons, msgs, transfer))
-    for s in range(S):
-        ins_f = [f"P{s}"] + ([f"X{s}"] if s in (0, S - 1) else []) + ([fwd_t(s - 1)] if s else [])
-        out_f = [f"R{s}"] + ([fwd_t(s)] if s < S - 1 else [])
-        ins_b = [f"P{s}", f"R{s}", f"A{s}"] + ([bwd_t(s)] if s < S - 1 else [])
-        out_b = [f"A{s}"] + ([bwd_t(s - 1)] if s else [])
-        programs += [
-            ProgramSpec(f"s{s}.F", s, (), tuple(ins_f), tuple(out_f), fwd[s], None),
-            ProgramSpec(f"s{s}.B", s, (), tuple(ins_b), tuple(out_b), bwd[s], None),
-        ]
-    for s in range(S):
-        programs.append(
-            ProgramSpec(
-                f"m{s}.apply", s, (), (f"P{s}", f"A{s}", f"S{s}"), (f"O{s}",), apply_flops, None
-            )
+    def reads_batch(self, s: int) -> bool:
+        """Whether stage ``s`` loads micro-batch inputs (the first) or labels (the last)."""
+        return s in (0, self.S - 1)
+
+
+def _pipe_buffers(p: _Pipe, var) -> tuple[BufferSpec, ...]:
+    """Per stage: parameters, gradient accumulators, optimizer state, the update's
+    output, residuals and (first and last stage) the batch."""
+    out: list[BufferSpec] = []
+    for s in range(p.S):
+        per_step = (
+            ("P", "params", p.param_bytes),
+            ("A", "grads", p.param_bytes),
+            ("S", "opt_state", 2 * p.param_bytes),
+            ("O", "new_state", 3 * p.param_bytes),
         )
-    tmap = {str(t.name): t for t in transfers}
+        for kind, what, nbytes in per_step:
+            tensor = _tensor(next(var), f"stage{s}.{what}", nbytes, p.dtype)
+            out.append(BufferSpec(f"{kind}{s}", s, False, (tensor,)))
+        residuals = _tensor(next(var), f"stage{s}.residuals", p.res, p.dtype)
+        out.append(BufferSpec(f"R{s}", s, True, (residuals,)))
+        if p.reads_batch(s):
+            batch = _tensor(next(var), f"stage{s}.batch", p.batch_bytes, p.dtype)
+            out.append(BufferSpec(f"X{s}", s, True, (batch,)))
+    return tuple(out)
 
-    # --- streams -----------------------------------------------------------------------
-    def send(name: str, buf: str, w: int) -> list[Instruction]:
-        return [*lower_transfer(tmap[name], buf, w), Free(buffer=buf)]
 
-    def recv(name: str, buf: str, w: int) -> list[Instruction]:
-        return list(lower_transfer(tmap[name], buf, w))
+def _pipe_transfers(p: _Pipe, meshes, var) -> tuple[TransferSpec, ...]:
+    """Each boundary's activation and gradient transfer: one message per host pair, or
+    one broadcast from the sending mesh's first host."""
+    h = p.mesh_shape[0]
+    out = []
+    for s in range(p.S - 1):
+        for name, src, dst, prod, cons in (
+            (p.fwd_t(s), s, s + 1, f"s{s}.F", f"s{s + 1}.F"),
+            (p.bwd_t(s), s + 1, s, f"s{s + 1}.B", f"s{s}.B"),
+        ):
+            spec = ("host",) if h > 1 and p.transfer == "send_recv" else ()
+            tensor = _tensor(next(var), f"{name}.array", p.activation_bytes, p.dtype, spec)
+            msgs = _pipe_messages(p, meshes[src], meshes[dst], tensor.shape[0])
+            out.append(TransferSpec(name, tensor, spec, src, dst, prod, cons, msgs, p.transfer))
+    return tuple(out)
 
-    streams = []
+
+def _pipe_messages(p: _Pipe, src: MeshSpec, dst: MeshSpec, rows: int) -> tuple[Message, ...]:
+    """Host ``i`` of ``src`` to host ``i`` of ``dst``, a slice of rows each; or one
+    broadcast of every row."""
+    nbytes = p.activation_bytes
+    if p.transfer != "send_recv":
+        group = (src.hosts[0], *dst.hosts)
+        return (Message(group[0], group[1], ((0, rows),), nbytes, group=group),)
+    h = p.mesh_shape[0]
+    per = rows // h
+    return tuple(
+        Message(
+            src.hosts[i],
+            dst.hosts[i],
+            ((i * per, rows if i == h - 1 else (i + 1) * per),),
+            nbytes // h if i < h - 1 else nbytes - (h - 1) * (nbytes // h),
+        )
+        for i in range(h)
+    )
+
+
+def _pipe_programs(p: _Pipe) -> tuple[ProgramSpec, ...]:
+    """Each stage's forward and backward, then each mesh's update."""
+    S = p.S
+    programs = []
     for s in range(S):
-        order = stage_order(schedule, S, M, s)
-        for w in meshes[s].hosts:
-            ins: list[Instruction] = [Zeros(buffer=f"A{s}")]
-            for task in order:
-                k = task.mb
-                if task.kind == "F":
-                    inputs = [f"P{s}"]
-                    if s in (0, S - 1):
-                        ins.append(Load(buffer=f"X{s}@{k}", mb=k))
-                        inputs.append(f"X{s}@{k}")
-                    if s > 0:
-                        buf = f"{fwd_t(s - 1)}@{k}"
-                        ins += recv(fwd_t(s - 1), buf, w)
-                        inputs.append(buf)
-                    outputs = [f"R{s}@{k}"] + ([f"{fwd_t(s)}@{k}"] if s < S - 1 else [])
-                    ins.append(
-                        Run(program=f"s{s}.F", mb=k, inputs=tuple(inputs), outputs=tuple(outputs))
-                    )
-                    if s in (0, S - 1):
-                        ins.append(Free(buffer=f"X{s}@{k}"))
-                    if s > 0:
-                        ins.append(Free(buffer=f"{fwd_t(s - 1)}@{k}"))
-                    if s < S - 1:
-                        ins += send(fwd_t(s), f"{fwd_t(s)}@{k}", w)
-                else:
-                    inputs = [f"P{s}", f"R{s}@{k}", f"A{s}"]
-                    if s < S - 1:
-                        buf = f"{bwd_t(s)}@{k}"
-                        ins += recv(bwd_t(s), buf, w)
-                        inputs.append(buf)
-                    outputs = [f"A{s}"] + ([f"{bwd_t(s - 1)}@{k}"] if s > 0 else [])
-                    ins.append(
-                        Run(program=f"s{s}.B", mb=k, inputs=tuple(inputs), outputs=tuple(outputs))
-                    )
-                    ins.append(Free(buffer=f"R{s}@{k}"))
-                    if s < S - 1:
-                        ins.append(Free(buffer=f"{bwd_t(s)}@{k}"))
-                    if s > 0:
-                        ins += send(bwd_t(s - 1), f"{bwd_t(s - 1)}@{k}", w)
-            ins.append(
-                Run(
-                    program=f"m{s}.apply",
-                    mb=None,
-                    inputs=(f"P{s}", f"A{s}", f"S{s}"),
-                    outputs=(f"O{s}",),
-                )
-            )
-            ins.append(WaitAll())
-            streams.append(WorkerStream(w, tuple(ins)))
+        ins_f = [f"P{s}"] + ([f"X{s}"] if p.reads_batch(s) else [])
+        ins_f += [p.fwd_t(s - 1)] if s else []
+        out_f = [f"R{s}"] + ([p.fwd_t(s)] if s < S - 1 else [])
+        ins_b = [f"P{s}", f"R{s}", f"A{s}"] + ([p.bwd_t(s)] if s < S - 1 else [])
+        out_b = [f"A{s}"] + ([p.bwd_t(s - 1)] if s else [])
+        programs += [
+            ProgramSpec(f"s{s}.F", s, (), tuple(ins_f), tuple(out_f), p.fwd[s], None),
+            ProgramSpec(f"s{s}.B", s, (), tuple(ins_b), tuple(out_b), p.bwd[s], None),
+        ]
+    for s in range(S):
+        apply_ins = (f"P{s}", f"A{s}", f"S{s}")
+        programs.append(
+            ProgramSpec(f"m{s}.apply", s, (), apply_ins, (f"O{s}",), p.apply_flops, None)
+        )
+    return tuple(programs)
 
+
+def _pipe_stream(p: _Pipe, s: int, w: int, tmap: dict) -> tuple[Instruction, ...]:
+    """Worker ``w`` of stage ``s``: its schedule's tasks (module docstring), framed by
+    zeroing the accumulators and the update."""
+    ins: list[Instruction] = [Zeros(buffer=f"A{s}")]
+    for task in stage_order(p.schedule, p.S, p.M, s):
+        task_fn = _forward_task if task.kind == "F" else _backward_task
+        ins += task_fn(p, s, task.mb, w, tmap)
+    apply_ins = (f"P{s}", f"A{s}", f"S{s}")
+    ins.append(Run(program=f"m{s}.apply", mb=None, inputs=apply_ins, outputs=(f"O{s}",)))
+    ins.append(WaitAll())
+    return tuple(ins)
+
+
+def _send(tmap: dict, name: str, buf: str, w: int) -> list[Instruction]:
+    return [*lower_transfer(tmap[name], buf, w), Free(buffer=buf)]
+
+
+def _forward_task(p: _Pipe, s: int, k: int, w: int, tmap: dict) -> list[Instruction]:
+    """Stage ``s``'s forward of micro-batch ``k``: load, receive, run, free, send."""
+    ins: list[Instruction] = []
+    inputs = [f"P{s}"]
+    if p.reads_batch(s):
+        ins.append(Load(buffer=f"X{s}@{k}", mb=k))
+        inputs.append(f"X{s}@{k}")
+    if s > 0:
+        buf = f"{p.fwd_t(s - 1)}@{k}"
+        ins += lower_transfer(tmap[p.fwd_t(s - 1)], buf, w)
+        inputs.append(buf)
+    outputs = [f"R{s}@{k}"] + ([f"{p.fwd_t(s)}@{k}"] if s < p.S - 1 else [])
+    ins.append(Run(program=f"s{s}.F", mb=k, inputs=tuple(inputs), outputs=tuple(outputs)))
+    if p.reads_batch(s):
+        ins.append(Free(buffer=f"X{s}@{k}"))
+    if s > 0:
+        ins.append(Free(buffer=f"{p.fwd_t(s - 1)}@{k}"))
+    if s < p.S - 1:
+        ins += _send(tmap, p.fwd_t(s), f"{p.fwd_t(s)}@{k}", w)
+    return ins
+
+
+def _backward_task(p: _Pipe, s: int, k: int, w: int, tmap: dict) -> list[Instruction]:
+    """Stage ``s``'s backward of micro-batch ``k``: receive, run, free, send."""
+    ins: list[Instruction] = []
+    inputs = [f"P{s}", f"R{s}@{k}", f"A{s}"]
+    if s < p.S - 1:
+        buf = f"{p.bwd_t(s)}@{k}"
+        ins += lower_transfer(tmap[p.bwd_t(s)], buf, w)
+        inputs.append(buf)
+    outputs = [f"A{s}"] + ([f"{p.bwd_t(s - 1)}@{k}"] if s > 0 else [])
+    ins.append(Run(program=f"s{s}.B", mb=k, inputs=tuple(inputs), outputs=tuple(outputs)))
+    ins.append(Free(buffer=f"R{s}@{k}"))
+    if s < p.S - 1:
+        ins.append(Free(buffer=f"{p.bwd_t(s)}@{k}"))
+    if s > 0:
+        ins += _send(tmap, p.bwd_t(s - 1), f"{p.bwd_t(s - 1)}@{k}", w)
+    return ins
+
+
+def _pipe_header(p: _Pipe) -> tuple[tuple, tuple, tuple]:
+    """The plan's stages, inputs (the batch, the parameters) and output (the new state)."""
+    S, itemsize = p.S, np.dtype(p.dtype).itemsize
     stages = tuple(
-        StageSpec(s, s, (s,), f"s{s}.F", f"s{s}.B", f"synthetic, {fwd[s]:.3g} + {bwd[s]:.3g} flop")
+        StageSpec(
+            s, s, (s,), f"s{s}.F", f"s{s}.B", f"synthetic, {p.fwd[s]:.3g} + {p.bwd[s]:.3g} flop"
+        )
         for s in range(S)
     )
+    batch_bufs = tuple((f"X{s}", 0) for s in sorted({0, S - 1}))
     inputs = (
-        InputSpec(
-            0,
-            "batch",
-            "batch",
-            (M, batch_bytes // np.dtype(dtype).itemsize),
-            dtype,
-            tuple((f"X{s}", 0) for s in sorted({0, S - 1})),
-        ),
+        InputSpec(0, "batch", "batch", (p.M, p.batch_bytes // itemsize), p.dtype, batch_bufs),
         InputSpec(
             1,
             "params",
             "state",
-            (S, param_bytes // np.dtype(dtype).itemsize),
-            dtype,
+            (S, p.param_bytes // itemsize),
+            p.dtype,
             tuple((f"P{s}", 0) for s in range(S)),
         ),
     )
@@ -353,45 +438,13 @@ def synthetic_pipeline(
         OutputSpec(
             0,
             "new_state",
-            (S, 3 * param_bytes // np.dtype(dtype).itemsize),
-            dtype,
+            (S, 3 * p.param_bytes // itemsize),
+            p.dtype,
             "buffer",
             tuple((f"O{s}", 0) for s in range(S)),
         ),
     )
-    key = repr(
-        (
-            S,
-            M,
-            schedule,
-            mesh_shape,
-            fwd,
-            bwd,
-            apply_flops,
-            activation_bytes,
-            res,
-            param_bytes,
-            batch_bytes,
-            transfer,
-            dtype,
-        )
-    )
-    return Plan(
-        method=f"synthetic-{schedule}",
-        cluster=cluster,
-        num_micro_batches=M,
-        fingerprint="synthetic-" + hashlib.sha256(key.encode()).hexdigest()[:12],
-        meshes=meshes,
-        stages=stages,
-        programs=tuple(programs),
-        buffers=tuple(buffers),
-        transfers=tuple(transfers),
-        schedule=schedule_grid(schedule, S, M),
-        streams=tuple(streams),
-        inputs=inputs,
-        outputs=outputs,
-        notes=("synthetic plan built by meshshard.sim.synthetic (no traced program)",),
-    )
+    return stages, inputs, outputs
 
 
 def _bare_plan(method, cluster, meshes, buffers, transfers, streams, notes) -> Plan:
