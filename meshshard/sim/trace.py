@@ -60,58 +60,71 @@ def _colour(token: str) -> dict:
 
 def chrome_trace(result: SimResult) -> dict:
     """The trace object: ``{"traceEvents": [...], "displayTimeUnit": "ms", ...}``."""
-    us = 1e6
+    events, pids = _worker_processes(result)
+    events += _span_events(result.spans, pids)
+    events += _counter_events(result.counters, pids)
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "meshshard": "simulated",
+            "method": result.method,
+            "cluster": str(result.cluster),
+            "overlap": result.overlap,
+            "iteration_time_s": result.iteration_time,
+        },
+    }
+
+
+def _worker_processes(result: SimResult) -> tuple[list[dict], dict[str, int]]:
+    """One trace process per worker (named by its meshes and devices, its compute
+    lane named), and the process id of each worker's track."""
     events: list[dict] = []
     pids: dict[str, int] = {}
     for w in result.workers:
         pid = w.worker
         pids[f"w{w.worker}"] = pid
         meshes = ",".join(f"mesh{m}" for m in w.meshes) or "no mesh"
+        name = f"w{w.worker} ({meshes}, {w.devices} devices)"
+        events += [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}},
+            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}},
+            {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}},
+        ]
+    return events, pids
+
+
+def _span_events(spans, pids: dict[str, int]) -> list[dict]:
+    """Compute spans on lane 0; each track's communication spans on as many lanes as
+    overlap (``comm 0``, ``comm 1``, ...).  New tracks get the next process ids."""
+    us = 1e6
+    events: list[dict] = []
+    comm: dict[str, list] = {}
+    for s in spans:
+        pid = pids.setdefault(s.track, len(pids))
+        if s.lane != "compute":
+            comm.setdefault(s.track, []).append(s)
+            continue
         events.append(
             {
-                "ph": "M",
+                "ph": "X",
                 "pid": pid,
-                "name": "process_name",
-                "args": {"name": f"w{w.worker} ({meshes}, {w.devices} devices)"},
+                "tid": 0,
+                "name": s.name,
+                "cat": s.category or "compute",
+                "ts": s.start * us,
+                "dur": (s.end - s.start) * us,
             }
         )
-        events.append(
-            {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}
-        )
-        events.append(
-            {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}}
-        )
-    comm: dict[str, list] = {}
-    for s in result.spans:
-        pid = pids.setdefault(s.track, len(pids))
-        if s.lane == "compute":
-            events.append(
-                {
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": 0,
-                    "name": s.name,
-                    "cat": s.category or "compute",
-                    "ts": s.start * us,
-                    "dur": (s.end - s.start) * us,
-                }
-            )
-        else:
-            comm.setdefault(s.track, []).append(s)
-    for track, spans in comm.items():
+    for track, track_spans in comm.items():
         pid = pids[track]
-        lanes = assign_lanes([(s.start, s.end) for s in spans])
+        lanes = assign_lanes([(s.start, s.end) for s in track_spans])
         for k in range(max(lanes) + 1 if lanes else 0):
+            name = {"name": f"comm {k}"}
             events.append(
-                {
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": 1 + k,
-                    "name": "thread_name",
-                    "args": {"name": f"comm {k}"},
-                }
+                {"ph": "M", "pid": pid, "tid": 1 + k, "name": "thread_name", "args": name}
             )
-        for s, k in zip(spans, lanes, strict=True):
+        for s, k in zip(track_spans, lanes, strict=True):
             events.append(
                 {
                     "ph": "X",
@@ -124,24 +137,23 @@ def chrome_trace(result: SimResult) -> dict:
                     "dur": (s.end - s.start) * us,
                 }
             )
-    events.append(
-        {"ph": "M", "pid": _NETWORK_PID, "name": "process_name", "args": {"name": "network links"}}
-    )
-    for c in result.counters:
+    return events
+
+
+def _counter_events(counters, pids: dict[str, int]) -> list[dict]:
+    """The network links' process, and every counter sample (link use, memory held)."""
+    name = {"name": "network links"}
+    events = [{"ph": "M", "pid": _NETWORK_PID, "name": "process_name", "args": name}]
+    for c in counters:
         pid = _NETWORK_PID if c.track == "network" else pids.get(c.track, _NETWORK_PID)
-        scale = c.scale
         for t, v in c.samples:
             events.append(
-                {"ph": "C", "pid": pid, "name": c.name, "ts": t * us, "args": {c.unit: v * scale}}
+                {
+                    "ph": "C",
+                    "pid": pid,
+                    "name": c.name,
+                    "ts": t * 1e6,
+                    "args": {c.unit: v * c.scale},
+                }
             )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "meshshard": "simulated",
-            "method": result.method,
-            "cluster": str(result.cluster),
-            "overlap": result.overlap,
-            "iteration_time_s": result.iteration_time,
-        },
-    }
+    return events
