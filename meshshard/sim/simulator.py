@@ -64,31 +64,11 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
-_SPAN_CATEGORY = {Send: "send", Recv: "recv", Collective: "collective"}
-
-
-def _category(ins: Instruction) -> str:
-    """The trace category of a communication span."""
-    return _SPAN_CATEGORY.get(type(ins), "comm")
-
-
-def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) -> SimResult:
-    """Turn an engine :class:`Timeline` into a :class:`SimResult` (stats, memory, spans, counters)."""
-    end = tl.end + cluster.dispatch_overhead  # the driver's share of every step
+def _worker_stats(
+    plan: Plan, cluster: ClusterSpec, tl: Timeline, end: float, record: bool
+) -> tuple[list[WorkerStats], list[Span]]:
+    """Per worker: compute and communication time, finish (:class:`WorkerStats`); and,
+    when ``record``, a span per program run, communication and wait that blocked."""
     spans: list[Span] = []
     workers: list[WorkerStats] = []
     meshes_of: dict[int, list[int]] = {}
@@ -97,7 +77,6 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
         for h in m.hosts:
             meshes_of.setdefault(h, []).append(m.id)
             devices_of[h] = max(devices_of.get(h, 0), m.shape[1])
-    record = opts.record
     for recs in tl.records:
         if not recs:
             continue
@@ -135,6 +114,35 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
                 iteration=end,
             )
         )
+    return workers, spans
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+_SPAN_CATEGORY = {Send: "send", Recv: "recv", Collective: "collective"}
+
+
+def _category(ins: Instruction) -> str:
+    """The trace category of a communication span."""
+    return _SPAN_CATEGORY.get(type(ins), "comm")
+
+
+def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) -> SimResult:
+    """Turn an engine :class:`Timeline` into a :class:`SimResult` (stats, memory, spans, counters)."""
+    end = tl.end + cluster.dispatch_overhead  # the driver's share of every step
+    workers, spans = _worker_stats(plan, cluster, tl, end, opts.record)
     net, topo = tl.network, tl.topology
     links = tuple(
         LinkStats(link.name, link.kind, link.capacity, net.moved[link.id], net.busy[link.id], end)
@@ -152,7 +160,7 @@ def summarise(plan: Plan, cluster: ClusterSpec, opts: SimOptions, tl: Timeline) 
         for w, (peak, at, breakdown) in sorted(peaks.items())
     )
     counters: list[Counter] = []
-    if record:
+    if opts.record:
         for link in topo.links:
             samples = net.samples[link.id]
             if samples:
