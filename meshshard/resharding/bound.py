@@ -66,8 +66,11 @@ host relays only inside a chain broadcast; a broadcast moves in chunks of at lea
   hop, unless one source host of a smallest cover can send it blocks for one device
   only; one more message costs a NIC latency instead.
 
-The tight bound is the largest of these and the NIC terms.  It assumes slices travel
-whole, as they do in small plans (cutting one adds an ``alpha`` per piece and hop).
+The tight bound is the largest of these and the NIC terms.  The multicast term
+assumes a slice travels whole; where several source hosts hold it they may cut it
+instead (each sends part of it to a host, as the balance candidate does), and then
+some host takes two pieces or more, ``>= 2 alpha + n / B``: the term is the smaller of
+the two.
 
     >>> q = resharding_problem((1 << 18,), "int32", MeshSpec(0, (1, 1), (0,)), (),
     ...                        MeshSpec(1, (4, 2), (1, 2, 3, 4)), ())
@@ -343,6 +346,10 @@ def _multicast_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> list[B
         detail = f"{fmt_bytes(nbytes)} in {fmt_bytes(chunk)} chunks"
         name = f"slice [{index_str(need.index)}] to {r} hosts from {s}"
         t = multicast_seconds(nbytes, s, r, cluster)
+        if s > 1:  # holders may cut the slice: some host then takes two pieces or more
+            cut = 2 * float(cluster.nic_latency) + nbytes / host_bandwidth(cluster)
+            if cut < t:
+                t, detail = cut, f"{fmt_bytes(nbytes)} cut between holders, in 2+ pieces"
         out.append(BoundTerm(name, nbytes, 1, r, t, detail))
     return out
 
