@@ -14,6 +14,8 @@ multicasts to more hosts than hold the data), ``relays`` (the relay bound: a hos
 reached through a relay pays a second hop, or the holders send more), ``oneholder``
 (its term for one source host that every destination host needs all of), ``lasthop``
 and ``cleanlast`` (the hop a message that lands on one device still owes),
+``sharedroot`` (that hop where a host's big share could skip it but a source host two
+hosts need serves one of them late),
 ``baselines`` (the paper's send/recv, local all-gather, broadcast without and with
 size balancing), ``search`` (the paper's bounded search), ``rounds`` (the LP over
 NIC-disjoint rounds), ``realize`` (rounds to messages), ``whole`` (whole-slice

@@ -75,7 +75,10 @@ are not in the runtime (a destination host forwards only inside a chain).
 The relay bound also takes, where one source host holds everything and every
 destination host needs all of it, the one-holder term
 (:mod:`~meshshard.resharding.oneholder`): there the split above only counts the
-holder's latencies and bytes once two operations reach the relaying hosts.
+holder's latencies and bytes once two operations reach the relaying hosts.  And it
+takes the shared-root term (:mod:`~meshshard.resharding.sharedroot`): a host's last
+message hops unless it is a big one, which one of two hosts that a third source host
+alone serves can take only late.
 
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
@@ -108,6 +111,7 @@ from meshshard.resharding.cleanlast import clean_last_terms
 from meshshard.resharding.hops import hop_bound_terms
 from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
+from meshshard.resharding.sharedroot import shared_root_terms
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["least_chunk", "relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
@@ -258,11 +262,12 @@ def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
     """The hop bound's terms (the tight bound's and the hop term), the relay term, for
     one holder the one-holder term (:mod:`~meshshard.resharding.oneholder`), and the
     last-hop terms (:mod:`~meshshard.resharding.lasthop`,
-    :mod:`~meshshard.resharding.cleanlast`); the bound is their maximum."""
+    :mod:`~meshshard.resharding.cleanlast`, :mod:`~meshshard.resharding.sharedroot`);
+    the bound is their maximum."""
     hop = hop_bound_terms(problem, cluster)
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
     extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
-    extra += clean_last_terms(problem, cluster, hop)
+    extra += clean_last_terms(problem, cluster, hop) + shared_root_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
