@@ -545,11 +545,7 @@ class _Engine:
         op.end = self.now
         if op.start == _INF:
             op.start = self.now
-        waiting = self.waiters.pop(op.id, None)  # (inline :meth:`_wake`: once per op)
-        if waiting:
-            for other in waiting:
-                other.registered = -1
-                self._schedule_pump(other.queue)
+        self._wake(op)
         self._schedule_pump(op.queue)
 
     def _wake(self, op: _Op) -> None:
