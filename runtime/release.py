@@ -86,12 +86,12 @@ class Releaser:
         """Stop running calls, after the one in progress (if any) ends; later calls are
         dropped.  Runs at interpreter exit before JAX's own exit hook, which frees the
         backends: a call that drops device arrays after that aborts the process."""
-        if not self._busy.acquire(timeout=timeout):
-            log.warning("meshshard: a cleanup call still runs at exit; exiting anyway")
-            self._closed = True
-            return
+        idle = self._busy.acquire(timeout=timeout)
         self._closed = True
-        self._busy.release()
+        if idle:
+            self._busy.release()
+        else:
+            log.warning("meshshard: a cleanup call still runs at exit; exiting anyway")
 
     def _run(self) -> None:
         waiting: list = []  # heap of (deadline, seq, fn)
