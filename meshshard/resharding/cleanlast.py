@@ -56,11 +56,10 @@ from dataclasses import dataclass
 
 from meshshard.cluster import ClusterSpec
 from meshshard.resharding.bound import (
-    MIN_CHUNK_BYTES,
     BoundTerm,
     LowerBound,
-    by_receiver_host,
 )
+from meshshard.resharding.lasthop import HostSlices
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["clean_last_terms"]
@@ -77,32 +76,6 @@ class _Agent:
     seconds: float
     hop: float
     partners: frozenset[int]
-
-
-@dataclass(frozen=True)
-class _Slices:
-    """Per destination host: its slices as ``(holder hosts, devices, bytes)``."""
-
-    per_host: dict[int, list[tuple[frozenset[int], frozenset[int], int]]]
-
-    @staticmethod
-    def of(problem: ReshardingProblem) -> _Slices:
-        """The problem's slices per destination host."""
-        out: dict[int, list[tuple[frozenset[int], frozenset[int], int]]] = {}
-        for need in problem.needs:
-            holders = frozenset(h for h, _ in need.holders)
-            for h, devs in by_receiver_host(need.receivers).items():
-                out.setdefault(h, []).append((holders, devs, need.nbytes(problem.itemsize)))
-        return _Slices(out)
-
-    def lands_whole(self, r: int, h: int, extra: float) -> bool:
-        """Whether every message from ``r`` to ``h`` lands whole or pays ``extra``
-        duplicate bytes (:func:`~meshshard.resharding.lasthop.landing`)."""
-        mine = [(devs, n) for holders, devs, n in self.per_host[h] if r in holders]
-        once = sum(n for _, n in mine)
-        return sum(n * len(d) for d, n in mine) <= MIN_CHUNK_BYTES or (
-            once + extra <= MIN_CHUNK_BYTES
-        )
 
 
 def _best(agents: Sequence[_Agent]) -> tuple[float, int]:
@@ -139,7 +112,7 @@ def _matchable(partners: list[frozenset[int]]) -> bool:
     return all(take(i, set()) for i in range(len(partners)))
 
 
-def _roots(slices: _Slices, tight: LowerBound, hop: float) -> list[_Agent]:
+def _roots(slices: HostSlices, tight: LowerBound, hop: float) -> list[_Agent]:
     """One agent per source host with an egress term of its own."""
     extra = hop * tight.bandwidth
     out = []
@@ -173,7 +146,7 @@ def _clean_roots(slices, k: int, hosts: tuple[int, ...]) -> frozenset[int]:
 
 
 def _hosts(
-    problem: ReshardingProblem, slices: _Slices, tight: LowerBound, hop: float
+    problem: ReshardingProblem, slices: HostSlices, tight: LowerBound, hop: float
 ) -> list[_Agent]:
     """One agent per destination host with an ingress term."""
     extra = hop * tight.bandwidth
@@ -198,7 +171,7 @@ def clean_last_terms(
     if len(problem.src.hosts) > _MAX_SOURCE_HOSTS:
         return []
     hop = float(min(cluster.nic_latency, cluster.intra_latency))
-    slices = _Slices.of(problem)
+    slices = HostSlices.of(problem)
     out = []
     for name, agents in (
         ("roots", _roots(slices, tight, hop)),

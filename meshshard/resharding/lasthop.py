@@ -91,6 +91,8 @@ hosts share no slice, so none can relay.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshshard.cluster import ClusterSpec
 from meshshard.resharding.bound import (
     MIN_CHUNK_BYTES,
@@ -102,7 +104,14 @@ from meshshard.resharding.bound import (
 from meshshard.resharding.result import fmt_bytes, fmt_seconds
 from meshshard.tiles import ReshardingProblem
 
-__all__ = ["direct_hop", "ingress_hop_terms", "landing", "last_hop", "last_hop_terms"]
+__all__ = [
+    "HostSlices",
+    "direct_hop",
+    "ingress_hop_terms",
+    "landing",
+    "last_hop",
+    "last_hop_terms",
+]
 
 _MAX_SOURCE_HOSTS = 16  # smallest covers tried, as in the tight bound's landing term
 
@@ -112,22 +121,36 @@ def _hop(cluster: ClusterSpec) -> float:
     return float(min(cluster.nic_latency, cluster.intra_latency))
 
 
-def _shares(problem: ReshardingProblem):
-    """Per destination host: its ``(holder hosts, devices)`` per slice, and per source
-    host the bytes of its slices it holds, once and once per device."""
-    slices: dict[int, list[tuple[frozenset[int], frozenset[int]]]] = {}
-    once: dict[int, dict[int, int]] = {}
-    per_device: dict[int, dict[int, int]] = {}
-    for need in problem.needs:
-        nbytes = need.nbytes(problem.itemsize)
-        holders = frozenset(h for h, _ in need.holders)
-        for h, devs in by_receiver_host(need.receivers).items():
-            slices.setdefault(h, []).append((holders, devs))
-            for r in holders:
-                once.setdefault(h, {})[r] = once.get(h, {}).get(r, 0) + nbytes
-                per = per_device.setdefault(h, {})
-                per[r] = per.get(r, 0) + nbytes * len(devs)
-    return slices, once, per_device
+@dataclass(frozen=True)
+class HostSlices:
+    """Per destination host: its slices as ``(holder hosts, devices, bytes)``."""
+
+    per_host: dict[int, list[tuple[frozenset[int], frozenset[int], int]]]
+
+    @staticmethod
+    def of(problem: ReshardingProblem) -> HostSlices:
+        """The problem's slices per destination host."""
+        out: dict[int, list[tuple[frozenset[int], frozenset[int], int]]] = {}
+        for need in problem.needs:
+            holders = frozenset(h for h, _ in need.holders)
+            for h, devs in by_receiver_host(need.receivers).items():
+                out.setdefault(h, []).append((holders, devs, need.nbytes(problem.itemsize)))
+        return HostSlices(out)
+
+    def pairs(self, h: int) -> list[tuple[frozenset[int], frozenset[int]]]:
+        """Host ``h``'s slices as ``(holder hosts, devices)``
+        (:func:`~meshshard.resharding.bound.single_device_last`)."""
+        return [(holders, devs) for holders, devs, _ in self.per_host[h]]
+
+    def lands_whole(self, r: int, h: int, extra: float) -> bool:
+        """Whether every message from ``r`` to ``h`` lands whole or pays ``extra``
+        duplicate bytes (:func:`landing`): ``r``'s share of ``h``'s slices, once per
+        device, is at most a chunk, or once plus ``extra`` is."""
+        mine = [(devs, n) for holders, devs, n in self.per_host[h] if r in holders]
+        once = sum(n for _, n in mine)
+        return sum(n * len(d) for d, n in mine) <= MIN_CHUNK_BYTES or (
+            once + extra <= MIN_CHUNK_BYTES
+        )
 
 
 def landing(problem: ReshardingProblem, cluster: ClusterSpec, tight: LowerBound) -> set[int]:
@@ -137,18 +160,16 @@ def landing(problem: ReshardingProblem, cluster: ClusterSpec, tight: LowerBound)
     most one chunk, or once plus ``hop B`` bytes at most one chunk)."""
     if len(problem.src.hosts) > _MAX_SOURCE_HOSTS:
         return set()
-    slices, once, per_device = _shares(problem)
+    slices = HostSlices.of(problem)
     extra = _hop(cluster) * tight.bandwidth
     out = set()
     for t in tight.terms:
         if t.side != "ingress" or t.detail:
             continue
         h = t.members[0]
-        whole = all(
-            per_device[h][r] <= MIN_CHUNK_BYTES or n + extra <= MIN_CHUNK_BYTES
-            for r, n in once[h].items()
-        )
-        if whole and not single_device_last(slices[h], t.slices, problem.src.hosts):
+        roots = {r for holders, _, _ in slices.per_host[h] for r in holders}
+        whole = all(slices.lands_whole(r, h, extra) for r in roots)
+        if whole and not single_device_last(slices.pairs(h), t.slices, problem.src.hosts):
             out.add(h)
     return out
 
