@@ -40,13 +40,15 @@ waits for a lower one, so the waits cannot form a cycle.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline", "Tracked", "overtakes"]
+__all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline", "Tracked", "overtakes", "stop_helpers"]
 
 #: Seconds a comm thread with only refused ops waits before it looks again.
 ADMISSION_POLL_S = 0.0005
@@ -161,6 +163,7 @@ class CommQueue:
         self.refused = 0  # times an op was held back by admission (tests, traces)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _register(self)
 
     def submit(
         self,
@@ -258,6 +261,7 @@ class Prefetcher:
         self._queue: deque[Lazy | None] = deque()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _register(self)
 
     def add(self, lazy: Lazy) -> None:
         """Complete ``lazy`` in the background (unless someone needs it first)."""
@@ -280,6 +284,37 @@ class Prefetcher:
         with self._cv:
             self._queue.append(None)
             self._cv.notify()
+
+
+# --- stopping the helper threads at interpreter exit ----------------------------------
+_HELPERS: weakref.WeakSet = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+_hooked = False
+
+
+def _register(helper) -> None:
+    """Track a comm or prefetch thread so :func:`stop_helpers` ends it at exit."""
+    global _hooked
+    _HELPERS.add(helper)
+    with _HOOK_LOCK:
+        if not _hooked:
+            import jax  # noqa: F401  (its exit hook first, so stop_helpers runs before it)
+
+            atexit.register(stop_helpers)
+            _hooked = True
+
+
+def stop_helpers(timeout_s: float = 5.0) -> None:
+    """Close every live comm and prefetch thread and wait (at most ``timeout_s`` in all)
+    for them to end.  Runs at interpreter exit before JAX's own exit hook: a helper still
+    alive while the process tears JAX down (a step object kept to the end of a script
+    with data-parallel replicas) could abort it with ``terminate called ...``."""
+    helpers = list(_HELPERS)
+    for h in helpers:
+        h.close()
+    end = time.monotonic() + timeout_s
+    for h in helpers:
+        h._thread.join(max(0.0, end - time.monotonic()))
 
 
 @dataclass
