@@ -10,8 +10,10 @@ per mesh, where a mesh's later chunk finishes its gradients while its earlier ch
 still sends activation gradients (the case where a P2P can meet queued chunks; under
 1F1B every P2P of a replica precedes its all-reduce in the stream).  Variants, measured side by side in one run: no
 communication scheduling, each switch alone, all three, all three + topology-aware
-admission.  ``sparse`` has nothing to act on in a real plan (no (indices, rows) twin of
-the embedding gradient is compiled), so its row measures the unchanged plan.  Chunks:
+admission.  ``sparse`` moves the token table's gradient (16384 x 128 float32, 8 MiB)
+as the rows a replica's step touched (at most 2 micro-batches x 4 x 32 = 256 rows, about
+129 KiB per replica, padded; :mod:`meshshard.passes.sparse_rows`) in an all-gather; the
+``grad MiB`` column is the gradient bytes all workers send per step by the plan.  Chunks:
 ``--chunk-kib`` (default 1024 KiB; the stage-1 gradients are ~9 MiB, so about 9 chunks).
 
 Per variant: the median step time over ``--steps`` steps after 2 warm-up steps, its
@@ -142,6 +144,7 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
     state, n_over, logs = _overtakes(step, state, 2 + steps, 2)
     pred = _predict(step, state0, times, sw)
     colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
+    grad_bytes = _grad_bytes(step.plan)
     step.release()
     row = dict(
         variant=name,
@@ -151,15 +154,35 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
         predicted_s=pred,
         overtakes=n_over,
         collectives=colls,
+        grad_bytes=grad_bytes,
         load1=load,
     )
     return row, logs, times
 
 
+def _grad_bytes(plan) -> int:
+    """Bytes all workers send per step for the replicas' gradients: a ring all-reduce
+    sends ``2 (p-1)/p`` of the dense part, an all-gather ``p-1`` copies of the rows."""
+    from meshshard.instructions import Collective
+    from meshshard.refs import BufferKind
+
+    total = 0.0
+    for s in plan.streams:
+        for x in s.instructions:
+            if not (isinstance(x, Collective) and x.buffer.kind is BufferKind.ACCUMULATORS):
+                continue
+            if x.message:
+                continue  # one line per collective, not per chunk
+            p = len(x.group)
+            dense, rows = plan.grad_nbytes(x.buffer)
+            total += (p - 1) * rows if x.kind.value == "allgather" else 2 * (p - 1) / p * dense
+    return int(total)
+
+
 def print_real(res: dict) -> None:
     print(
         f"{'variant':>14} {'step ms':>8} {'speedup':>8} {'pred ms':>8} {'pred spd':>8} "
-        f"{'COLLs':>6} {'overtakes':>9} {'load1':>6}"
+        f"{'COLLs':>6} {'grad MiB':>8} {'overtakes':>9} {'load1':>6}"
     )
     for r in res["rows"]:
         if "error" in r:
@@ -168,5 +191,6 @@ def print_real(res: dict) -> None:
         print(
             f"{r['variant']:>14} {r['step_s'] * 1e3:>8.1f} {r['vs_none']:>7.2f}x "
             f"{r['predicted_s'] * 1e3:>8.1f} {r['predicted_vs_none']:>7.2f}x "
-            f"{r['collectives']:>6} {r['overtakes']:>9} {r['load1']:>6.1f}"
+            f"{r['collectives']:>6} {r.get('grad_bytes', 0) / 2**20:>8.2f} "
+            f"{r['overtakes']:>9} {r['load1']:>6.1f}"
         )

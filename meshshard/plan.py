@@ -27,7 +27,7 @@ from meshshard.refs import (
     TransferRef,
 )
 
-__all__ = ["Plan", "PlanFormatError"]
+__all__ = ["Plan", "PlanFormatError", "SparseRows"]
 
 
 def _set(obj, name: str, value) -> None:
@@ -533,6 +533,34 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class SparseRows:
+    """A tensor of a replicas' gradient accumulator group that moves as the rows its step
+    touched, ``(row indices, rows)`` in one all-gather, instead of inside the dense
+    all-reduce (TriRace's sparse traffic: an embedding table's gradient).
+
+    ``tensor`` is its position in group ``group``'s tensors.  ``max_rows`` bounds the rows
+    one replica's step can touch (the rows its lookups read, summed over the
+    micro-batches it accumulates, at most the table's): every member sends exactly that
+    many rows, padded, so the all-gather has one size.
+    """
+
+    group: BufferRef
+    tensor: int
+    max_rows: int
+
+    def __post_init__(self) -> None:
+        _set(self, "group", BufferRef.of(self.group))
+
+    def payload_nbytes(self, t: TensorSpec) -> int:
+        """Bytes one member sends for tensor ``t``: ``max_rows`` rows and int32 indices."""
+        row = t.nbytes // max(t.shape[0], 1)
+        return self.max_rows * (row + 4)
+
+    def __str__(self) -> str:
+        return f"{self.group}[{self.tensor}] as touched rows (at most {self.max_rows})"
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything the compiler decided for one parallelized step (see module docstring)."""
 
@@ -551,6 +579,7 @@ class Plan:
     outputs: tuple[OutputSpec, ...]
     notes: tuple[str, ...] = field(default=())
     reductions: tuple[ReductionSpec, ...] = field(default=())
+    sparse_rows: tuple[SparseRows, ...] = field(default=())
 
     # --- lookups -------------------------------------------------------------------
     def program(self, ref: ProgramRef | str) -> ProgramSpec:
@@ -594,6 +623,19 @@ class Plan:
                 return r
         raise KeyError(f"plan has no reduction {base!r}")
 
+    def sparse_tensors(self, ref: BufferRef) -> dict[int, SparseRows]:
+        """The tensors of accumulator group ``ref`` that move as rows, by position."""
+        group = ref.group
+        return {r.tensor: r for r in self.sparse_rows if r.group == group}
+
+    def grad_nbytes(self, ref: BufferRef) -> tuple[int, int]:
+        """(dense bytes all-reduced, bytes each member all-gathers as rows) of the
+        replicas' accumulator group ``ref``."""
+        tensors = self.buffer(ref).tensors
+        rows = self.sparse_tensors(ref)
+        dense = sum(t.nbytes for i, t in enumerate(tensors) if i not in rows)
+        return dense, sum(r.payload_nbytes(tensors[i]) for i, r in rows.items())
+
     @property
     def workers(self) -> tuple[int, ...]:
         """Every worker id that has a stream."""
@@ -625,6 +667,8 @@ class Plan:
         out += ["", "transfers:"] + ([_indent(str(t)) for t in self.transfers] or ["  (none)"])
         if self.reductions:
             out += ["", "all-reduces:"] + [f"  {r}" for r in self.reductions]
+        if self.sparse_rows:
+            out += ["", "sparse gradients:"] + [f"  {r}" for r in self.sparse_rows]
         out += ["", "inputs:"] + [f"  {i}" for i in self.inputs]
         out += ["", "outputs:"] + [f"  {o}" for o in self.outputs]
         out += ["", "schedule " + _indent(str(self.schedule)).lstrip()]

@@ -8,10 +8,13 @@ buffer a gradient collective moves change).  Switches, each usable alone for abl
     every point-to-point transfer (``SEND``/``RECV`` and the broadcasts of cross-mesh
     resharding) gets the highest priority, so it is never queued behind bulk traffic.
 ``"sparse"``
-    an embedding gradient named in ``sparse`` is moved as ``(row indices, rows)`` of
-    the touched rows (an all-gather) instead of a dense all-reduce, when that is cheaper
-    by the alpha-beta cost model (:func:`sparse_is_cheaper`); it ranks above dense
-    all-reduce, since the next forward of stage 0 reads its rows first.
+    an embedding gradient is moved as ``(row indices, rows)`` of the touched rows (an
+    all-gather) instead of a dense all-reduce, when that is cheaper by the cost model
+    (:func:`sparse_is_cheaper`); it ranks above dense all-reduce, since the next forward
+    of stage 0 reads its rows first.  On a compiled plan the compiler finds those
+    gradients in the trace and adds their ``COLL allgather A`` before this pass
+    (:mod:`meshshard.passes.sparse_rows`); on a synthetic plan ``sparse`` names each
+    gradient's rows twin.
 ``"allreduce"``
     gradient all-reduces are issued as soon as the buffer they reduce is written
     (hoisted past compute), ranked by when the next step's forward needs the weights
@@ -53,6 +56,7 @@ from meshshard.instructions import (
     WorkerStream,
 )
 from meshshard.methods import COMM_SWITCHES, check_comm_switches
+from meshshard.passes.sparse_rows import rows_are_cheaper
 from meshshard.plan import Plan, fmt_bytes
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase
 
@@ -87,8 +91,7 @@ class SparseGrad:
 def sparse_is_cheaper(g: SparseGrad, replicas: int) -> bool:
     """True when an all-gather of every replica's rows moves fewer bytes per member than a
     ring all-reduce of the dense gradient: ``(p-1) rows < 2 (p-1)/p dense``."""
-    p = max(replicas, 1)
-    return (p - 1) * g.rows_bytes < 2 * (p - 1) / p * g.dense_bytes
+    return rows_are_cheaper(g.dense_bytes, g.rows_bytes, replicas)
 
 
 def traffic_kind(ins: Instruction, sparse_rows: frozenset[BufferRef] = frozenset()) -> str | None:
@@ -98,6 +101,8 @@ def traffic_kind(ins: Instruction, sparse_rows: frozenset[BufferRef] = frozenset
     if isinstance(ins, Collective):
         if ins.transfer is not None:
             return "p2p"  # a resharding broadcast between stages
+        if ins.kind is CollectiveKind.ALLGATHER and ins.buffer.kind is BufferKind.ACCUMULATORS:
+            return "sparse"  # a replicas' group's touched rows (passes/sparse_rows.py)
         return "sparse" if unversioned(ins.buffer) in sparse_rows else "allreduce"
     return None
 
@@ -191,7 +196,8 @@ def chunk_allreduce(ins: list[Instruction], plan: Plan, chunk_bytes: int) -> lis
             and x.kind is CollectiveKind.ALLREDUCE
             and x.buffer.kind is BufferKind.ACCUMULATORS
         ):
-            n = max(1, math.ceil(_nbytes(plan, x.buffer) / chunk_bytes))
+            dense, _ = plan.grad_nbytes(x.buffer)
+            n = max(1, math.ceil(dense / chunk_bytes))
             out += [replace(x, message=c) for c in range(n)]
         else:
             out.append(x)
@@ -311,9 +317,13 @@ def _nbytes(plan: Plan, ref: BufferRef) -> int:
             return 0
 
 
-def _same_coll(x: Instruction, y: Instruction) -> bool:
-    """``y`` is another chunk of collective ``x``."""
-    return isinstance(y, Collective) and y.buffer == x.buffer and y.kind == x.kind
+def _chunks(plan: Plan, x: Collective, chunk_bytes: int) -> int:
+    """How many operations collective ``x`` is cut into (an all-gather of rows: one)."""
+    if x.buffer.kind is BufferKind.ACCUMULATORS:
+        if x.kind is CollectiveKind.ALLGATHER:
+            return 1
+        return max(1, math.ceil(plan.grad_nbytes(x.buffer)[0] / chunk_bytes))
+    return max(1, math.ceil(_nbytes(plan, x.buffer) / chunk_bytes))
 
 
 def comm_table(plan: Plan, switches, sparse_rows, chunk_bytes: int) -> list[str]:
@@ -331,9 +341,13 @@ def comm_table(plan: Plan, switches, sparse_rows, chunk_bytes: int) -> list[str]
                 key = (str(x.transfer), x.priority)
                 p2p.setdefault(key, []).append(st.worker)
             elif kind is not None and getattr(x, "message", 0) == 0:
-                n = max(1, math.ceil(_nbytes(plan, x.buffer) / chunk_bytes))
+                n = _chunks(plan, x, chunk_bytes)
                 bound = next(
-                    (y for y in ins[i + 1 :] if x.buffer in y.reads and not _same_coll(x, y)),
+                    (
+                        y
+                        for y in ins[i + 1 :]
+                        if x.buffer in y.reads and not isinstance(y, Collective)
+                    ),
                     None,
                 )
                 lines.append(

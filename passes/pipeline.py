@@ -36,6 +36,7 @@ from meshshard.passes.shard_plan import (
 )
 from meshshard.passes.sharding import build_buffers
 from meshshard.passes.slicing import slice_layers
+from meshshard.passes.sparse_rows import find_sparse_rows, with_sparse_rows
 from meshshard.passes.split_backward import split_backward
 from meshshard.passes.stage_cost import step_layer_stats
 from meshshard.passes.stage_graph import StageGraph, build_stage_graph
@@ -200,7 +201,10 @@ def _comm_schedule(st: CompileState) -> CompileState:
     if not switches:
         return st
     chunk = getattr(st.method, "comm_chunk_bytes", 4 << 20)
-    return replace(st, plan=schedule_comm(st.plan, switches, chunk_bytes=chunk))
+    plan = st.plan
+    if "sparse" in switches:  # embedding gradients of replicas as their touched rows
+        plan = with_sparse_rows(plan, find_sparse_rows(plan, st.traced))
+    return replace(st, plan=schedule_comm(plan, switches, chunk_bytes=chunk))
 
 
 def _annotate_costs(st: CompileState) -> CompileState:

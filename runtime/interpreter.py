@@ -42,7 +42,13 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
-from meshshard.runtime.replica_grads import chunk_counts, grads_groups, issue_chunk, wait_grads
+from meshshard.runtime.replica_grads import (
+    chunk_counts,
+    grads_groups,
+    issue_chunk,
+    issue_rows,
+    wait_grads,
+)
 from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
 from meshshard.runtime.transport import DEVICE, HOST, Transport
 
@@ -417,6 +423,7 @@ class _Step:
         if self.tl is not None:  # (index, traffic kind, priority, queued, issued)
             ins = interp.stream.instructions[i]
             kind = "allreduce" if ins.buffer.kind is BufferKind.ACCUMULATORS else "p2p"
+            kind = "sparse" if kind == "allreduce" and ins.kind == "allgather" else kind
             kind = "reduction" if ins.buffer.kind is BufferKind.REDUCTION else kind
             log = [i, kind, priority, time.perf_counter_ns(), 0]
             self.tl.issues.append(log)
@@ -515,6 +522,9 @@ class _Step:
     def collective(self, i: int, ins: Collective) -> None:
         if ins.kind == "allreduce":
             self.allreduce(i, ins)
+            return
+        if ins.kind == "allgather" and ins.buffer.kind is BufferKind.ACCUMULATORS:
+            issue_rows(self, i, ins)  # replicas' sparse gradient rows
             return
         if ins.kind != "broadcast":
             raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")

@@ -1,4 +1,4 @@
-"""Run time of the replicas' gradient all-reduce (``COLL allreduce A{s} #c [group]``).
+"""Run time of the replicas' gradient exchange (``COLL allreduce A{s} #c [group]``).
 
 A stage's data-parallel replicas (:mod:`meshshard.passes.replicas`) each hold the
 stage's accumulator group ``A`` (a tuple of arrays).  The plan all-reduces it in the
@@ -8,8 +8,15 @@ chunk to run reads the arrays off the devices into one flat host vector, each ch
 sums one contiguous slice of it (:func:`numpy.array_split` into ``n``) over the group,
 and ``WAIT A`` puts the sums back into arrays of the group's shapes and shardings.
 
-Every member flattens the same tensors in the same order and issues the chunks on one
-channel per group (:func:`grads_channel`), in stream order, so the operations match;
+Tensors the plan moves as touched rows (``plan.sparse_rows``, an embedding table's
+gradient; :mod:`meshshard.passes.sparse_rows`) stay out of the flat vector: a
+``COLL allgather A{s}`` before the chunks sends each member's rows in one fixed-size
+payload (:func:`~meshshard.sparse_grads.pack_rows`), and ``WAIT A`` adds them up in
+member order in the dtype the transport's all-reduce sums in
+(:func:`~meshshard.sparse_grads.sum_rows`), so they equal the dense sum bit for bit.
+
+Every member flattens the same tensors in the same order and issues the collectives on
+one channel per group (:func:`grads_channel`), in stream order, so the operations match;
 the transports reduce in a fixed order, so every replica gets the same bits.
 """
 
@@ -21,8 +28,16 @@ import numpy as np
 
 from meshshard.instructions import Collective, WorkerStream
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind
+from meshshard.sparse_grads import pack_rows, sum_rows, unpack_rows
 
-__all__ = ["chunk_counts", "grads_channel", "grads_groups", "issue_chunk", "wait_grads"]
+__all__ = [
+    "chunk_counts",
+    "grads_channel",
+    "grads_groups",
+    "issue_chunk",
+    "issue_rows",
+    "wait_grads",
+]
 
 
 def is_replica_allreduce(ins) -> bool:
@@ -58,6 +73,8 @@ def _wire_dtype(tensors) -> np.dtype:
     """One dtype for the flat vector: the tensors' own when they agree, else float64
     (exact for the float32/int32 sums of two replicas)."""
     dtypes = {np.dtype(t.dtype) for t in tensors}
+    if not dtypes:
+        return np.dtype(np.float32)  # every tensor moves as rows: an empty vector
     return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float64)
 
 
@@ -67,27 +84,44 @@ def _flatten(arrays, dtype) -> np.ndarray:
 
 
 class _Pending:
-    """One accumulator group's all-reduce in flight on this worker."""
+    """One accumulator group's exchange in flight on this worker: the arrays, the flat
+    vector of its dense tensors (made lazily), the positions that move as rows
+    (:class:`~meshshard.plan.SparseRows`) and the handles issued so far."""
 
-    def __init__(self, lazy_flat, n: int):
+    def __init__(self, value, lazy_flat, n: int, sparse: dict):
+        self.value = value
         self.flat = lazy_flat
         self.n = n
+        self.sparse = sparse
         self.handles: list = []
+        self.rows = None  # (handle, key) of the all-gather of the sparse rows
+
+
+def _pending(step, name: BufferRef) -> _Pending:
+    """The exchange of ``name`` on this worker, begun by whichever of its collectives
+    runs first (it takes the arrays out of the step's buffers)."""
+    from meshshard.runtime.overlap import Lazy
+
+    pend = step.grads.get(name)
+    if pend is None:
+        interp = step.interp
+        value = step.value(name)
+        del step.buffers[name]
+        sparse = interp.plan.sparse_tensors(name)
+        tensors = interp._buffers_spec[name.group].tensors
+        dense = [a for k, a in enumerate(value) if k not in sparse]
+        dtype = _wire_dtype([t for k, t in enumerate(tensors) if k not in sparse])
+        lazy = Lazy(lambda: _flatten(dense, dtype))
+        pend = _Pending(value, lazy, interp.grad_chunks.get(name, 0), sparse)
+        step.grads[name] = pend
+    return pend
 
 
 def issue_chunk(step, i: int, ins: Collective) -> None:
     """Issue chunk ``ins.message`` of the all-reduce of ``ins.buffer`` (see module doc)."""
-    from meshshard.runtime.overlap import Lazy
-
     interp = step.interp
     name = ins.buffer
-    pend = step.grads.get(name)
-    if pend is None:
-        value = step.value(name)
-        del step.buffers[name]
-        dtype = _wire_dtype(interp._buffers_spec[name.group].tensors)
-        pend = _Pending(Lazy(lambda: _flatten(value, dtype)), interp.grad_chunks[name])
-        step.grads[name] = pend
+    pend = _pending(step, name)
     chan = grads_channel(ins.group)
     c, n = ins.message, pend.n
     key = (str(name), None, c)
@@ -100,8 +134,72 @@ def issue_chunk(step, i: int, ins: Collective) -> None:
     pend.handles.append((c, step.issue(i, ins.priority, fn, chan, ins.group), key))
 
 
+def issue_rows(step, i: int, ins: Collective) -> None:
+    """Issue the all-gather of the touched rows of ``ins.buffer``'s sparse tensors: one
+    fixed-size payload per member (:func:`~meshshard.sparse_grads.pack_rows`)."""
+    interp = step.interp
+    name = ins.buffer
+    pend = _pending(step, name)
+    chan = grads_channel(ins.group)
+    key = (f"{name}:rows", None, 0)
+    tensors = interp._buffers_spec[name.group].tensors
+
+    def fn():
+        payload = np.concatenate(
+            [
+                pack_rows(np.asarray(pend.value[k]), r.max_rows, f"{tensors[k].name} of {name}")
+                for k, r in sorted(pend.sparse.items())
+            ]
+        )
+        step.stamp("sent", key)
+        return interp.transport.iallgather(payload, ins.group, chan)
+
+    pend.rows = (step.issue(i, ins.priority, fn, chan, ins.group), key)
+
+
+def _dense(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
+    """The all-reduced dense tensors, by position."""
+    parts = []
+    for _c, h, key in sorted(pend.handles, key=lambda p: p[0]):
+        parts.append(np.asarray(h.result().wait()))
+        step.stamp("arrived", key)
+    flat = np.concatenate(parts) if parts else np.zeros(0)
+    out, at = {}, 0
+    for k, t in enumerate(tensors):
+        if k in pend.sparse:
+            continue
+        size = int(np.prod(t.shape, dtype=np.int64))
+        out[k] = flat[at : at + size].astype(t.dtype).reshape(t.shape)
+        at += size
+    return out
+
+
+def _summed_rows(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
+    """The sparse tensors, summed over the members from their gathered rows."""
+    if not pend.sparse:
+        return {}
+    handle, key = pend.rows
+    payloads = handle.result().wait()
+    step.stamp("arrived", key)
+    sum_dtype = step.interp.transport.sum_dtype
+    out, split = {}, {}
+    for payload in payloads:
+        raw, at = np.asarray(payload).view(np.uint8), 0
+        for k, r in sorted(pend.sparse.items()):
+            size = r.payload_nbytes(tensors[k])
+            t = tensors[k]
+            split.setdefault(k, []).append(
+                unpack_rows(raw[at : at + size], t.shape, t.dtype, r.max_rows)
+            )
+            at += size
+    for k, parts in split.items():
+        t = tensors[k]
+        out[k] = sum_rows(parts, t.shape, t.dtype, sum_dtype(np.dtype(t.dtype)))
+    return out
+
+
 def wait_grads(step, name: BufferRef):
-    """A function that completes the all-reduce of ``name`` into its arrays."""
+    """A function that completes the exchange of ``name`` into its arrays."""
     from meshshard.runtime.interpreter import array_from_host
     from meshshard.runtime.programs import sharding
 
@@ -110,17 +208,9 @@ def wait_grads(step, name: BufferRef):
     tensors = interp._buffers_spec[name.group].tensors
 
     def fn():
-        parts = []
-        for _c, h, key in sorted(pend.handles, key=lambda p: p[0]):
-            parts.append(np.asarray(h.result().wait()))
-            step.stamp("arrived", key)
-        flat = np.concatenate(parts)
-        out, at = [], 0
-        for t in tensors:
-            size = int(np.prod(t.shape, dtype=np.int64))
-            full = flat[at : at + size].astype(t.dtype).reshape(t.shape)
-            at += size
-            out.append(array_from_host(full, sharding(interp.mesh, t.spec)))
-        return tuple(out)
+        host = _dense(step, pend, tensors) | _summed_rows(step, pend, tensors)
+        return tuple(
+            array_from_host(host[k], sharding(interp.mesh, t.spec)) for k, t in enumerate(tensors)
+        )
 
     return fn

@@ -125,6 +125,10 @@ class RecordingTransport:
         """``inner.iallreduce``, completion stamped."""
         return self._timed(self.inner.iallreduce(data, op, group, key))
 
+    def iallgather(self, data, group, key):
+        """``inner.iallgather``, completion stamped."""
+        return self._timed(self.inner.iallgather(data, group, key))
+
 
 @dataclass(frozen=True)
 class WorkerTrace:

@@ -90,6 +90,16 @@ class Transport(Protocol):
         member's ``wait()`` returns the result (same shape and dtype as ``data``)."""
         ...
 
+    def iallgather(self, data: np.ndarray, group: tuple[int, ...], key: str) -> Handle:
+        """Gather every member's ``data`` (raw bytes, the same size on every member);
+        each member's ``wait()`` returns the list of them in ``group`` order."""
+        ...
+
+    def sum_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype :meth:`iallreduce` sums ``dtype`` values in (so a sum done outside
+        it, such as the sparse rows', gets the same bits)."""
+        ...
+
 
 def reduce_arrays(op: str, arrays: list[np.ndarray]) -> np.ndarray:
     """``op`` (sum, max, min, and, or) over ``arrays`` element-wise, in list order."""
@@ -206,6 +216,38 @@ class QueueTransport:
 
         return _AllReduce()
 
+    def iallgather(self, data, group, key):
+        """Every member sends its bytes to the others; ``wait()`` lists all in group order."""
+        tag = ("allgather", key)
+        mine = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint8)
+        for peer in group:
+            if peer != self.rank:
+                self._q(self.rank, peer, tag).put(mine)
+        queues = {p: self._q(p, self.rank, tag) for p in group if p != self.rank}
+        timeout = self.timeout_s
+
+        class _AllGather:
+            def wait(self_inner):
+                parts = []
+                for p in group:
+                    if p not in queues:
+                        parts.append(mine)
+                        continue
+                    try:
+                        parts.append(queues[p].get(timeout=timeout))
+                    except queue.Empty:
+                        raise TimeoutError(
+                            f"all-gather {key}: w{p} did not contribute in {timeout}s"
+                        ) from None
+                return parts
+
+        return _AllGather()
+
+    @staticmethod
+    def sum_dtype(dtype) -> np.dtype:
+        """Sums run in the values' own dtype (:func:`reduce_arrays`)."""
+        return np.dtype(dtype)
+
 
 class TorchTransport:
     """torch.distributed point-to-point over the default process group.
@@ -309,6 +351,22 @@ class TorchTransport:
         work = dist.all_reduce(tensor, op=red, group=self.groups[key], async_op=True)
         return _TorchWork(work, tensor, lambda t: t.numpy().astype(dtype))
 
+    def iallgather(self, data, group, key):
+        """``torch.distributed.all_gather`` of raw bytes on the group's channel (host
+        tensors, as :meth:`iallreduce`)."""
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.from_numpy(_as_bytes(np.asarray(data)))
+        outs = [torch.empty_like(tensor) for _ in group]
+        work = dist.all_gather(outs, tensor, group=self.groups[key], async_op=True)
+        return _TorchWork(work, outs, lambda ts: [t.numpy() for t in ts])
+
+    @staticmethod
+    def sum_dtype(dtype) -> np.dtype:
+        """:meth:`iallreduce` sums in float64 and converts back."""
+        return np.dtype(np.float64)
+
 
 def _same(tensor):
     return tensor
@@ -353,6 +411,22 @@ class CountingTransport:
     def iallreduce(self, data, op, group, key):
         self.bytes_sent += data.nbytes * (len(group) - 1)
         return self._counted(self.inner.iallreduce(data, op, group, key))
+
+    def iallgather(self, data, group, key):
+        self.bytes_sent += data.nbytes * (len(group) - 1)
+        inner = self.inner.iallgather(data, group, key)
+        outer = self
+
+        class _Counted:
+            def wait(self_inner):
+                parts = inner.wait()
+                outer.bytes_received += sum(p.nbytes for p in parts) - data.nbytes
+                return parts
+
+        return _Counted()
+
+    def sum_dtype(self, dtype) -> np.dtype:
+        return self.inner.sum_dtype(dtype)
 
     def _counted(self, handle):
         outer = self

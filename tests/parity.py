@@ -10,6 +10,8 @@ MODELS = {
     "mlp": lambda: (mlp, mlp.MLP(num_layers=4), mlp.make_batch(batch_size=16)),
     "gpt": lambda: (gpt, gpt.GPT(num_layers=4), gpt.make_batch(batch_size=8)),
     "gpt_small": lambda: (gpt, gpt.GPT(num_layers=2), gpt.make_batch(batch_size=8)),
+    # a large table: its replicas' gradient moves as touched rows under comm_schedule sparse
+    "gpt_vocab": lambda: (gpt, gpt.GPT(vocab=1024, num_layers=2), gpt.make_batch(batch_size=8)),
     # wide enough that the sharding ILP splits weights and activations (not all-replicated)
     "mlp_wide": lambda: (mlp, mlp.MLP(hidden=256, num_layers=2), mlp.make_batch(batch_size=64)),
     # narrow with a long batch: the sharding ILP splits the batch on the last stage

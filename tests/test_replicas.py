@@ -253,7 +253,8 @@ def test_comm_links_come_from_the_cluster_description():
 @pytest.mark.ray
 def test_replicas_on_ray_with_every_switch(ray_cluster):
     """Host-actor processes: the gradient chunks go over torch.distributed groups of the
-    replicas, admitted by each process's in-flight table; parity with jax.jit."""
+    replicas, admitted by each process's in-flight table, and the embedding gradient's
+    touched rows over a torch.distributed all-gather; parity with jax.jit."""
     method = PipeshardParallel(
         num_micro_batches=4,
         stages=[(1, 1)] * 2,
@@ -261,7 +262,13 @@ def test_replicas_on_ray_with_every_switch(ray_cluster):
         comm_schedule=frozenset(COMM_SWITCHES),
         comm_chunk_bytes=512,
     )
-    step = check_parity("mlp", method, steps=2)
+    step = check_parity("gpt_vocab", method, steps=2)
+    rows = step.plan.sparse_rows  # the token table wte, in both replicas of stage 0
+    assert [step.plan.buffer(r.group).tensors[r.tensor].shape for r in rows] == [(1024, 32)] * 2
+    kinds = {
+        x.kind.value for s in step.plan.streams for x in s.instructions if isinstance(x, Collective)
+    }
+    assert "allgather" in kinds
     assert (
         max(
             x.message

@@ -62,7 +62,7 @@ from meshshard.instructions import (
     Send,
 )
 from meshshard.plan import Message, Plan
-from meshshard.refs import BufferKind
+from meshshard.refs import BufferKind, CollectiveKind
 from meshshard.sim.collectives import decompose
 from meshshard.sim.cores import CorePool
 from meshshard.sim.costs import ProgramCost, program_cost
@@ -426,8 +426,11 @@ class _Engine:
         except KeyError:
             self.notes.append(f"COLL {ins.kind} {ins.buffer}: size unknown, taken as 0 bytes")
             return 0.0
-        if ins.buffer.kind is BufferKind.ACCUMULATORS:  # replicas' gradients, in chunks
-            return nbytes / self._grad_chunks(ins.buffer)
+        if ins.buffer.kind is BufferKind.ACCUMULATORS:  # replicas' gradients
+            dense, rows = self.plan.grad_nbytes(ins.buffer)
+            if ins.kind is CollectiveKind.ALLGATHER:  # every member's touched rows
+                return float(rows * len(ins.group))
+            return dense / self._grad_chunks(ins.buffer)  # the rest, in chunks
         return nbytes
 
     def _grad_chunks(self, buffer) -> int:
@@ -436,7 +439,11 @@ class _Engine:
             self._chunks: dict = {}
             for st in self.plan.streams:
                 for x in st.instructions:
-                    if isinstance(x, Collective) and x.buffer.kind is BufferKind.ACCUMULATORS:
+                    if (
+                        isinstance(x, Collective)
+                        and x.buffer.kind is BufferKind.ACCUMULATORS
+                        and x.kind is CollectiveKind.ALLREDUCE
+                    ):
                         self._chunks[x.buffer] = self._chunks.get(x.buffer, 0) + 1
         return self._chunks.get(buffer, 1)
 
