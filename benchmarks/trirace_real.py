@@ -10,10 +10,14 @@ per mesh, where a mesh's later chunk finishes its gradients while its earlier ch
 still sends activation gradients (the case where a P2P can meet queued chunks; under
 1F1B every P2P of a replica precedes its all-reduce in the stream).  Variants, measured side by side in one run: no
 communication scheduling, each switch alone, all three, all three + topology-aware
-admission.  ``sparse`` moves the token table's gradient (16384 x 128 float32, 8 MiB)
+admission, and no scheduling again last (the first variant also pays the session's
+warm-up; ratios are to the first row, compare the last).  ``sparse`` moves the token table's gradient (16384 x 128 float32, 8 MiB)
 as the rows a replica's step touched (at most 2 micro-batches x 4 x 32 = 256 rows, about
 129 KiB per replica, padded; :mod:`meshshard.passes.sparse_rows`) in an all-gather; the
-``grad MiB`` column is the gradient bytes all workers send per step by the plan.  Chunks:
+``grad MiB`` column is the gradient bytes all workers send per step by the plan, and
+``exch ms s0/s1`` per stage (mean of its two replicas, median of 2 recorded steps each)
+the time from a worker's first gradient collective handed to the transport to its last
+one arrived.  Chunks:
 ``--chunk-kib`` (default 1024 KiB; the stage-1 gradients are ~9 MiB, so about 9 chunks).
 
 Per variant: the median step time over ``--steps`` steps after 2 warm-up steps, its
@@ -40,6 +44,7 @@ VARIANTS = {
     "+allreduce": ("allreduce",),
     "all3": ("allreduce", "sparse", "p2p"),
     "all3+topology": ("allreduce", "sparse", "p2p", "topology"),
+    "none again": (),  # the first variant also pays the session's warm-up: measured twice
 }
 
 
@@ -80,14 +85,26 @@ def _overtakes(step, state, first: int, n: int):
 
     backend = step.executable.backend
     backend.runtime_options(timeline=True)
-    count, logs = 0, {}
+    count, logs, spans = 0, {}, {}
     for i in range(n):
         state, _ = step(state, make_batch(first + i))
         tls = {w: t for w, t in backend.runtime_options().items() if t is not None}
         count += sum(len(overtakes(t.issues)) for t in tls.values())
         logs = {w: [list(x) for x in t.issues] for w, t in tls.items()}
+        for w, t in tls.items():
+            if (span := _grad_span(t)) is not None:
+                spans.setdefault(int(w), []).append(span)
     backend.runtime_options(timeline=False)
-    return state, count, logs
+    return state, count, logs, {w: statistics.median(v) for w, v in sorted(spans.items())}
+
+
+def _grad_span(tl) -> float | None:
+    """Seconds from a worker's first gradient collective handed to the transport to its
+    last one arrived (the replicas' exchange of ``A``: chunks and rows), or None."""
+    keys = [k for k in tl.sent if str(k[0]).startswith("A") and k in tl.arrived]
+    if not keys:
+        return None
+    return (max(tl.arrived[k] for k in keys) - min(tl.sent[k] for k in keys)) * 1e-9
 
 
 def _predict(step, state, times, switches) -> float:
@@ -141,7 +158,7 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
         times = step.profile(state0, make_batch(0), steps=3)
     load = os.getloadavg()[0]
     state, walls = _time_steps(step, state, 2, steps)
-    state, n_over, logs = _overtakes(step, state, 2 + steps, 2)
+    state, n_over, logs, grad_span = _overtakes(step, state, 2 + steps, 2)
     pred = _predict(step, state0, times, sw)
     colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
     grad_bytes = _grad_bytes(step.plan)
@@ -155,6 +172,7 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
         overtakes=n_over,
         collectives=colls,
         grad_bytes=grad_bytes,
+        grad_exchange_s=grad_span,
         load1=load,
     )
     return row, logs, times
@@ -179,10 +197,18 @@ def _grad_bytes(plan) -> int:
     return int(total)
 
 
+def _stage_spans(spans: dict) -> str:
+    """``exch ms`` of stage 0 (workers 0 and 2) / stage 1 (workers 1 and 3), the mean of
+    each stage's two replicas."""
+    spans = {int(w): v for w, v in spans.items()}
+    per = [[spans[w] for w in ws if w in spans] for ws in ((0, 2), (1, 3))]
+    return "/".join(f"{sum(v) / len(v) * 1e3:.1f}" if v else "-" for v in per)
+
+
 def print_real(res: dict) -> None:
     print(
         f"{'variant':>14} {'step ms':>8} {'speedup':>8} {'pred ms':>8} {'pred spd':>8} "
-        f"{'COLLs':>6} {'grad MiB':>8} {'overtakes':>9} {'load1':>6}"
+        f"{'COLLs':>6} {'grad MiB':>8} {'exch ms s0/s1':>13} {'overtakes':>9} {'load1':>6}"
     )
     for r in res["rows"]:
         if "error" in r:
@@ -192,5 +218,6 @@ def print_real(res: dict) -> None:
             f"{r['variant']:>14} {r['step_s'] * 1e3:>8.1f} {r['vs_none']:>7.2f}x "
             f"{r['predicted_s'] * 1e3:>8.1f} {r['predicted_vs_none']:>7.2f}x "
             f"{r['collectives']:>6} {r.get('grad_bytes', 0) / 2**20:>8.2f} "
+            f"{_stage_spans(r.get('grad_exchange_s', {})):>13} "
             f"{r['overtakes']:>9} {r['load1']:>6.1f}"
         )

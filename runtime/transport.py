@@ -124,6 +124,16 @@ def _as_bytes(data: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+class _Then:
+    """A handle whose ``wait()`` returns ``fn`` of the wrapped handle's result."""
+
+    def __init__(self, handle, fn: Callable):
+        self.handle, self.fn = handle, fn
+
+    def wait(self):
+        return self.fn(self.handle.wait())
+
+
 class _Done:
     def __init__(self, value=None):
         self.value = value
@@ -191,42 +201,25 @@ class QueueTransport:
     def iallreduce(self, data, op, group, key):
         """Every member sends its value to the others and reduces all of them in group
         order, so every member computes the same bits."""
-        tag = ("allreduce", key)
-        for peer in group:
-            if peer != self.rank:
-                self._q(self.rank, peer, tag).put(np.array(data, copy=True))
-        queues = {p: self._q(p, self.rank, tag) for p in group if p != self.rank}
-        timeout = self.timeout_s
-        mine = np.array(data, copy=True)
-
-        class _AllReduce:
-            def wait(self_inner):
-                parts = []
-                for p in group:
-                    if p not in queues:
-                        parts.append(mine)
-                        continue
-                    try:
-                        parts.append(queues[p].get(timeout=timeout))
-                    except queue.Empty:
-                        raise TimeoutError(
-                            f"all-reduce {key}: w{p} did not contribute in {timeout}s"
-                        ) from None
-                return reduce_arrays(op, parts)
-
-        return _AllReduce()
+        parts = self._exchange(np.array(data, copy=True), group, "all-reduce", key)
+        return _Then(parts, lambda values: reduce_arrays(op, values))
 
     def iallgather(self, data, group, key):
         """Every member sends its bytes to the others; ``wait()`` lists all in group order."""
-        tag = ("allgather", key)
         mine = np.frombuffer(np.ascontiguousarray(data).tobytes(), np.uint8)
+        return self._exchange(mine, group, "all-gather", key)
+
+    def _exchange(self, mine: np.ndarray, group, what: str, key: str) -> Handle:
+        """Send ``mine`` to every other member of ``group``; ``wait()`` lists every
+        member's value in group order (a TimeoutError names a member that never sent)."""
+        tag = (what, key)
         for peer in group:
             if peer != self.rank:
                 self._q(self.rank, peer, tag).put(mine)
         queues = {p: self._q(p, self.rank, tag) for p in group if p != self.rank}
         timeout = self.timeout_s
 
-        class _AllGather:
+        class _Exchange:
             def wait(self_inner):
                 parts = []
                 for p in group:
@@ -237,11 +230,11 @@ class QueueTransport:
                         parts.append(queues[p].get(timeout=timeout))
                     except queue.Empty:
                         raise TimeoutError(
-                            f"all-gather {key}: w{p} did not contribute in {timeout}s"
+                            f"{what} {key}: w{p} did not contribute in {timeout}s"
                         ) from None
                 return parts
 
-        return _AllGather()
+        return _Exchange()
 
     @staticmethod
     def sum_dtype(dtype) -> np.dtype:

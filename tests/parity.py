@@ -1,6 +1,7 @@
 """Train a model a few steps with meshshard and with plain jax.jit; compare after each step."""
 
 import jax
+import numpy as np
 
 import meshshard
 from examples import gpt, mlp
@@ -17,6 +18,15 @@ MODELS = {
     # narrow with a long batch: the sharding ILP splits the batch on the last stage
     "mlp_long_batch": lambda: (mlp, mlp.MLP(hidden=64, num_layers=2), mlp.make_batch(8192)),
 }
+
+
+def run_steps(step, state, batches):
+    """``state`` after ``step`` on each of ``batches``: (params as NumPy, the losses)."""
+    losses = []
+    for b in batches:
+        state, loss = step(state, b)
+        losses.append(np.asarray(loss))
+    return jax.tree.map(np.asarray, state.params), losses
 
 
 def check_parity(model_name: str, method, steps: int = 3, batch_size: int | None = None):

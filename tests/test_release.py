@@ -32,17 +32,19 @@ EXIT_DURING_CLEANUP = textwrap.dedent(
 )
 
 
-@pytest.mark.fast
-def test_exit_while_a_cleanup_drops_device_arrays_does_not_abort():
-    for _ in range(2):
+def assert_exits_cleanly(script: str, expect: str, runs: int, cwd: str | None = None) -> None:
+    """Run ``script`` in a fresh interpreter ``runs`` times: exit code 0, output ``expect``."""
+    for _ in range(runs):
         proc = subprocess.run(
-            [sys.executable, "-c", EXIT_DURING_CLEANUP],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.strip() == "exiting"
+        assert proc.stdout.strip() == expect
+
+
+@pytest.mark.fast
+def test_exit_while_a_cleanup_drops_device_arrays_does_not_abort():
+    assert_exits_cleanly(EXIT_DURING_CLEANUP, "exiting", runs=2)
 
 
 @pytest.mark.fast
@@ -84,13 +86,4 @@ EXIT_WITH_LIVE_STEP = textwrap.dedent(
 @pytest.mark.slow
 def test_exit_with_a_live_replicated_step_does_not_abort():
     root = __file__.rsplit("/tests/", 1)[0]
-    for _ in range(3):
-        proc = subprocess.run(
-            [sys.executable, "-c", EXIT_WITH_LIVE_STEP],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=root,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.strip() == "loss True"
+    assert_exits_cleanly(EXIT_WITH_LIVE_STEP, "loss True", runs=3, cwd=root)

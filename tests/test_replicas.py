@@ -23,7 +23,7 @@ from meshshard.refs import BufferKind, Phase
 from meshshard.runtime.overlap import CommQueue, overtakes
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
-from tests.parity import check_parity
+from tests.parity import check_parity, run_steps
 from tests.two_bw_reference import check_2bw
 
 CLUSTER = ClusterSpec(num_hosts=4, devices_per_host=2)
@@ -163,12 +163,7 @@ def test_chunked_admitted_allreduce_is_bit_identical(threads_cluster):
             comm_chunk_bytes=256,
         )
         step = meshshard.parallelize(mlp.train_step, method=method)
-        state = mlp.make_state(model, batches[0]["x"])
-        losses = []
-        for b in batches:
-            state, loss = step(state, b)
-            losses.append(np.asarray(loss))
-        outs.append((jax.tree.map(np.asarray, state.params), losses))
+        outs.append(run_steps(step, mlp.make_state(model, batches[0]["x"]), batches))
     ref = mlp.make_state(model, batches[0]["x"])
     for b in batches:
         ref, ref_loss = jax.jit(mlp.train_step)(ref, b)

@@ -21,6 +21,7 @@ from meshshard.plan import Plan
 from meshshard.sim import simulate
 from meshshard.sparse_grads import pack_rows, sum_rows, unpack_rows
 from meshshard.verify import verify
+from tests.parity import run_steps
 
 CLUSTER = ClusterSpec(num_hosts=4, devices_per_host=2)
 
@@ -162,12 +163,7 @@ def test_training_with_sparse_rows_is_bit_identical(threads_cluster, schedule, t
         )
         step = meshshard.parallelize(gpt.train_step, method=method)
         assert bool(step_rows(step, batches[0], model)) == ("sparse" in sw)
-        state = gpt.make_state(model, batches[0]["inputs"])
-        losses = []
-        for b in batches:
-            state, loss = step(state, b)
-            losses.append(np.asarray(loss))
-        outs.append((jax.tree.map(np.asarray, state.params), losses))
+        outs.append(run_steps(step, gpt.make_state(model, batches[0]["inputs"]), batches))
     for got in outs[1:]:
         jax.tree.map(np.testing.assert_array_equal, outs[0][0], got[0])
         np.testing.assert_array_equal(outs[0][1], got[1])
