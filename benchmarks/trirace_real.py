@@ -22,8 +22,11 @@ one arrived.  Chunks:
 
 Per variant: the median step time over ``--steps`` steps after 2 warm-up steps, its
 ratio to the unscheduled plan, the simulator's prediction of the same plan (programs
-timed on their meshes once by ``step.profile``, the same programs in every variant;
-admission on for ``topology``), and from recorded timelines
+timed on their meshes once, the same programs in every variant; admission on for
+``topology``) with the profiled times as they are (``pred ms``) and with the times each
+program would take alone on cores the simulator shares among the host-actors
+(``cores ms``: ``isolated_program_times`` and ``host_cores`` = this machine's cores, as
+``benchmarks/fidelity.py``'s ``cores`` variant), and from recorded timelines
 (:class:`~meshshard.runtime.overlap.Timeline`) the number of point-to-point ops that
 were queued after an all-reduce chunk and issued before it
 (:func:`~meshshard.runtime.overlap.overtakes`): the priorities at work.
@@ -107,13 +110,33 @@ def _grad_span(tl) -> float | None:
     return (max(tl.arrived[k] for k in keys) - min(tl.sent[k] for k in keys)) * 1e-9
 
 
-def _predict(step, state, times, switches) -> float:
+def _predict(step, state, times, switches, cores: int = 0) -> float:
+    """The simulator on ``step``'s plan with program ``times``; with ``cores`` the
+    programs of all host-actors share that many cores (``ClusterSpec.host_cores``)."""
+    from dataclasses import replace
+
     from meshshard.sim import simulate
     from meshshard.sim.engine import SimOptions
 
     plan = step.lower(state, make_batch(0))
     opts = SimOptions(admission="topology" in switches, record=False)
-    return simulate(plan, plan.cluster, program_times=times, options=opts).iteration_time
+    cluster = replace(plan.cluster, host_cores=cores)
+    return simulate(plan, cluster, program_times=times, options=opts).iteration_time
+
+
+def _profile(step, state0) -> dict:
+    """Program times, profiled once (3 steps, each program waiting for its outputs): as
+    measured (every host-actor's programs sharing this machine's cores) and isolated (the
+    time each would take alone, for a simulator that shares the cores itself)."""
+    from meshshard.profiling import profiled_steps
+    from meshshard.sim.fidelity import isolated_program_times, program_times
+
+    steps = profiled_steps(step, (state0, make_batch(0)), 3)
+    plan = step.lower(state0, make_batch(0))
+    return dict(
+        profiled=program_times(steps),
+        isolated=isolated_program_times(steps, plan, os.cpu_count() or 1),
+    )
 
 
 def run_real(steps: int, schedule: str, chunk_kib: int, only=None) -> dict:
@@ -155,11 +178,12 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
     step = meshshard.parallelize(gpt.train_step, method=_method(schedule, sw, chunk_kib << 10))
     state, _ = _time_steps(step, state0, 0, 2)  # compile + warm-up
     if times is None:  # the same programs in every variant: profile once
-        times = step.profile(state0, make_batch(0), steps=3)
+        times = _profile(step, state0)
     load = os.getloadavg()[0]
     state, walls = _time_steps(step, state, 2, steps)
     state, n_over, logs, grad_span = _overtakes(step, state, 2 + steps, 2)
-    pred = _predict(step, state0, times, sw)
+    pred = _predict(step, state0, times["profiled"], sw)
+    pred_cores = _predict(step, state0, times["isolated"], sw, os.cpu_count() or 1)
     colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
     grad_bytes = _grad_bytes(step.plan)
     step.release()
@@ -169,6 +193,7 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
         step_s=statistics.median(walls),
         steps=walls,
         predicted_s=pred,
+        predicted_cores_s=pred_cores,
         overtakes=n_over,
         collectives=colls,
         grad_bytes=grad_bytes,
@@ -208,6 +233,7 @@ def _stage_spans(spans: dict) -> str:
 def print_real(res: dict) -> None:
     print(
         f"{'variant':>14} {'step ms':>8} {'speedup':>8} {'pred ms':>8} {'pred spd':>8} "
+        f"{'cores ms':>8} "
         f"{'COLLs':>6} {'grad MiB':>8} {'exch ms s0/s1':>13} {'overtakes':>9} {'load1':>6}"
     )
     for r in res["rows"]:
@@ -217,6 +243,7 @@ def print_real(res: dict) -> None:
         print(
             f"{r['variant']:>14} {r['step_s'] * 1e3:>8.1f} {r['vs_none']:>7.2f}x "
             f"{r['predicted_s'] * 1e3:>8.1f} {r['predicted_vs_none']:>7.2f}x "
+            f"{r.get('predicted_cores_s', 0) * 1e3:>8.1f} "
             f"{r['collectives']:>6} {r.get('grad_bytes', 0) / 2**20:>8.2f} "
             f"{_stage_spans(r.get('grad_exchange_s', {})):>13} "
             f"{r['overtakes']:>9} {r['load1']:>6.1f}"

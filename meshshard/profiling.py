@@ -25,6 +25,7 @@ __all__ = [
     "profile_key",
     "profile_script",
     "profile_step",
+    "profiled_steps",
     "program_collectives",
 ]
 
@@ -85,13 +86,26 @@ def profile_step(
     calls on ``args`` (compiling first if needed; the step's own recording is restored
     after); read from and written to ``cache`` when given (a hit only plans the step:
     nothing is compiled or run)."""
-    from meshshard.runtime.trace_record import TraceLog
     from meshshard.sim.fidelity import program_times
 
     if cache is not None:  # planning alone gives the keys: a hit compiles nothing
         hit = cache.get(step.lower(*args, costs=False))
         if hit is not None:
             return hit
+    exe = step._executable_for(args)
+    times = program_times(profiled_steps(step, args, steps))
+    if cache is not None:
+        cache.put(exe.plan, times)
+    return times
+
+
+def profiled_steps(step, args: tuple, steps: int = 5) -> list:
+    """The recorded ``[(streams, StepTrace)]`` of ``steps`` calls of ``step`` on ``args``
+    in which every program waits for its outputs (the step's own recording is restored
+    after): what :func:`~meshshard.sim.fidelity.program_times` and
+    :func:`~meshshard.sim.fidelity.isolated_program_times` read."""
+    from meshshard.runtime.trace_record import TraceLog
+
     exe = step._executable_for(args)
     before, before_sync = exe.trace_log, exe._sync
     log = TraceLog(path=os.devnull, keep=steps)
@@ -101,10 +115,7 @@ def profile_step(
             step(*args)
     finally:
         exe.record(before, before_sync)
-    times = program_times(log.steps)
-    if cache is not None:
-        cache.put(exe.plan, times)
-    return times
+    return list(log.steps)
 
 
 def program_collectives(plan: Plan, traced, devices: Sequence | None = None) -> dict[str, tuple]:
