@@ -475,6 +475,9 @@ class _Step:
 
     def run(self, i: int, ins: Run) -> None:
         inputs = [self.value(name) for name in ins.inputs]
+        rec = self.interp.recorder
+        if rec is not None:  # the span is the program's run, not its wait for inputs
+            rec.start[i] = clock_ns()
         t0 = time.perf_counter_ns() if self.tl is not None else 0
         outs = self.interp.programs[ins.program](inputs)
         if self.interp._sync:

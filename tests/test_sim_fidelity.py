@@ -77,11 +77,19 @@ def check_recorded_interleaving(step, args) -> None:
         found = _recorded_order_check(exe, log)
         if not found[0] or attempt == 1:
             break
-    disagreements, exe_plan, cluster, times, measured, margin = found
-    assert disagreements == []
-    # the check has teeth: a model with the second stage 5x slower orders differently
-    slow = {p: t * (5 if p.startswith("s1") else 1) for p, t in times.items()}
-    wrong = simulate(exe_plan, cluster, program_times=slow)
+    disagreements, exe_plan, cluster, times, measured, margin, simulated = found
+    assert disagreements == [], [
+        (k, "simulated", simulated[k], "measured", measured[k])
+        for pair in disagreements
+        for k in pair
+    ]
+    # the check has teeth: the same programs run as GPipe (every forward first) order
+    # differently.  (A slower stage would not do: a 2-stage 1F1B's order across workers
+    # is fixed by its dependencies.)
+    gpipe = synthetic_pipeline(
+        2, exe_plan.num_micro_batches, schedule="gpipe", mesh_shape=exe_plan.meshes[0].shape
+    )
+    wrong = simulate(gpipe, cluster, program_times={**TIMES, **times})
     spans = {
         (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
     }
@@ -118,7 +126,7 @@ def _recorded_order_check(exe, log):
     assert set(simulated) == set(measured) and len(measured) == 2 * (2 * m + 1)
     margin = statistics.median(times.values()) / 2
     found = order_disagreements(simulated, measured, margin)
-    return found, exe.plan, cluster, times, measured, margin
+    return found, exe.plan, cluster, times, measured, margin, simulated
 
 
 def test_calibrated_roofline_recovers_known_costs():
