@@ -15,7 +15,10 @@ outputs: program times on the real mesh, 5 steps).  Then, with the cluster shut 
   alone, never profiled;
 - two host models side by side: ``in-situ`` (profiled times as measured, cores not
   modelled) and ``cores`` (profiles with the slow-down from sharing cores removed, the
-  simulator sharing ``os.cpu_count()`` cores); plus the uncalibrated ``local`` roofline.
+  simulator sharing ``os.cpu_count()`` cores); plus the uncalibrated ``local`` roofline;
+- an ``oracle`` column: every plan from its own profiled program times (held-out plans
+  are profiled too, after their timed steps, for this column only), which splits a
+  held-out miss into the calibrated roofline's part and the host model's part.
 
 Also the recording overhead (steps with and without ``trace=``, interleaved blocks on
 the first plan) and one Perfetto file with the measured and the predicted timeline of
@@ -151,14 +154,18 @@ def measure_plan(name, kind, model_key, method, args, tmp):
     inner, inner_args = _inner(step, state, batch)
     plan = inner.lower(*inner_args)  # the same plan, with each program's cost analysis
     assert [str(p.name) for p in plan.programs] == [str(p.name) for p in exe.plan.programs]
-    if kind == "cal":  # what step.profile() does, keeping the log for the isolated times
-        log = TraceLog(os.devnull, keep=5)
-        exe.record(log, sync=True)
-        _timed(step, state, batch, 5)
-        exe.record(None)
+    # what step.profile() does, keeping the log for the isolated times; a held-out
+    # plan's profile is kept apart ("oracle") and used by the oracle variant only
+    log = TraceLog(os.devnull, keep=5)
+    exe.record(log, sync=True)
+    _timed(step, state, batch, 5)
+    exe.record(None)
+    if kind == "cal":
         rec["profiled"] = program_times(log.steps)
         rec["opcodes"] = opcode_overheads(log.steps)
         rec["isolated"] = isolated_program_times(log.steps, plan, os.cpu_count() or 1)
+    else:
+        rec["oracle"] = program_times(log.steps)
     fn, abstract, batch_argnums = exe._compile_args
     traced = trace_step(
         fn, abstract, batch_argnums=batch_argnums, num_micro_batches=plan.num_micro_batches
@@ -231,7 +238,7 @@ def _host(cluster, overheads, plan):
     return replace(cluster, opcode_overheads=ops, dispatch_overhead=dispatch)
 
 
-VARIANTS = ("in-situ", "cores", "local roofline")
+VARIANTS = ("in-situ", "cores", "local roofline", "oracle")
 
 
 def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
@@ -252,6 +259,11 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
         times = rec.get(key) or fits[variant].program_times(plan, coll)
         out[variant] = simulate(plan, replace(host, host_cores=n), program_times=times)
         out[variant] = out[variant].iteration_time
+    if "oracle" in variants:  # every plan from its own profile: the host model's error
+        times = rec.get("profiled") or rec.get("oracle")
+        out["oracle"] = (
+            simulate(plan, host, program_times=times).iteration_time if times else float("nan")
+        )
     return out
 
 

@@ -76,9 +76,10 @@ class Recorder:
         self.done = [0] * self.n
         self.current = 0
 
-    def snapshot(self, worker: int) -> WorkerTrace:
-        """The recorded step as an immutable :class:`WorkerTrace`."""
-        return WorkerTrace(worker, tuple(self.start), tuple(self.end), tuple(self.done))
+    def snapshot(self, worker: int, finish: int = 0) -> WorkerTrace:
+        """The recorded step as an immutable :class:`WorkerTrace` (``finish``: when the
+        worker's step call returned, 0 = unknown)."""
+        return WorkerTrace(worker, tuple(self.start), tuple(self.end), tuple(self.done), finish)
 
 
 class _TimedHandle:
@@ -132,12 +133,28 @@ class RecordingTransport:
 
 @dataclass(frozen=True)
 class WorkerTrace:
-    """One worker's stamps for one step, in its own clock (ns); ``done`` 0 = no comm."""
+    """One worker's stamps for one step, in its own clock (ns); ``done`` 0 = no comm.
+
+    ``finish`` is when the worker's step call had its small outputs in hand (0 =
+    unknown).  JAX dispatches programs asynchronously, so the last instruction's end
+    can come long before the programs it dispatched finish: on a mesh spanning two
+    host-actors, 100 ms before.
+    """
 
     worker: int
     start: tuple[int, ...]
     end: tuple[int, ...]
     done: tuple[int, ...]
+    finish: int = 0
+
+    @property
+    def busy_ns(self) -> int:
+        """First instruction's start to the step's finish (or the last instruction's
+        end when the finish was not stamped)."""
+        stamps = [t for t in self.start if t]
+        if not stamps:
+            return 0
+        return max(self.finish, max(self.end)) - min(stamps)
 
     def __str__(self) -> str:
         ran = sum(1 for s in self.start if s)

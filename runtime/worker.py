@@ -21,6 +21,7 @@ from meshshard.runtime.interpreter import StreamInterpreter, array_from_host
 from meshshard.runtime.overlap import Lazy
 from meshshard.runtime.programs import build_programs, make_mesh, sharding
 from meshshard.runtime.step_wire import EMPTY_LAYOUT, StepLayout
+from meshshard.runtime.trace_record import clock_ns
 from meshshard.runtime.transport import Transport
 
 #: Results up to this many bytes come back to the driver by value (losses, counters),
@@ -192,8 +193,6 @@ class Worker:
             if pipelined:
                 self.order.fail(exc)
             raise
-        if self.interp.recorder is not None:
-            self.last_trace = self.interp.recorder.snapshot(self.worker)
         result = {}
         with self._cv:
             for group, idx, off in layout.out_slots:
@@ -204,6 +203,8 @@ class Worker:
                 else:
                     self.store[base + off] = arr
             self._cv.notify_all()
+        if self.interp.recorder is not None:  # finished: the small outputs are in hand
+            self.last_trace = self.interp.recorder.snapshot(self.worker, clock_ns())
         for key in free:
             self.store.pop(key, None)
         return result

@@ -90,6 +90,20 @@ def test_measured_trace_moves_worker_clocks_onto_the_driver_clock():
     assert host == [("s0.F mb0", 0.0, 1.0), ("FREE A0", 2.0, 1.0)]
 
 
+def test_dispatch_counts_programs_still_running_after_the_last_dispatch_as_worker_time():
+    """A worker's last instruction may end (asynchronous dispatch) long before its step
+    finishes; the driver's dispatch is what is outside the worker's stamped finish."""
+    from meshshard.sim.fidelity import dispatch_overhead
+
+    driver = (("prepare", 0, 1_000_000), ("workers", 1_000_000, 101_000_000))
+    early = WorkerTrace(0, (2_000_000, 3_000_000), (3_000_000, 20_000_000), (0, 0))
+    assert early.busy_ns == 18_000_000  # finish unknown: the last instruction's end
+    finished = WorkerTrace(0, early.start, early.end, early.done, finish=99_000_000)
+    assert finished.busy_ns == 97_000_000
+    assert dispatch_overhead([([], StepTrace(driver, (early,)))]) == pytest.approx(0.083)
+    assert dispatch_overhead([([], StepTrace(driver, (finished,)))]) == pytest.approx(0.004)
+
+
 def test_trace_must_be_a_path():
     with pytest.raises(MeshshardInputError, match=r"trace must be a file path.*trace='"):
         meshshard.parallelize(mlp.train_step, trace=3)
@@ -132,3 +146,7 @@ def test_ray_trace_aligns_worker_clocks(ray_cluster, tmp_path):
     for _, offset in exe._offsets:
         assert abs(offset) / 1e3 <= rtt_us
     _check_trace(step, trace, steps=2, slack_us=rtt_us)
+    # each worker stamped when its step call finished, after its last instruction
+    assert len(exe.trace_log.steps) == 2
+    for _, recorded in exe.trace_log.steps:
+        assert all(wt.finish >= max(wt.end) > 0 for wt in recorded.workers)

@@ -120,13 +120,11 @@ def opcode_overheads(steps) -> dict[str, float]:
 def dispatch_overhead(steps) -> float:
     """The driver's median seconds per step outside the workers' own spans: preparing
     inputs, collecting outputs, and the call's round trip (the driver's ``workers``
-    span minus the longest worker's first-to-last stamp)."""
+    span minus the longest worker's first stamp to its finish, programs still running
+    after the last instruction's dispatch included: :attr:`WorkerTrace.busy_ns`)."""
     dispatch: list[float] = []
     for _, step in steps:
-        busiest = 0.0
-        for wt in step.workers:
-            stamps = [t for t in wt.start if t]
-            busiest = max(busiest, (max(wt.end) - min(stamps)) / 1e9)
+        busiest = max((wt.busy_ns / 1e9 for wt in step.workers), default=0.0)
         named = {name: (b - a) / 1e9 for name, a, b in step.driver}
         outside = named.get("prepare", 0.0) + named.get("outputs", 0.0)
         dispatch.append(outside + max(0.0, named.get("workers", 0.0) - busiest))
