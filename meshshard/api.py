@@ -152,17 +152,25 @@ class ParallelizedFunction:
         self._lowered = plan
         return plan
 
-    def profile(self, *args, steps: int = 5, cache_dir: str | None = None) -> dict[str, float]:
+    def profile(
+        self, *args, steps: int = 5, cache_dir: str | None = None, cores: int | None = None
+    ) -> dict[str, float]:
         """Seconds of each program (``{"s0.F": ...}``) run on its real mesh of the running
         cluster: the median over ``steps`` calls on ``args`` in which every program waits
         for its outputs.  Cached on disk (``cache_dir``, default ``$MESHSHARD_PROFILE_CACHE``
         or ``~/.cache/meshshard/profiles``) by program, mesh and versions.  Pass the
         result to ``meshshard.sim.simulate(plan, program_times=...)``.  The calls use
-        ``args`` each time: donated arguments must be host arrays."""
+        ``args`` each time: donated arguments must be host arrays.
+
+        ``cores``: on a cluster whose workers share one machine's cores (the local one;
+        its ``ClusterSpec.host_cores``, the default), each time with that sharing
+        removed, so that a simulation with ``host_cores`` set puts back the sharing of
+        whichever plan it runs; 0: the times as measured, sharing included.
+        """
         from meshshard.profiling import ProfileCache, profile_step
 
         target, args = self._route(args)
-        return profile_step(target, args, steps, ProfileCache(cache_dir))
+        return profile_step(target, args, steps, ProfileCache(cache_dir), cores)
 
     def __call__(self, *args, **kwargs):
         if kwargs:

@@ -165,6 +165,7 @@ class ThreadsCluster:
             num_hosts,
             devices_per_host,
             max_mesh_hosts=1,  # one process: the in-process backend's meshes are one host's
+            host_cores=os.cpu_count() or 1,  # every worker shares this machine's cores
             **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
@@ -224,6 +225,8 @@ class RayCluster:
             self.platform, self._nodes = "cpu", None
             num_hosts, devices_per_host = num_hosts or 4, devices_per_host or 2
         local = LOCAL_MESH_COLLECTIVES if self.platform == "cpu" else {}
+        if self._nodes is None:  # every host-actor on this machine: they share its cores
+            local = {**local, "host_cores": os.cpu_count() or 1}
         self.spec = ClusterSpec(
             name or f"ray-{num_hosts}x{devices_per_host}", num_hosts, devices_per_host, **local
         )

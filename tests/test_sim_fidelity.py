@@ -186,3 +186,33 @@ def test_a_replicated_micro_batch_is_not_divided_over_the_mesh(batch_size, split
     forward = next(p for p in plan.programs if str(p.name) == "s0.F")
     assert work_devices(plan, forward) == split
     assert sample_of(plan, forward, (0.0, 0.0)).devices == split
+
+
+def test_isolated_times_remove_the_sharing_of_cores_between_workers():
+    """Two (1, 2)-mesh programs that overlap on 2 cores each ran at half speed: alone
+    they take half their recorded span; a program that ran alone keeps its span."""
+    from meshshard.instructions import Run
+    from meshshard.runtime.trace_record import StepTrace, WorkerTrace
+    from meshshard.sim.fidelity import isolated_program_times, program_times
+
+    plan = synthetic_pipeline(2, 1, schedule="gpipe", mesh_shape=(1, 2))
+    ms = 1_000_000
+    spans = {  # recorded RUN spans (ms): both applies overlap, the rest runs alone
+        "s0.F": (0, 2), "s1.F": (2, 4), "s1.B": (4, 8), "s0.B": (8, 10),
+        "m0.apply": (10, 14), "m1.apply": (10, 14),
+    }  # fmt: skip
+    workers = []
+    for stream in plan.streams:
+        start, end = [], []
+        for ins in stream.instructions:
+            s, e = spans[str(ins.program)] if isinstance(ins, Run) else (0, 0)
+            start.append(1_000 * ms + s * ms if isinstance(ins, Run) else 0)
+            end.append(1_000 * ms + e * ms if isinstance(ins, Run) else 0)
+        workers.append(WorkerTrace(stream.worker, tuple(start), tuple(end), (0,) * len(start)))
+    steps = [(plan.streams, StepTrace((("workers", 0, 2_000 * ms),), tuple(workers)))]
+    recorded = program_times(steps)
+    alone = isolated_program_times(steps, plan, cores=2)
+    assert recorded["m0.apply"] == pytest.approx(4e-3)
+    assert alone == pytest.approx({**recorded, "m0.apply": 2e-3, "m1.apply": 2e-3})
+    # with 4 cores nothing was shared
+    assert isolated_program_times(steps, plan, cores=4) == pytest.approx(recorded)
