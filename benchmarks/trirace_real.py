@@ -23,7 +23,8 @@ one arrived.  Chunks:
 Per variant: the median step time over ``--steps`` steps after 2 warm-up steps, its
 ratio to the unscheduled plan, the simulator's prediction of the same plan (programs
 timed on their meshes once, the same programs in every variant; admission on for
-``topology``) with the profiled times as they are (``pred ms``) and with the times each
+``topology``; the host overheads per instruction and the driver's dispatch measured in
+the same profiled steps) with the profiled times as they are (``pred ms``) and with the times each
 program would take alone on cores the simulator shares among the host-actors
 (``cores ms``: ``isolated_program_times`` and ``host_cores`` = this machine's cores, as
 ``benchmarks/fidelity.py``'s ``cores`` variant), and from recorded timelines
@@ -111,8 +112,9 @@ def _grad_span(tl) -> float | None:
 
 
 def _predict(step, state, times, switches, cores: int = 0) -> float:
-    """The simulator on ``step``'s plan with program ``times``; with ``cores`` the
-    programs of all host-actors share that many cores (``ClusterSpec.host_cores``)."""
+    """The simulator on ``step``'s plan with the profiled program times and host
+    overheads of ``times``; with ``cores`` the programs of all host-actors share that
+    many cores (``ClusterSpec.host_cores``) and the isolated program times are used."""
     from dataclasses import replace
 
     from meshshard.sim import simulate
@@ -120,22 +122,37 @@ def _predict(step, state, times, switches, cores: int = 0) -> float:
 
     plan = step.lower(state, make_batch(0))
     opts = SimOptions(admission="topology" in switches, record=False)
-    cluster = replace(plan.cluster, host_cores=cores)
-    return simulate(plan, cluster, program_times=times, options=opts).iteration_time
+    cluster = replace(
+        plan.cluster,
+        host_cores=cores,
+        opcode_overheads=times["opcodes"],
+        dispatch_overhead=times["dispatch"],
+    )
+    programs = times["isolated" if cores else "profiled"]
+    return simulate(plan, cluster, program_times=programs, options=opts).iteration_time
 
 
 def _profile(step, state0) -> dict:
     """Program times, profiled once (3 steps, each program waiting for its outputs): as
     measured (every host-actor's programs sharing this machine's cores) and isolated (the
-    time each would take alone, for a simulator that shares the cores itself)."""
+    time each would take alone, for a simulator that shares the cores itself); and the
+    host overheads of the same steps (runtime seconds per instruction, driver dispatch
+    per step), as ``benchmarks/fidelity.py`` fits them."""
     from meshshard.profiling import profiled_steps
-    from meshshard.sim.fidelity import isolated_program_times, program_times
+    from meshshard.sim.fidelity import (
+        dispatch_overhead,
+        isolated_program_times,
+        opcode_overheads,
+        program_times,
+    )
 
     steps = profiled_steps(step, (state0, make_batch(0)), 3)
     plan = step.lower(state0, make_batch(0))
     return dict(
         profiled=program_times(steps),
         isolated=isolated_program_times(steps, plan, os.cpu_count() or 1),
+        opcodes=opcode_overheads(steps),
+        dispatch=dispatch_overhead(steps),
     )
 
 
@@ -182,8 +199,8 @@ def _variant(name, sw, state0, schedule, chunk_kib, steps, times):
     load = os.getloadavg()[0]
     state, walls = _time_steps(step, state, 2, steps)
     state, n_over, logs, grad_span = _overtakes(step, state, 2 + steps, 2)
-    pred = _predict(step, state0, times["profiled"], sw)
-    pred_cores = _predict(step, state0, times["isolated"], sw, os.cpu_count() or 1)
+    pred = _predict(step, state0, times, sw)
+    pred_cores = _predict(step, state0, times, sw, os.cpu_count() or 1)
     colls = sum(1 for s in step.plan.streams for x in s.instructions if x.opcode.value == "COLL")
     grad_bytes = _grad_bytes(step.plan)
     step.release()
