@@ -258,7 +258,9 @@ def measured_trace(steps, pid_base: int = 0, label: str = "measured") -> dict:
     """The Chrome trace of recorded steps: ``[(streams, StepTrace), ...]``.
 
     Times are microseconds from the first step's first driver stamp, every worker's
-    stamps moved onto the driver's clock by its offset.  Process ids are the worker
+    stamps moved onto the driver's clock by its offset.  An instant event "outputs
+    ready" marks when each worker's step call had its outputs (programs dispatched
+    asynchronously finish there, after the last instruction's span).  Process ids are the worker
     ids plus ``pid_base`` (so a predicted timeline can sit beside it).
     """
     if not steps:
@@ -285,6 +287,12 @@ def measured_trace(steps, pid_base: int = 0, label: str = "measured") -> dict:
                 if wt.done[i]:
                     done = (wt.done[i] - shift) / 1e3
                     comm.setdefault(pid, []).append((s, done, name, cat))
+            if wt.finish:  # the programs dispatched last may run well past the last span
+                ts = (wt.finish - shift) / 1e3
+                events.append(
+                    {"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": "outputs ready",
+                     "ts": ts, "args": {"step": n}}
+                )  # fmt: skip
         for name, a, b in step.driver:
             events.append(
                 _span(

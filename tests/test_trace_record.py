@@ -146,7 +146,12 @@ def test_ray_trace_aligns_worker_clocks(ray_cluster, tmp_path):
     for _, offset in exe._offsets:
         assert abs(offset) / 1e3 <= rtt_us
     _check_trace(step, trace, steps=2, slack_us=rtt_us)
-    # each worker stamped when its step call finished, after its last instruction
+    # each worker stamped when its step call finished, after its last instruction,
+    # and the trace marks it
     assert len(exe.trace_log.steps) == 2
     for _, recorded in exe.trace_log.steps:
         assert all(wt.finish >= max(wt.end) > 0 for wt in recorded.workers)
+    ready = [e for e in trace["traceEvents"] if e["name"] == "outputs ready"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in ready) == sorted(
+        (w, n) for w in exe.plan.workers for n in range(2)
+    )
