@@ -15,7 +15,9 @@ outputs: program times on the real mesh, 5 steps).  Then, with the cluster shut 
   alone, never profiled;
 - two host models side by side: ``in-situ`` (profiled times as measured, cores not
   modelled) and ``cores`` (profiles with the slow-down from sharing cores removed, the
-  simulator sharing ``os.cpu_count()`` cores); plus the uncalibrated ``local`` roofline;
+  simulator sharing ``os.cpu_count()`` cores, as the local clusters declare; or, with
+  ``--fit-cores``, the count that fits the calibration set best); plus the uncalibrated
+  ``local`` roofline;
 - an ``oracle`` column: every plan from its own profiled program times (held-out plans
   are profiled too, after their timed steps, for this column only), which splits a
   held-out miss into the calibrated roofline's part and the host model's part.
@@ -164,6 +166,7 @@ def measure_plan(name, kind, model_key, method, args, tmp):
         rec["profiled"] = program_times(log.steps)
         rec["opcodes"] = opcode_overheads(log.steps)
         rec["isolated"] = isolated_program_times(log.steps, plan, os.cpu_count() or 1)
+        rec["profile_steps"] = list(log.steps)  # to redo the isolation for other core counts
     else:
         rec["oracle"] = program_times(log.steps)
     fn, abstract, batch_argnums = exe._compile_args
@@ -193,17 +196,27 @@ def _collective_s(rec, cluster):
     }
 
 
-def fit(records, cluster):
-    """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration set."""
+def fit(records, cluster, cores=None):
+    """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration
+    set; ``cores``: the isolated times redone for that many shared cores (from the kept
+    profile steps; default: as measured, this machine's count)."""
     from meshshard.sim.fidelity import (
         CalibratedRoofline,
         dispatch_overhead,
         fit_dispatch,
+        isolated_program_times,
         sample_of,
         zeros_tensors,
     )
 
     cal = [r for r in records if r["set"] == "cal"]
+    if cores is not None:
+        cal = [
+            {**r, "isolated": isolated_program_times(r["profile_steps"], r["plan"], cores)}
+            if "profile_steps" in r
+            else r
+            for r in cal
+        ]
     ops = sorted({op for r in cal for op in r["opcodes"]})
     opcodes = {
         op: statistics.median(r["opcodes"][op] for r in cal if op in r["opcodes"]) for op in ops
@@ -245,9 +258,12 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
     """Predicted step seconds per model variant (``cores``: the cores the ``cores``
     variant shares, default this machine's)."""
     from meshshard.sim import simulate
+    from meshshard.sim.fidelity import isolated_program_times
 
     plan = rec["plan"]
     out = {}
+    if cores and "profile_steps" in rec:  # a calibration plan's isolation for these cores
+        rec = {**rec, "isolated": isolated_program_times(rec["profile_steps"], plan, cores)}
     if "local roofline" in variants:
         out["local roofline"] = simulate(plan, replace(cluster, host_cores=0)).iteration_time
     host = _host(cluster, overheads, plan)
@@ -283,20 +299,27 @@ def split(rec, cluster, overheads):
     )
 
 
-def fit_cores(records, cluster, overheads, fits, choices=(1, 2, 3, 4)):
-    """The cores the ``cores`` variant shares, fitted on the calibration set: the count
-    with the least median error there (a loaded machine leaves a run fewer than it has)."""
+def fit_cores(records, cluster, choices=(1, 2, 3, 4)):
+    """The cores the ``cores`` variant shares, fitted on the calibration set, and the fit
+    made with it: for each count the isolated program times are redone for that many
+    cores and the roofline refitted, and the count with the least median error on the
+    calibration plans wins (a loaded machine leaves a run fewer cores than it has, and a
+    small program may keep fewer cores busy than its mesh has devices)."""
+    cal = [r for r in records if r["set"] == "cal"]
+    redo = all("profile_steps" in r for r in cal)  # older pickles: simulator cores only
 
     def err(n):
-        cal = [r for r in records if r["set"] == "cal"]
+        overheads, fits = fit(records, cluster, n if redo else None)
         ratios = [
             predict(r, cluster, overheads, fits, n, ("cores",))["cores"]
             / statistics.median(r["times"])
             for r in cal
         ]
-        return statistics.median(abs(x - 1) for x in ratios)
+        return statistics.median(abs(x - 1) for x in ratios), overheads, fits
 
-    return min(choices, key=err)
+    scored = {n: err(n) for n in choices}
+    best = min(choices, key=lambda n: scored[n][0])
+    return best, scored[best][1], scored[best][2]
 
 
 def side_by_side(rec, cluster, overheads, fits, path):
@@ -391,6 +414,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
     ap.add_argument("--select", default=None, help="comma-separated plan indices to run")
     ap.add_argument("--overhead-plan", default=PLANS[1][0])
+    ap.add_argument(
+        "--fit-cores",
+        action="store_true",
+        help="fit the cores the 'cores' model shares on the calibration set (1-4) "
+        "instead of using this machine's count",
+    )
     args = ap.parse_args(argv)
     import tempfile
 
@@ -406,9 +435,13 @@ def main(argv=None) -> int:
     else:
         records = measure_all(plans, args, tmp)
     cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
-    overheads, fits = fit(records, cluster)
-    cores = fit_cores(records, cluster, overheads, fits)
-    print(f"cores shared, fitted on the calibration set: {cores}")
+    if args.fit_cores:
+        cores, overheads, fits = fit_cores(records, cluster)
+        print(f"cores shared, fitted on the calibration set: {cores}")
+    else:  # what the local clusters declare (ClusterSpec.host_cores): a fact, not a fit
+        cores = os.cpu_count() or 1
+        overheads, fits = fit(records, cluster, cores)
+        print(f"cores shared: {cores} (this machine's)")
     preds = [predict(r, cluster, overheads, fits, cores) for r in records]
     for r in records:
         r["split"] = split(r, cluster, overheads)
