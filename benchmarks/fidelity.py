@@ -196,27 +196,31 @@ def _collective_s(rec, cluster):
     }
 
 
-def fit(records, cluster, cores=None):
-    """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration
-    set; ``cores``: the isolated times redone for that many shared cores (from the kept
-    profile steps; default: as measured, this machine's count)."""
+def isolated_for(records, cores: int) -> list:
+    """``records`` with each calibration plan's isolated program times redone for
+    ``cores`` shared cores, from its kept profile steps (records without them, as in
+    older pickles, keep the times isolated for the measuring machine's count)."""
+    from meshshard.sim.fidelity import isolated_program_times
+
+    return [
+        {**r, "isolated": isolated_program_times(r["profile_steps"], r["plan"], cores)}
+        if "profile_steps" in r
+        else r
+        for r in records
+    ]
+
+
+def fit(records, cluster):
+    """Host overheads and calibrated rooflines (in-situ and isolated) from the calibration set."""
     from meshshard.sim.fidelity import (
         CalibratedRoofline,
         dispatch_overhead,
         fit_dispatch,
-        isolated_program_times,
         sample_of,
         zeros_tensors,
     )
 
     cal = [r for r in records if r["set"] == "cal"]
-    if cores is not None:
-        cal = [
-            {**r, "isolated": isolated_program_times(r["profile_steps"], r["plan"], cores)}
-            if "profile_steps" in r
-            else r
-            for r in cal
-        ]
     ops = sorted({op for r in cal for op in r["opcodes"]})
     opcodes = {
         op: statistics.median(r["opcodes"][op] for r in cal if op in r["opcodes"]) for op in ops
@@ -258,12 +262,9 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
     """Predicted step seconds per model variant (``cores``: the cores the ``cores``
     variant shares, default this machine's)."""
     from meshshard.sim import simulate
-    from meshshard.sim.fidelity import isolated_program_times
 
     plan = rec["plan"]
     out = {}
-    if cores and "profile_steps" in rec:  # a calibration plan's isolation for these cores
-        rec = {**rec, "isolated": isolated_program_times(rec["profile_steps"], plan, cores)}
     if "local roofline" in variants:
         out["local roofline"] = simulate(plan, replace(cluster, host_cores=0)).iteration_time
     host = _host(cluster, overheads, plan)
@@ -300,26 +301,26 @@ def split(rec, cluster, overheads):
 
 
 def fit_cores(records, cluster, choices=(1, 2, 3, 4)):
-    """The cores the ``cores`` variant shares, fitted on the calibration set, and the fit
-    made with it: for each count the isolated program times are redone for that many
+    """The cores the ``cores`` variant shares, fitted on the calibration set, and the
+    records and fit made with it: for each count the isolated program times are redone for that many
     cores and the roofline refitted, and the count with the least median error on the
     calibration plans wins (a loaded machine leaves a run fewer cores than it has, and a
     small program may keep fewer cores busy than its mesh has devices)."""
-    cal = [r for r in records if r["set"] == "cal"]
-    redo = all("profile_steps" in r for r in cal)  # older pickles: simulator cores only
 
     def err(n):
-        overheads, fits = fit(records, cluster, n if redo else None)
+        redone = isolated_for(records, n)
+        overheads, fits = fit(redone, cluster)
         ratios = [
             predict(r, cluster, overheads, fits, n, ("cores",))["cores"]
             / statistics.median(r["times"])
-            for r in cal
+            for r in redone
+            if r["set"] == "cal"
         ]
-        return statistics.median(abs(x - 1) for x in ratios), overheads, fits
+        return statistics.median(abs(x - 1) for x in ratios), redone, overheads, fits
 
     scored = {n: err(n) for n in choices}
     best = min(choices, key=lambda n: scored[n][0])
-    return best, scored[best][1], scored[best][2]
+    return (best, *scored[best][1:])
 
 
 def side_by_side(rec, cluster, overheads, fits, path):
@@ -436,11 +437,12 @@ def main(argv=None) -> int:
         records = measure_all(plans, args, tmp)
     cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
     if args.fit_cores:
-        cores, overheads, fits = fit_cores(records, cluster)
+        cores, records, overheads, fits = fit_cores(records, cluster)
         print(f"cores shared, fitted on the calibration set: {cores}")
     else:  # what the local clusters declare (ClusterSpec.host_cores): a fact, not a fit
         cores = os.cpu_count() or 1
-        overheads, fits = fit(records, cluster, cores)
+        records = isolated_for(records, cores)
+        overheads, fits = fit(records, cluster)
         print(f"cores shared: {cores} (this machine's)")
     preds = [predict(r, cluster, overheads, fits, cores) for r in records]
     for r in records:

@@ -289,10 +289,8 @@ def measured_trace(steps, pid_base: int = 0, label: str = "measured") -> dict:
                     comm.setdefault(pid, []).append((s, done, name, cat))
             if wt.finish:  # the programs dispatched last may run well past the last span
                 ts = (wt.finish - shift) / 1e3
-                events.append(
-                    {"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": "outputs ready",
-                     "ts": ts, "args": {"step": n}}
-                )  # fmt: skip
+                ready = {"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": "outputs ready"}
+                events.append({**ready, "ts": ts, "args": {"step": n}})
         for name, a, b in step.driver:
             events.append(
                 _span(
