@@ -118,6 +118,10 @@ class ClusterSpec:
         max_mesh_hosts: hosts one mesh may span (0: any); the in-process threads
             backend runs single-host meshes only, so its clusters say 1 and
             ``stages="auto"`` searches single-host submeshes there.
+        host_split: workers (host-actors) per physical host.  1 for a cluster as
+            started; :meth:`split` makes the worker view in which several meshes share
+            a host: each host becomes ``host_split`` workers of ``devices_per_host``
+            devices, worker ``w`` on host ``w // host_split``.
         source: where the figures come from (citations, or the calibration run).
     """
 
@@ -145,10 +149,17 @@ class ClusterSpec:
     mesh_collective_latency: tuple[float, ...] = ()
     mesh_collective_bandwidth: tuple[float, ...] = ()
     max_mesh_hosts: int = 0
+    host_split: int = 1
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
-        for field_name in ("num_hosts", "devices_per_host", "nics_per_host", "chunk_bytes"):
+        for field_name in (
+            "num_hosts",
+            "devices_per_host",
+            "nics_per_host",
+            "chunk_bytes",
+            "host_split",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(
@@ -213,6 +224,11 @@ class ClusterSpec:
                 "pass () to spread devices evenly over the NICs"
             )
         object.__setattr__(self, "nic_of_device", nic_of)
+        if self.num_hosts % self.host_split:
+            raise ValueError(
+                f"ClusterSpec.host_split={self.host_split} must divide num_hosts="
+                f"{self.num_hosts} (the workers of every physical host)"
+            )
         if not isinstance(self.max_mesh_hosts, int) or self.max_mesh_hosts < 0:
             raise ValueError(
                 f"ClusterSpec.max_mesh_hosts must be an int >= 0 (0 = any), got "
@@ -250,6 +266,44 @@ class ClusterSpec:
         """Total devices in the cluster."""
         return self.num_hosts * self.devices_per_host
 
+    @property
+    def physical_hosts(self) -> int:
+        """Hosts of the machine this spec describes (``num_hosts`` unless split)."""
+        return self.num_hosts // self.host_split
+
+    def physical_host(self, worker: int) -> int:
+        """The physical host that worker (host-actor) ``worker`` runs on."""
+        return worker // self.host_split
+
+    def split(self, parts: int) -> ClusterSpec:
+        """The worker view of this cluster with every host run as ``parts`` workers of
+        ``devices_per_host / parts`` devices each, so several meshes can share a host
+        (one host-actor per submesh block, as Alpa launches one worker per submesh).
+
+        Each worker gets an equal share of its host's NICs (at least one); the
+        simulator treats workers as hosts, so traffic between two workers of one host is
+        priced as network traffic (on the local cluster, where every worker is a
+        process talking gloo over loopback, that is what it is).
+
+        >>> str(ClusterSpec(num_hosts=2, devices_per_host=4).split(2))
+        'local (4 workers x 2 devices, 2 per host)'
+        """
+        if parts == 1:
+            return self
+        if not isinstance(parts, int) or parts < 1 or self.devices_per_host % parts:
+            raise ValueError(
+                f"ClusterSpec.split({parts!r}): the parts must divide devices_per_host="
+                f"{self.devices_per_host}"
+            )
+        return replace(
+            self,
+            num_hosts=self.num_hosts * parts,
+            devices_per_host=self.devices_per_host // parts,
+            nics_per_host=max(1, self.nics_per_host // parts),
+            nic_of_device=(),
+            host_split=self.host_split * parts,
+        )
+
     def nic_of(self, device: int) -> int:
         """The NIC that device ``device`` of a host sends and receives through."""
         if self.nic_of_device:
@@ -280,6 +334,11 @@ class ClusterSpec:
 
     # --- text ----------------------------------------------------------------------
     def __str__(self) -> str:
+        if self.host_split > 1:
+            return (
+                f"{self.name} ({self.num_hosts} workers x {self.devices_per_host} devices, "
+                f"{self.host_split} per host)"
+            )
         return f"{self.name} ({self.num_hosts} hosts x {self.devices_per_host} devices)"
 
     def describe(self) -> str:

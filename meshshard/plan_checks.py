@@ -19,6 +19,7 @@ runs or is simulated:
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from meshshard.cluster import ClusterSpec
@@ -68,6 +69,10 @@ def header_problems(plan, cluster: ClusterSpec | None = None) -> list[str]:
     problems = _micro_batch_problems(plan)
     problems += mesh_problems(plan, plan.cluster, "its header's cluster")
     if cluster is not None and cluster != plan.cluster:
+        k = plan.cluster.host_split // cluster.host_split
+        if k > 1 and plan.cluster.host_split % cluster.host_split == 0:  # meshes share hosts
+            with contextlib.suppress(ValueError):  # parts not dividing: the shapes say so
+                cluster = cluster.split(k)
         problems += mesh_problems(plan, cluster, f"cluster {cluster.name!r}")
     if plan.programs and not FINGERPRINT.match(plan.fingerprint):
         problems.append(

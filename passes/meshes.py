@@ -1,10 +1,15 @@
 """Pass: choose each stage's layers and mesh, and place meshes on the cluster's hosts.
 
 Each mesh gets whole host-actors of its own (a host-actor runs one instruction stream),
-allocated in stage order, so stage ``i`` runs on mesh ``i``.
+allocated in stage order, so stage ``i`` runs on mesh ``i``.  When the meshes need more
+hosts than there are but fit the devices (``[(1, 2)] * 4`` on two 4-device hosts), the
+hosts are split into workers (:meth:`ClusterSpec.split`): one host-actor per block of
+devices, several meshes per host, and the plan is made for that worker view.
 """
 
 from __future__ import annotations
+
+import math
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
@@ -15,13 +20,14 @@ from meshshard.plan import MeshSpec
 
 def stage_layout(
     method: Method, cluster: ClusterSpec, num_layers: int
-) -> tuple[tuple[tuple[int, ...], ...], tuple[MeshSpec, ...]]:
-    """Layer groups per stage and the mesh of each stage, validated against the cluster."""
+) -> tuple[tuple[tuple[int, ...], ...], tuple[MeshSpec, ...], ClusterSpec]:
+    """Layer groups per stage, the mesh of each stage and the cluster (or its worker
+    view, when meshes share hosts) they are placed on, validated against the cluster."""
     if isinstance(method, FollowParallel):
-        return follow_layout(method, num_layers)
+        return (*follow_layout(method, num_layers), method.plan.cluster)
     if isinstance(method, DataParallel):
         shape = method.mesh_shape or (cluster.num_hosts, cluster.devices_per_host)
-        return (tuple(range(num_layers)),), allocate_meshes([shape], cluster)
+        return ((tuple(range(num_layers)),), *place_meshes([shape], cluster))
     assert isinstance(method, PipeshardParallel)
     if method.stages == "auto":
         raise MeshshardInputError(
@@ -39,15 +45,17 @@ def stage_layout(
     else:
         shapes = list(method.stages)
         _check_stage_count(len(shapes), num_layers)
-    return group_layers(num_layers, len(shapes)), allocate_meshes(shapes, cluster)
+    return (group_layers(num_layers, len(shapes)), *place_meshes(shapes, cluster))
 
 
 def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple:
-    """``stages="auto"``: the stage DP's layer groups and meshes, and the DP's plan.
+    """``stages="auto"``: the stage DP's layer groups, meshes, the cluster view they run
+    on (split into workers when meshes share hosts) and the DP's plan.
 
-    The runtime runs one mesh per host-actor and data parallelism inside a mesh, so the
-    DP chooses among whole-host submeshes ``(h, D)`` (or the method's ``submeshes``) with
-    the data-parallel view only.
+    The DP chooses among Alpa's submeshes ``(1, 1), (1, 2), ..., (1, D), (h, D)`` (or the
+    method's ``submeshes``) with the data-parallel view.  On a cluster whose meshes span
+    one worker at most (the in-process backend), only whole hosts: meshes of mixed
+    widths sharing a host would span several workers there.
     """
     from meshshard.passes.stage_cost import AnalyticCost
     from meshshard.passes.stage_dp import stage_dp
@@ -56,11 +64,13 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     plan = stage_dp(
         cost,
         method.num_micro_batches,
-        choices=method.submeshes or submesh_choices(cluster, whole_hosts=True),
+        choices=method.submeshes
+        or submesh_choices(cluster, whole_hosts=cluster.max_mesh_hosts > 0),
         views="data_parallel",
     )
     groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
-    return groups, allocate_meshes([st.submesh for st in plan.stages], cluster), plan
+    meshes, workers = place_meshes([st.submesh for st in plan.stages], cluster)
+    return groups, meshes, workers, plan
 
 
 def follow_layout(method: FollowParallel, num_layers: int):
@@ -93,6 +103,62 @@ def _check_stage_count(num_stages: int, num_layers: int) -> None:
     )
 
 
+def place_meshes(
+    shapes: list[tuple[int, int]], cluster: ClusterSpec
+) -> tuple[tuple[MeshSpec, ...], ClusterSpec]:
+    """Meshes of ``shapes`` in stage order and the cluster view they run on.
+
+    Whole host-actors per mesh when the hosts suffice (:func:`allocate_meshes`);
+    otherwise the hosts are split into workers of ``b`` devices (``b`` the greatest
+    common divisor of the widths) and each mesh takes workers of one host, or whole
+    hosts' workers, so several meshes share a host.  A ``(1, d)`` mesh then runs as
+    ``(d / b, b)``: ``d / b`` workers of that host.
+
+    >>> c = ClusterSpec(num_hosts=2, devices_per_host=4)
+    >>> meshes, workers = place_meshes([(1, 2)] * 4, c)
+    >>> [m.hosts for m in meshes], str(workers)
+    ([(0,), (1,), (2,), (3,)], 'local (4 workers x 2 devices, 2 per host)')
+    """
+    fits = sum(h * d for h, d in shapes) <= cluster.num_devices
+    fits = fits and all(d <= cluster.devices_per_host for _, d in shapes)
+    if sum(h for h, _ in shapes) <= cluster.num_hosts or not fits:
+        return allocate_meshes(shapes, cluster), cluster  # (its error says what is too big)
+    return share_hosts(shapes, cluster)
+
+
+def share_hosts(
+    shapes: list[tuple[int, int]], cluster: ClusterSpec
+) -> tuple[tuple[MeshSpec, ...], ClusterSpec]:
+    """Place ``shapes`` with several meshes per host; see :func:`place_meshes`."""
+    D = cluster.devices_per_host
+    bad = [s for s in shapes if not ((s[0] == 1 and 0 < s[1] <= D and D % s[1] == 0) or s[1] == D)]
+    if bad:
+        raise MeshshardInputError(
+            f"the stages ask for meshes {shapes}, more hosts than {cluster} has; meshes can "
+            f"share a host only as (1, d) with d dividing devices_per_host={D} or as whole "
+            f"hosts (h, {D}), and {bad} is neither. Ask for fewer or smaller meshes"
+        )
+    b = math.gcd(D, *(d for _, d in shapes))
+    k = D // b
+    spots = place_submeshes(list(shapes), cluster, exact=False)
+    meshes = []
+    for i, ((_, d), (hosts, first)) in enumerate(zip(shapes, spots, strict=True)):
+        per = d // b  # workers of one host this mesh takes
+        workers = tuple(host * k + first // b + j for host in hosts for j in range(per))
+        meshes.append(MeshSpec(i, (len(workers), b), workers))
+    view = cluster.split(k)
+    wide = [m for m in meshes if view.max_mesh_hosts and len(m.hosts) > view.max_mesh_hosts]
+    if wide:
+        raise MeshshardInputError(
+            f"the meshes {shapes} share hosts as workers of {b} devices, so mesh"
+            f"{wide[0].id} {shapes[wide[0].id]} would span {len(wide[0].hosts)} workers; "
+            f"{cluster} runs a mesh on at most {cluster.max_mesh_hosts} worker(s) (the "
+            "in-process backend): give meshes that share a host the same width, or use "
+            "meshshard.init() (Ray)"
+        )
+    return tuple(meshes), view
+
+
 def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tuple[MeshSpec, ...]:
     """Give each mesh shape its own consecutive hosts; error if the cluster is too small."""
     need_hosts = sum(h for h, _ in shapes)
@@ -101,8 +167,9 @@ def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tupl
     if need_hosts > cluster.num_hosts or too_wide:
         raise MeshshardInputError(
             f"the stages ask for meshes {shapes} ({need_devices} devices on {need_hosts} "
-            f"hosts), but the cluster {cluster} has {cluster.num_devices} devices; each mesh "
-            f"needs whole hosts of at most {cluster.devices_per_host} devices. Ask for fewer or "
+            f"hosts), but the cluster {cluster} has {cluster.num_devices} devices; a mesh "
+            f"takes whole hosts, or a (1, d) block of one host's {cluster.devices_per_host} "
+            "devices. Ask for fewer or "
             "smaller meshes, or start a bigger cluster (meshshard.init(num_hosts=..., "
             "devices_per_host=...))"
         )
@@ -145,14 +212,15 @@ def logical_shapes(submesh: tuple[int, int], devices_per_host: int) -> tuple[tup
 
 
 def place_submeshes(
-    shapes: list[tuple[int, int]], cluster: ClusterSpec
+    shapes: list[tuple[int, int]], cluster: ClusterSpec, exact: bool = True
 ) -> tuple[tuple[tuple[int, ...], int], ...]:
     """Where each stage's submesh sits: ``(hosts, first device)`` per shape, in order.
 
     Whole-host shapes ``(h, D)`` take consecutive free hosts; a ``(1, d)`` shape takes the
     first host with ``d`` free devices at an offset that is a multiple of ``d`` (power-of-
     two sizes, placed largest first, always pack).  This is the tiling the stage DP
-    assumes; an error says when shapes cannot tile the cluster.
+    assumes; an error says when shapes cannot tile the cluster (or, with ``exact``,
+    leave devices unused).
 
     >>> c = ClusterSpec(num_hosts=2, devices_per_host=8)
     >>> place_submeshes([(1, 4), (1, 2), (1, 2), (1, 8)], c)
@@ -180,9 +248,13 @@ def place_submeshes(
         raise MeshshardInputError(
             f"the submeshes {list(shapes)} do not tile {cluster}: no room for {shapes[i]} "
             "(a submesh is (1, d) inside one host or (h, devices_per_host) of whole hosts, "
-            "and all of them together must use every device once)"
+            + (
+                "and all of them together must use every device once)"
+                if exact
+                else "and all of them together must fit the cluster's devices)"
+            )
         )
-    if any(free):
+    if exact and any(free):
         raise MeshshardInputError(
             f"the submeshes {list(shapes)} leave devices of {cluster} unused "
             f"({sum(free)} free); their device counts must add up to {cluster.num_devices}"

@@ -76,18 +76,32 @@ def _slice(st: CompileState) -> CompileState:
 def _layout(st: CompileState) -> CompileState:
     if getattr(st.method, "stages", None) == "auto":
         stats = step_layer_stats(st.traced, st.slicing)
-        groups, meshes, dp = auto_layout(st.method, st.cluster, stats)
-        notes = tuple(str(dp).splitlines())
-        return replace(st, layer_groups=groups, meshes=meshes, layout_notes=notes)
+        groups, meshes, workers, dp = auto_layout(st.method, st.cluster, stats)
+        notes = tuple(str(dp).splitlines()) + _worker_notes(st.cluster, workers)
+        return replace(st, cluster=workers, layer_groups=groups, meshes=meshes, layout_notes=notes)
     cluster = st.cluster
     d = getattr(st.method, "data_parallel", 1)
     if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
-    groups, meshes = stage_layout(st.method, cluster, st.slicing.num_layers)
+    groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
+    # meshes that share hosts are planned on the worker view (uniform stages never do)
+    cluster = workers if workers.host_split != cluster.host_split else st.cluster
     v = getattr(st.method, "virtual_stages", 1)
     if v > 1:  # interleaved 1F1B: v logical stages per mesh
         groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v)
-    return replace(st, layer_groups=groups, meshes=meshes)
+    notes = _worker_notes(st.cluster, cluster)
+    return replace(st, cluster=cluster, layer_groups=groups, meshes=meshes, layout_notes=notes)
+
+
+def _worker_notes(cluster: ClusterSpec, workers: ClusterSpec) -> tuple[str, ...]:
+    """A plan note when meshes share hosts (the plan is made for the worker view)."""
+    if workers.host_split == cluster.host_split:
+        return ()
+    return (
+        f"meshes share hosts: each of the {cluster.num_hosts} hosts runs "
+        f"{workers.host_split // cluster.host_split} workers (host-actors) of "
+        f"{workers.devices_per_host} devices; planned on {workers}",
+    )
 
 
 def _stage_graph(st: CompileState) -> CompileState:

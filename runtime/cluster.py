@@ -169,7 +169,16 @@ class ThreadsCluster:
             **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
+        self._split_stores: dict[int, dict[int, dict]] = {}  # the same per worker view
         self.closed = False
+
+    def stores_for(self, host_split: int) -> dict[int, dict]:
+        """The per-worker stores of plans whose meshes share hosts as ``host_split``
+        workers per host (``self.stores`` for whole hosts): a worker id means a
+        different device block in each view, so each view keeps its own arrays."""
+        if host_split == 1:
+            return self.stores
+        return self._split_stores.setdefault(host_split, {})
 
     def backend(self):
         from meshshard.runtime.local import LocalBackend
@@ -196,8 +205,9 @@ class ThreadsCluster:
 
     def close(self) -> None:
         self.closed = True
-        for store in self.stores.values():
-            store.clear()
+        for stores in (self.stores, *self._split_stores.values()):
+            for store in stores.values():
+                store.clear()
 
 
 class RayCluster:
@@ -241,6 +251,9 @@ class RayCluster:
         self.blocked: set[int] = set()  # hosts left inside a failed call
         self.closed = False
         self.arrays = LiveArrays()  # live RemoteArrays kept here
+        #: workers (host-actors) per host now: a plan whose meshes share hosts runs on
+        #: ClusterSpec.split(k), one actor per block of devices_per_host / k devices
+        self.host_split = 1
         #: step calls over direct connections (runtime.step_channel); off: Ray calls
         self.use_step_channel = os.environ.get("MESHSHARD_STEP_CHANNEL", "1") != "0"
         self._channels: dict = {}  # host -> StepChannel, for this generation
@@ -256,20 +269,19 @@ class RayCluster:
         from meshshard.runtime.actor import HostActor
 
         hosts = list(hosts)
+        devices = self.spec.devices_per_host // self.host_split
         for h in hosts:
             opts = dict(num_cpus=0, max_concurrency=4)
             if self.platform == "gpu":
-                opts["num_gpus"] = self.spec.devices_per_host
+                opts["num_gpus"] = devices
             if self._nodes is not None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                    self._nodes[h], soft=False
+                    self._nodes[h // self.host_split], soft=False
                 )
             self._actors[h] = (
-                ray.remote(HostActor)
-                .options(**opts)
-                .remote(h, self.spec.devices_per_host, self.platform, verbose())
+                ray.remote(HostActor).options(**opts).remote(h, devices, self.platform, verbose())
             )
             self._groups[h] = "fresh"
         self._transport_ready = False
@@ -304,6 +316,36 @@ class RayCluster:
         self.dead -= set(hosts)
         self.blocked -= set(hosts)
         self._start(hosts)
+
+    def _relayout(self, host_split: int) -> None:
+        """Run every host as ``host_split`` workers (host-actors) of an equal share of its
+        devices, or back as one: every actor restarts (its live arrays copied to the
+        driver first), so steps compiled for the other view recompile on their next
+        call.  Plans whose meshes share hosts need this (``ClusterSpec.split``)."""
+        import ray
+
+        everyone = [h for h, a in enumerate(self._actors) if a is not None]
+        moved = sum(a.nbytes for a in list(self.arrays) if a.evacuate(everyone, self.dead))
+        log.warning(
+            "restarting the %d host-actors as %d per host of %d devices (%s); copied %.1f "
+            "KiB of live arrays to the driver",
+            len(everyone),
+            host_split,
+            self.spec.devices_per_host // host_split,
+            "a plan's meshes share hosts" if host_split > 1 else "a plan uses whole hosts",
+            moved / 2**10,
+        )
+        self.generation += 1
+        for h in everyone:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(self._actors[h], no_restart=True)
+        _wait_exit([self.pids[h] for h in everyone])
+        n = self.spec.num_hosts * host_split
+        self.host_split = host_split
+        self._actors, self.pids, self._groups = [None] * n, [None] * n, ["fresh"] * n
+        self.dead, self.blocked = set(), set()
+        self._transport_ready = False
+        self._start(range(n))
 
     def _with_group_peers(self, hosts) -> list[int]:
         """``hosts`` plus every member of a multi-host JAX group one of them is in: a
@@ -356,7 +398,7 @@ class RayCluster:
                 "The host-actors are alive; the next call rebuilds the transfer group and "
                 "recompiles the step."
             )
-        alive = [f"w{h}" for h in range(self.spec.num_hosts) if h not in self.dead]
+        alive = [f"w{h}" for h in range(len(self._actors)) if h not in self.dead]
         dead = ", ".join(f"w{h}" for h in sorted(self.dead)) or "none"
         return (
             f"Arrays kept on the surviving host-actors ({', '.join(alive) or 'none'}) are "
@@ -369,6 +411,15 @@ class RayCluster:
 
     def prepare(self, plan: Plan) -> None:
         """Make every actor's process layout match ``plan`` (restarting actors if needed)."""
+        split = plan.cluster.host_split
+        if split != self.host_split:
+            if self.spec.devices_per_host % split:
+                raise MeshshardInputError(
+                    f"the plan runs {split} workers per host ({plan.cluster}), which does "
+                    f"not divide this cluster's {self.spec.devices_per_host} devices per "
+                    "host; compile the step for this cluster"
+                )
+            self._relayout(split)
         need: dict[int, object] = {}
         for m in plan.meshes:
             for h in m.hosts:
@@ -400,7 +451,7 @@ class RayCluster:
             return
         host, port = self._call({0: self._actors[0].free_port.remote()}, "free_port")[0]
         addr = f"tcp://{host}:{port}"
-        n = self.spec.num_hosts
+        n = len(self._actors)
         self._call(
             {
                 r: a.init_transport.remote(addr, n, r, TRANSFER_TIMEOUT_S)
@@ -649,6 +700,7 @@ class RayBackend:
         self.worker_seconds: dict[int, float] = {}
         self.last_traces: dict = {}  # the last step's WorkerTrace per recording worker
         self.generation = -1  # the cluster generation this plan was compiled in
+        self.layout = 1  # workers per host of the compiled plan (ClusterSpec.host_split)
 
     @property
     def closed(self) -> bool:
@@ -665,6 +717,7 @@ class RayBackend:
 
         self.ensure_ready(lambda: None)
         self.cluster.prepare(plan)
+        self.layout = plan.cluster.host_split  # the worker view its arrays are kept in
         self.cluster.ensure_groups(broadcast_groups(plan))
         plan_json = plan.to_json()
         refs = {

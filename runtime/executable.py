@@ -138,7 +138,10 @@ class RemoteArray:
         kept there; None if the step must send it (by value) instead."""
         if self.deleted or self._lost or worker not in self.keys:
             return None
-        if self._backend is not backend and _cluster_of(self._backend) is not _cluster_of(backend):
+        if self._backend is not backend and (
+            _cluster_of(self._backend) is not _cluster_of(backend)
+            or getattr(self._backend, "layout", 1) != getattr(backend, "layout", 1)
+        ):  # another cluster, or another worker view of it (meshes sharing hosts)
             return None
         return self.keys[worker]
 

@@ -29,6 +29,7 @@ class LocalBackend:
         self.stores = stores
         self.cluster = cluster
         self.workers: dict[int, Worker] = {}
+        self.layout = 1  # workers per host of the compiled plan (ClusterSpec.host_split)
 
     @property
     def closed(self) -> bool:
@@ -44,12 +45,18 @@ class LocalBackend:
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         devices = jax.local_devices()
+        # a plan whose meshes share hosts runs on the hosts' worker view: worker w takes
+        # the w-th block of the plan's devices_per_host devices, with its own stores
+        per_worker = plan.cluster.devices_per_host
+        self.layout = plan.cluster.host_split
+        if self.cluster is not None and hasattr(self.cluster, "stores_for"):
+            self.stores = self.cluster.stores_for(self.layout)
         need = max(w for m in plan.meshes for w in m.workers) + 1
-        if need * self.devices_per_host > len(devices):
+        if need * per_worker > len(devices):
             raise MeshshardInputError(
-                f"the in-process backend needs {need * self.devices_per_host} local devices "
+                f"the in-process backend needs {need * per_worker} local devices "
                 f"for this plan but has {len(devices)}; set XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={need * self.devices_per_host}"
+                f"--xla_force_host_platform_device_count={need * per_worker}"
             )
         transports = QueueTransport.group(plan.workers)
         times = {}
@@ -60,7 +67,7 @@ class LocalBackend:
                     "single-host meshes only: use meshshard.init() (Ray) for multi-host meshes"
                 )
             w = m.workers[0]
-            start = w * self.devices_per_host
+            start = w * per_worker
             store = self.stores.setdefault(w, {})
             worker = Worker(w, devices[start : start + m.shape[1]], transports[w], store=store)
             times[w] = worker.compile(fn, abstract_args, batch_argnums, plan)
