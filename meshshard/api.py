@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -125,7 +126,10 @@ class ParallelizedFunction:
         ``ClusterSpec()``).  Needs no running cluster: planning never touches Ray.
         ``costs`` fills each program's FLOPs and bytes from JAX's cost analysis, which
         the simulator needs.  ``profile`` also runs the step on the running cluster to
-        time every program on its mesh (see :meth:`profile`) into ``self.program_times``."""
+        time every program on its mesh (see :meth:`profile`) into ``self.program_times``;
+        with ``stages="auto"`` the stage DP then plans again with its first plan's
+        measured stage times (``PipeshardParallel.stage_times``, now in ``self.method``),
+        and the returned plan, later calls and ``program_times`` are the new plan's."""
         target, args = self._route(args)
         if target is not self:
             plan = target.lower(*args, cluster=cluster, costs=costs, profile=profile)
@@ -133,6 +137,8 @@ class ParallelizedFunction:
             return plan
         if profile:
             self.program_times = self.profile(*args)
+            if self._stage_dp_measurable():
+                self._plan_from_measured_stages(args)
         from meshshard.passes.pipeline import plan_step
 
         if cluster is None:
@@ -151,6 +157,26 @@ class ParallelizedFunction:
         )
         self._lowered = plan
         return plan
+
+    def _stage_dp_measurable(self) -> bool:
+        """True for ``stages="auto"`` not yet planned from measured stage times."""
+        m = self.method
+        auto = isinstance(m, PipeshardParallel) and m.stages == "auto"
+        return auto and not m.stage_times and self._two_bw is None and bool(self._executables)
+
+    def _plan_from_measured_stages(self, args) -> None:
+        """``stages="auto"`` with ``profile=True``: the stage DP's first plan (analytic
+        costs) was just timed on the cluster; plan again with its stages' measured times
+        (``PipeshardParallel.stage_times``), then time the new plan's programs."""
+        from meshshard.profiling import stage_times_of
+
+        measured = stage_times_of(self.plan, self.program_times)
+        if not measured:
+            return
+        log.info("stages='auto': planning again from %d measured stages", len(measured))
+        self.method = dataclasses.replace(self.method, stage_times=measured)
+        self.release()  # the next call compiles the new plan
+        self.program_times = self.profile(*args)
 
     def profile(
         self, *args, steps: int = 5, cache_dir: str | None = None, cores: int | None = None

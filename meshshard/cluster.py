@@ -280,10 +280,10 @@ class ClusterSpec:
         ``devices_per_host / parts`` devices each, so several meshes can share a host
         (one host-actor per submesh block, as Alpa launches one worker per submesh).
 
-        Each worker gets an equal share of its host's NICs (at least one); the
-        simulator treats workers as hosts, so traffic between two workers of one host is
-        priced as network traffic (on the local cluster, where every worker is a
-        process talking gloo over loopback, that is what it is).
+        ``nics_per_host`` stays the physical host's count: the simulator's topology maps
+        workers back to their host, so two workers of one host talk over its fabric and
+        share its NICs (their devices spread evenly over them); on a ``memcpy`` fabric
+        (emulated CPU devices) each worker is a process priced as a host of its own.
 
         >>> str(ClusterSpec(num_hosts=2, devices_per_host=4).split(2))
         'local (4 workers x 2 devices, 2 per host)'
@@ -299,7 +299,6 @@ class ClusterSpec:
             self,
             num_hosts=self.num_hosts * parts,
             devices_per_host=self.devices_per_host // parts,
-            nics_per_host=max(1, self.nics_per_host // parts),
             nic_of_device=(),
             host_split=self.host_split * parts,
         )

@@ -27,6 +27,24 @@ RESHARDING_STRATEGIES = (
 COMM_SWITCHES = ("allreduce", "sparse", "p2p", "topology")
 
 
+def _check_stage_times(times) -> tuple:
+    """``((lo, hi, (h, d), seconds), ...)`` normalised, or a clear error."""
+    out = []
+    for i, t in enumerate(times):
+        try:
+            lo, hi, (h, d), sec = t
+            ok = 0 <= int(lo) < int(hi) and int(h) > 0 and int(d) > 0 and float(sec) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise MeshshardInputError(
+                f"PipeshardParallel.stage_times[{i}]={t!r}: pass (lo, hi, (hosts, devices), "
+                "seconds) with layers lo..hi-1 and seconds > 0 per micro-batch"
+            )
+        out.append((int(lo), int(hi), (int(h), int(d)), float(sec)))
+    return tuple(out)
+
+
 def _check_shape(shape, what: str) -> tuple[int, int]:
     if (
         not isinstance(shape, tuple | list)
@@ -115,7 +133,13 @@ class PipeshardParallel:
             FLOPs and minimising the bytes crossing each cut
             (:mod:`meshshard.passes.layer_cluster`); None (default) uses the markers.
         submeshes: with ``stages="auto"``, the mesh shapes the stage DP may give a stage
-            (Alpa's manually specified submeshes); default: whole hosts ``(h, D)``.
+            (Alpa's manually specified submeshes); default: Alpa's ``(1, 1), (1, 2), ...,
+            (1, D), (h, D)`` (whole hosts only on the in-process backend).  Meshes that
+            share a host run as host-actors of their own (``ClusterSpec.split``).
+        stage_times: with ``stages="auto"``, measured seconds per micro-batch (forward +
+            backward programs) of layer ranges on submeshes, ``((lo, hi, (h, d), s),
+            ...)``: the stage DP scales its cost model's compute for those layers to
+            match.  ``step.lower(..., profile=True)`` fills it from a profiled run.
         virtual_stages: model chunks per mesh with ``schedule="interleaved_1f1b"``
             (default 1; the plan's schedule grid shows the chunks, the repr does not).
         comm_schedule: communication-scheduling switches, any of ``"allreduce"``,
@@ -138,6 +162,7 @@ class PipeshardParallel:
     sharding: str = field(default="data_parallel", repr=False)
     layers: str | int | None = None
     submeshes: tuple[tuple[int, int], ...] | None = None
+    stage_times: tuple[tuple[int, int, tuple[int, int], float], ...] = field(default=(), repr=False)
     virtual_stages: int = field(default=1, repr=False)
     comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
     data_parallel: int = field(default=1, repr=False)
@@ -163,6 +188,13 @@ class PipeshardParallel:
                 for i, s in enumerate(self.submeshes)
             )
             object.__setattr__(self, "submeshes", subs)
+        if self.stage_times:
+            object.__setattr__(self, "stage_times", _check_stage_times(self.stage_times))
+            if self.stages != "auto":
+                raise MeshshardInputError(
+                    "PipeshardParallel.stage_times are measurements for the stage DP: pass "
+                    "them with stages='auto'"
+                )
         if self.layers is not None and self.layers != "auto":
             if not isinstance(self.layers, int) or isinstance(self.layers, bool) or self.layers < 1:
                 raise MeshshardInputError(
@@ -217,6 +249,7 @@ class PipeshardParallel:
         quiet = {
             "layers": None,
             "submeshes": None,
+            "stage_times": (),
             "sharding": "data_parallel",
             "virtual_stages": 1,
             "comm_schedule": frozenset(),

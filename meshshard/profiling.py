@@ -19,6 +19,7 @@ import jax
 
 from meshshard.errors import MeshshardInputError
 from meshshard.plan import Plan
+from meshshard.refs import Phase
 
 __all__ = [
     "ProfileCache",
@@ -27,6 +28,7 @@ __all__ = [
     "profile_script",
     "profile_step",
     "profiled_steps",
+    "stage_times_of",
     "program_collectives",
 ]
 
@@ -212,3 +214,26 @@ def describe_profile(plan: Plan, times: dict[str, float], cache_dir: str, hit: b
         shape = "x".join(map(str, shapes[mesh_of[name]]))
         lines.append(f"{name:<16} {shape:<6} {seconds * 1e3:.3f}")
     return "\n".join(lines)
+
+
+def stage_times_of(plan: Plan, program_times: dict[str, float]) -> tuple:
+    """``PipeshardParallel.stage_times`` records from a profiled plan: per stage, its
+    layers, the submesh it ran on (as the stage DP names it: ``(1, d)`` inside a host or
+    whole hosts ``(h, D)``) and its forward + backward (+ weight-gradient) program seconds
+    per micro-batch.  Stages whose programs were not all timed are left out."""
+    c = plan.cluster
+    per_host = c.devices_per_host * c.host_split  # a physical host's devices
+    out = []
+    for st in plan.stages:
+        names = [
+            str(p.name)
+            for p in plan.programs
+            if p.name.owner == st.id and p.name.phase not in (Phase.APPLY, Phase.GATHER)
+        ]
+        if not names or any(n not in program_times for n in names):
+            continue
+        n = plan.meshes[st.mesh].num_devices
+        submesh = (1, n) if n < per_host else (n // per_host, per_host)
+        lo, hi = min(st.layers), max(st.layers) + 1
+        out.append((lo, hi, submesh, sum(program_times[n] for n in names)))
+    return tuple(out)

@@ -59,7 +59,9 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     """
     from meshshard.passes.stage_cost import AnalyticCost
     from meshshard.passes.stage_dp import stage_dp
+    from meshshard.passes.stage_measured import measured_stats
 
+    stats, measured = measured_stats(stats, cluster, method.stage_times)
     cost = AnalyticCost(stats, cluster)
     plan = stage_dp(
         cost,
@@ -70,7 +72,7 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     )
     groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
     meshes, workers = place_meshes([st.submesh for st in plan.stages], cluster)
-    return groups, meshes, workers, plan
+    return groups, meshes, workers, plan, measured
 
 
 def follow_layout(method: FollowParallel, num_layers: int):

@@ -76,8 +76,8 @@ def _slice(st: CompileState) -> CompileState:
 def _layout(st: CompileState) -> CompileState:
     if getattr(st.method, "stages", None) == "auto":
         stats = step_layer_stats(st.traced, st.slicing)
-        groups, meshes, workers, dp = auto_layout(st.method, st.cluster, stats)
-        notes = tuple(str(dp).splitlines()) + _worker_notes(st.cluster, workers)
+        groups, meshes, workers, dp, measured = auto_layout(st.method, st.cluster, stats)
+        notes = measured + tuple(str(dp).splitlines()) + _worker_notes(st.cluster, workers)
         return replace(st, cluster=workers, layer_groups=groups, meshes=meshes, layout_notes=notes)
     cluster = st.cluster
     d = getattr(st.method, "data_parallel", 1)

@@ -146,3 +146,24 @@ def test_ray_meshes_share_hosts_and_the_actors_follow_the_plan(ray_cluster):
     # the last (whole-host) step put the actors back: four of two devices
     assert ray_cluster.host_split == 1
     assert sorted(ray_cluster.host_stats()) == [0, 1, 2, 3]
+
+
+def test_simulator_maps_workers_back_to_their_host():
+    """On a GPU cluster two workers of one host talk over NVLink and share its NIC; on
+    the emulated CPU cluster every worker is a process, priced as a host of its own."""
+    from meshshard.sim.topology import Topology
+
+    gpu = ClusterSpec.preset("aws-p3.8xlarge", num_hosts=2).split(2)
+    topo = Topology(gpu)
+    names = lambda a, b: [topo.links[i].name for i in topo.path(a, b)]  # noqa: E731
+    assert names((0, 0), (1, 0)) == ["h0.d0.out", "h0.d2.in"]
+    assert topo.latency((0, 0), (1, 0)) == gpu.intra_latency
+    assert names((1, 1), (3, 1)) == ["h0.d3.out", "h0.nic0.out", "h1.nic0.in", "h1.d3.in"]
+    assert topo.latency((1, 1), (3, 1)) == gpu.nic_latency
+    local = Topology(TWO_BY_FOUR.split(2))
+    assert [local.links[i].name for i in local.path((0, 0), (1, 0))] == [
+        "h0.d0.out",
+        "h0.nic0.out",
+        "h1.nic0.in",
+        "h1.d0.in",
+    ]

@@ -13,6 +13,13 @@ A message between hosts runs device -> fabric -> NIC out -> (switch) -> NIC in -
 device; inside a host it runs device out -> device in.  It pays ``nic_latency`` or
 ``intra_latency`` once.
 
+On a cluster split into workers (``ClusterSpec.split``: several meshes per host) the
+links are the physical hosts': endpoints are ``(worker, device)`` and map to device
+``(w % host_split) * devices_per_host + d`` of host ``w // host_split``, so two workers of
+one host talk over the fabric and share that host's NICs.  Not where the fabric is
+``memcpy`` (emulated CPU devices of one process): there every worker is a process that
+talks over the transport, priced as a host of its own.
+
     >>> topo = Topology(ClusterSpec.preset("aws-p3.8xlarge", num_hosts=2))
     >>> [topo.links[i].name for i in topo.path((0, 0), (1, 0))]
     ['h0.d0.out', 'h0.nic0.out', 'h1.nic0.in', 'h1.d0.in']
@@ -51,8 +58,11 @@ class Topology:
         links: list[Link] = []
         self._dev: dict[tuple[int, int, str], int] = {}
         self._nic: dict[tuple[int, int, str], int] = {}
-        g, k = cluster.devices_per_host, cluster.nics_per_host
-        for h in range(cluster.num_hosts):
+        # a memcpy fabric (emulated CPU devices) does not reach across processes: the
+        # workers of a split local cluster talk over the transport, as separate hosts
+        self._split = 1 if cluster.intra_fabric == "memcpy" else cluster.host_split
+        g, k = cluster.devices_per_host * self._split, cluster.nics_per_host
+        for h in range(cluster.num_hosts // self._split):
             for d in range(g):
                 for io in ("out", "in"):
                     self._dev[h, d, io] = len(links)
@@ -70,7 +80,8 @@ class Topology:
         self.switch: int | None = None
         if cluster.oversubscription > 1:
             self.switch = len(links)
-            cap = cluster.num_hosts * k * cluster.nic_bandwidth / cluster.oversubscription
+            cap = (cluster.num_hosts // self._split) * k * cluster.nic_bandwidth
+            cap /= cluster.oversubscription
             links.append(Link(len(links), "switch", cap, "switch"))
         self.links: tuple[Link, ...] = tuple(links)
         self.capacity: list[float] = [link.capacity for link in links]
@@ -82,29 +93,42 @@ class Topology:
         cached = self._paths.get(key)
         if cached is not None:
             return cached
-        (sh, sd), (dh, dd) = src, dst
+        (sh, sd), (dh, dd) = self._physical(src), self._physical(dst)
         if src == dst:
             links: tuple[int, ...] = ()
         elif sh == dh:
             links = (self._dev[sh, sd, "out"], self._dev[dh, dd, "in"])
         else:
-            c = self.cluster
             mid = () if self.switch is None else (self.switch,)
             links = (
                 self._dev[sh, sd, "out"],
-                self._nic[sh, c.nic_of(sd), "out"],
+                self._nic[sh, self._nic_of(sd), "out"],
                 *mid,
-                self._nic[dh, c.nic_of(dd), "in"],
+                self._nic[dh, self._nic_of(dd), "in"],
                 self._dev[dh, dd, "in"],
             )
         self._paths[key] = links
         return links
 
+    def _physical(self, end: Endpoint) -> Endpoint:
+        """The physical (host, device) of a (worker, device) endpoint."""
+        if self._split == 1:
+            return end
+        w, d = end
+        return w // self._split, (w % self._split) * self.cluster.devices_per_host + d
+
+    def _nic_of(self, device: int) -> int:
+        """The NIC of a physical host's device (spread evenly on a split cluster)."""
+        if self._split == 1:
+            return self.cluster.nic_of(device)
+        c = self.cluster
+        return device * c.nics_per_host // (c.devices_per_host * self._split)
+
     def latency(self, src: Endpoint, dst: Endpoint) -> float:
         """Seconds a message from ``src`` to ``dst`` pays once, before its bytes move."""
         if src == dst:
             return 0.0
-        if src[0] == dst[0]:
+        if src[0] // self._split == dst[0] // self._split:
             return float(self.cluster.intra_latency)
         return float(self.cluster.nic_latency)
 
