@@ -23,10 +23,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.step_timing import progress, time_calls  # noqa: E402
 
 MODEL = dict(vocab=64, d_model=64, num_heads=4, num_layers=4, max_len=32)
 
@@ -99,7 +100,6 @@ def hlo_counts(m: int) -> dict:
 def timings(steps: int, m: int) -> dict:
     """Per config: compile seconds (first step) and median step seconds on Ray, with the
     load average next to them (this machine is shared)."""
-    import numpy as np
 
     import meshshard
     from examples import gpt
@@ -113,28 +113,13 @@ def timings(steps: int, m: int) -> dict:
         for i, (name, make, mode, _) in enumerate(configs):
             os.environ["MESHSHARD_ACCUMULATE"] = mode  # read when the step plans
             step = meshshard.parallelize(gpt.train_step, method=make())
-            t0 = time.perf_counter()
-            s, loss = step(state0, batches[0])
-            float(loss)
-            compile_s = time.perf_counter() - t0
-            times = []
-            for b in batches[1:]:
-                t0 = time.perf_counter()
-                s, loss = step(s, b)
-                float(loss)
-                times.append(time.perf_counter() - t0)
-            assert np.isfinite(float(loss))
+            compile_s, times = time_calls(step, state0, batches)
             out[name] = dict(
                 compile_s=compile_s,
                 step_s=statistics.median(times),
                 loadavg=os.getloadavg()[0],
             )
-            print(
-                f"[{i + 1}/{len(configs)}] {name}: compile {compile_s:.1f} s, "
-                f"step {1e3 * out[name]['step_s']:.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            progress(i, len(configs), name, "compile", compile_s, out[name]["step_s"])
     finally:
         meshshard.shutdown()
     return out

@@ -19,10 +19,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from benchmarks.step_timing import progress, time_calls  # noqa: E402
 
 MODEL = dict(vocab=64, d_model=64, num_heads=4, num_layers=4, max_len=32)
 CONFIGS = [
@@ -35,7 +36,6 @@ CONFIGS = [
 
 def run(steps: int) -> list[dict]:
     """Per config: first-call seconds, median step seconds, workers and load average."""
-    import numpy as np
 
     import meshshard
     from examples import gpt
@@ -48,17 +48,7 @@ def run(steps: int) -> list[dict]:
         for i, (name, stages) in enumerate(CONFIGS):
             method = meshshard.PipeshardParallel(num_micro_batches=4, stages=stages)
             step = meshshard.parallelize(gpt.train_step, method=method)
-            t0 = time.perf_counter()
-            s, loss = step(state, batches[0])
-            float(loss)
-            first_s = time.perf_counter() - t0
-            times = []
-            for b in batches[1:]:
-                t0 = time.perf_counter()
-                s, loss = step(s, b)
-                float(loss)
-                times.append(time.perf_counter() - t0)
-            assert np.isfinite(float(loss))
+            first_s, times = time_calls(step, state, batches)
             plan = step.plan
             out.append(
                 dict(
@@ -72,12 +62,7 @@ def run(steps: int) -> list[dict]:
                     loadavg=os.getloadavg()[0],
                 )
             )
-            print(
-                f"[{i + 1}/{len(CONFIGS)}] {name}: first call {first_s:.1f} s, "
-                f"step {1e3 * out[-1]['step_s']:.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+            progress(i, len(CONFIGS), name, "first call", first_s, out[-1]["step_s"])
             step.release()
     finally:
         meshshard.shutdown()

@@ -1,0 +1,36 @@
+"""Time a train step's calls the way the real-cluster benchmarks do (shared helper)."""
+
+from __future__ import annotations
+
+import time
+
+
+def time_calls(step, state, batches) -> tuple[float, list[float]]:
+    """Seconds of the first call on ``batches[0]`` (planning, compiling, and any actor
+    restart) and of each later call, each until its loss is on the driver; asserts the
+    last loss is finite."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    s, loss = step(state, batches[0])
+    float(loss)
+    first = time.perf_counter() - t0
+    times = []
+    for b in batches[1:]:
+        t0 = time.perf_counter()
+        s, loss = step(s, b)
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    assert np.isfinite(float(loss)), "the loss is not finite"
+    return first, times
+
+
+def progress(i: int, n: int, name: str, first_label: str, first_s: float, step_s: float) -> None:
+    """One progress line on stderr: config ``i`` of ``n``, its first call and its step."""
+    import sys
+
+    print(
+        f"[{i + 1}/{n}] {name}: {first_label} {first_s:.1f} s, step {1e3 * step_s:.1f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
