@@ -6,8 +6,8 @@ the actors, side by side in one run.
 One embedded Ray cluster of 2 hosts x 4 emulated CPU devices runs the GPT demo under
 1F1B (4 micro-batches) with whole-host meshes ``2 x (1, 4)`` (one host-actor per host),
 then with four ``(1, 2)`` meshes sharing the two hosts (four host-actors of 2 devices),
-then with mixed widths ``(1, 4), (1, 2), (1, 1), (1, 1)`` (eight 1-device actors; the
-``(1, 4)`` mesh spans four of them), then whole hosts again.  Per config: the first
+then with mixed widths ``(1, 4), (1, 2), (1, 1), (1, 1)`` (one host-actor per mesh, of
+4, 2, 1 and 1 devices), then whole hosts again.  Per config: the first
 call (actor restart into the plan's layout + compile), the median step and its ratio
 to the first whole-host block; the last block shows the machine's drift.
 """

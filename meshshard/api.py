@@ -162,7 +162,7 @@ class ParallelizedFunction:
         """True for ``stages="auto"`` not yet planned from measured stage times."""
         m = self.method
         auto = isinstance(m, PipeshardParallel) and m.stages == "auto"
-        return auto and not m.stage_times and self._two_bw is None and bool(self._executables)
+        return auto and not m.stage_times and self._two_bw is None
 
     def _plan_from_measured_stages(self, args) -> None:
         """``stages="auto"`` with ``profile=True``: the stage DP's first plan (analytic
@@ -170,7 +170,8 @@ class ParallelizedFunction:
         (``PipeshardParallel.stage_times``), then time the new plan's programs."""
         from meshshard.profiling import stage_times_of
 
-        measured = stage_times_of(self.plan, self.program_times)
+        timed = self.lower(*args, costs=False)  # the plan profile() timed (cache hit or not)
+        measured = stage_times_of(timed, self.program_times)
         if not measured:
             return
         log.info("stages='auto': planning again from %d measured stages", len(measured))

@@ -118,10 +118,10 @@ class ClusterSpec:
         max_mesh_hosts: hosts one mesh may span (0: any); the in-process threads
             backend runs single-host meshes only, so its clusters say 1 and
             ``stages="auto"`` searches single-host submeshes there.
-        host_split: workers (host-actors) per physical host.  1 for a cluster as
-            started; :meth:`split` makes the worker view in which several meshes share
-            a host: each host becomes ``host_split`` workers of ``devices_per_host``
-            devices, worker ``w`` on host ``w // host_split``.
+        worker_blocks: ``()`` for a cluster as started (one worker per host, all of its
+            devices).  In the worker view :meth:`split` makes, where several meshes
+            share a host: ``(host, first device, devices)`` of each worker (host-actor),
+            ``num_hosts`` workers in all, ``devices_per_host`` the largest block.
         source: where the figures come from (citations, or the calibration run).
     """
 
@@ -149,7 +149,7 @@ class ClusterSpec:
     mesh_collective_latency: tuple[float, ...] = ()
     mesh_collective_bandwidth: tuple[float, ...] = ()
     max_mesh_hosts: int = 0
-    host_split: int = 1
+    worker_blocks: tuple[tuple[int, int, int], ...] = ()
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
@@ -158,7 +158,6 @@ class ClusterSpec:
             "devices_per_host",
             "nics_per_host",
             "chunk_bytes",
-            "host_split",
         ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -224,10 +223,18 @@ class ClusterSpec:
                 "pass () to spread devices evenly over the NICs"
             )
         object.__setattr__(self, "nic_of_device", nic_of)
-        if self.num_hosts % self.host_split:
+        blocks = tuple(tuple(int(x) for x in b) for b in self.worker_blocks)
+        object.__setattr__(self, "worker_blocks", blocks)
+        if blocks and (
+            len(blocks) != self.num_hosts
+            or any(len(b) != 3 or b[0] < 0 or b[1] < 0 or b[2] < 1 for b in blocks)
+            or max(b[2] for b in blocks) != self.devices_per_host
+            or len(set(blocks)) != len(blocks)
+        ):
             raise ValueError(
-                f"ClusterSpec.host_split={self.host_split} must divide num_hosts="
-                f"{self.num_hosts} (the workers of every physical host)"
+                f"ClusterSpec.worker_blocks must give (host, first device, devices) for each "
+                f"of the {self.num_hosts} workers, the largest {self.devices_per_host} "
+                f"devices, got {self.worker_blocks!r}; make it with ClusterSpec.split"
             )
         if not isinstance(self.max_mesh_hosts, int) or self.max_mesh_hosts < 0:
             raise ValueError(
@@ -269,38 +276,66 @@ class ClusterSpec:
     @property
     def physical_hosts(self) -> int:
         """Hosts of the machine this spec describes (``num_hosts`` unless split)."""
-        return self.num_hosts // self.host_split
+        if not self.worker_blocks:
+            return self.num_hosts
+        return max(h for h, _, _ in self.worker_blocks) + 1
 
     def physical_host(self, worker: int) -> int:
         """The physical host that worker (host-actor) ``worker`` runs on."""
-        return worker // self.host_split
+        return self.worker_blocks[worker][0] if self.worker_blocks else worker
 
-    def split(self, parts: int) -> ClusterSpec:
-        """The worker view of this cluster with every host run as ``parts`` workers of
-        ``devices_per_host / parts`` devices each, so several meshes can share a host
-        (one host-actor per submesh block, as Alpa launches one worker per submesh).
+    def worker_devices(self, worker: int) -> int:
+        """How many devices worker ``worker`` owns."""
+        return self.worker_blocks[worker][2] if self.worker_blocks else self.devices_per_host
+
+    def split(self, blocks) -> ClusterSpec:
+        """The worker view of this cluster in which each worker (host-actor) owns one
+        block of a host's devices, so several meshes can share a host (one host-actor per
+        submesh, as Alpa launches a worker per submesh).  ``blocks``: ``(host, first
+        device, devices)`` per worker, in worker order, or an int ``k``: every host as
+        ``k`` equal blocks.
 
         ``nics_per_host`` stays the physical host's count: the simulator's topology maps
         workers back to their host, so two workers of one host talk over its fabric and
-        share its NICs (their devices spread evenly over them); on a ``memcpy`` fabric
-        (emulated CPU devices) each worker is a process priced as a host of its own.
+        share its NICs; on a ``memcpy`` fabric (emulated CPU devices) each worker is a
+        process priced as a host of its own.
 
         >>> str(ClusterSpec(num_hosts=2, devices_per_host=4).split(2))
-        'local (4 workers x 2 devices, 2 per host)'
+        'local (4 workers on 2 hosts: h0 2+2, h1 2+2 devices)'
+        >>> ClusterSpec(num_hosts=1, devices_per_host=4).split([(0, 0, 1), (0, 1, 3)]).num_hosts
+        2
         """
-        if parts == 1:
-            return self
-        if not isinstance(parts, int) or parts < 1 or self.devices_per_host % parts:
-            raise ValueError(
-                f"ClusterSpec.split({parts!r}): the parts must divide devices_per_host="
-                f"{self.devices_per_host}"
-            )
+        if self.worker_blocks:
+            raise ValueError("ClusterSpec.split: this spec is already a worker view")
+        D = self.devices_per_host
+        if isinstance(blocks, int):
+            if blocks < 1 or D % blocks:
+                raise ValueError(
+                    f"ClusterSpec.split({blocks!r}): the parts must divide devices_per_host={D}"
+                )
+            b = D // blocks
+            blocks = [(h, i * b, b) for h in range(self.num_hosts) for i in range(blocks)]
+        blocks = tuple(tuple(int(x) for x in blk) for blk in blocks)
+        used: dict[int, set[int]] = {}
+        for h, first, n in blocks:
+            devs = set(range(first, first + n))
+            if (
+                not (0 <= h < self.num_hosts)
+                or first < 0
+                or first + n > D
+                or used.get(h, set()) & devs
+            ):
+                raise ValueError(
+                    f"ClusterSpec.split: block (host {h}, devices {first}..{first + n - 1}) "
+                    f"is outside {self} or overlaps another block"
+                )
+            used.setdefault(h, set()).update(devs)
         return replace(
             self,
-            num_hosts=self.num_hosts * parts,
-            devices_per_host=self.devices_per_host // parts,
+            num_hosts=len(blocks),
+            devices_per_host=max(n for _, _, n in blocks),
             nic_of_device=(),
-            host_split=self.host_split * parts,
+            worker_blocks=blocks,
         )
 
     def nic_of(self, device: int) -> int:
@@ -333,11 +368,12 @@ class ClusterSpec:
 
     # --- text ----------------------------------------------------------------------
     def __str__(self) -> str:
-        if self.host_split > 1:
-            return (
-                f"{self.name} ({self.num_hosts} workers x {self.devices_per_host} devices, "
-                f"{self.host_split} per host)"
-            )
+        if self.worker_blocks:
+            per = {}
+            for h, _, n in self.worker_blocks:
+                per.setdefault(h, []).append(str(n))
+            hosts = ", ".join(f"h{h} {'+'.join(ns)}" for h, ns in sorted(per.items()))
+            return f"{self.name} ({self.num_hosts} workers on {len(per)} hosts: {hosts} devices)"
         return f"{self.name} ({self.num_hosts} hosts x {self.devices_per_host} devices)"
 
     def describe(self) -> str:

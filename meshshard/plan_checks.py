@@ -19,7 +19,6 @@ runs or is simulated:
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 from meshshard.cluster import ClusterSpec
@@ -69,10 +68,12 @@ def header_problems(plan, cluster: ClusterSpec | None = None) -> list[str]:
     problems = _micro_batch_problems(plan)
     problems += mesh_problems(plan, plan.cluster, "its header's cluster")
     if cluster is not None and cluster != plan.cluster:
-        k = plan.cluster.host_split // cluster.host_split
-        if k > 1 and plan.cluster.host_split % cluster.host_split == 0:  # meshes share hosts
-            with contextlib.suppress(ValueError):  # parts not dividing: the shapes say so
-                cluster = cluster.split(k)
+        blocks = plan.cluster.worker_blocks
+        if blocks and not cluster.worker_blocks:  # meshes share hosts: the worker view
+            try:
+                cluster = cluster.split(blocks)
+            except ValueError as exc:
+                return problems + [f"the plan's host-actor blocks do not fit: {exc}"]
         problems += mesh_problems(plan, cluster, f"cluster {cluster.name!r}")
     if plan.programs and not FINGERPRINT.match(plan.fingerprint):
         problems.append(
@@ -137,12 +138,13 @@ def mesh_problems(plan, cluster: ClusterSpec, what: str) -> list[str]:
                 f"mesh{mesh.id}: shape {shape} needs {shape[0]} distinct hosts, "
                 f"lists {list(mesh.hosts)}"
             )
-        if shape[1] > cluster.devices_per_host:
+        bad = [h for h in mesh.hosts if not 0 <= h < cluster.num_hosts]
+        have = min((cluster.worker_devices(h) for h in mesh.hosts if h not in bad), default=0)
+        if shape[1] > (have or cluster.devices_per_host):
             problems.append(
                 f"mesh{mesh.id}: shape {shape} uses {shape[1]} devices per host but "
-                f"{what} has devices_per_host={cluster.devices_per_host}"
+                f"{what} has devices_per_host={have or cluster.devices_per_host}"
             )
-        bad = [h for h in mesh.hosts if not 0 <= h < cluster.num_hosts]
         if bad:
             problems.append(
                 f"mesh{mesh.id}: hosts {bad} are outside {what} "

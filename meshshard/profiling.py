@@ -221,8 +221,6 @@ def stage_times_of(plan: Plan, program_times: dict[str, float]) -> tuple:
     layers, the submesh it ran on (as the stage DP names it: ``(1, d)`` inside a host or
     whole hosts ``(h, D)``) and its forward + backward (+ weight-gradient) program seconds
     per micro-batch.  Stages whose programs were not all timed are left out."""
-    c = plan.cluster
-    per_host = c.devices_per_host * c.host_split  # a physical host's devices
     out = []
     for st in plan.stages:
         names = [
@@ -232,8 +230,7 @@ def stage_times_of(plan: Plan, program_times: dict[str, float]) -> tuple:
         ]
         if not names or any(n not in program_times for n in names):
             continue
-        n = plan.meshes[st.mesh].num_devices
-        submesh = (1, n) if n < per_host else (n // per_host, per_host)
+        submesh = tuple(plan.meshes[st.mesh].shape)  # as the stage DP named it
         lo, hi = min(st.layers), max(st.layers) + 1
         out.append((lo, hi, submesh, sum(program_times[n] for n in names)))
     return tuple(out)

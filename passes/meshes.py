@@ -2,14 +2,12 @@
 
 Each mesh gets whole host-actors of its own (a host-actor runs one instruction stream),
 allocated in stage order, so stage ``i`` runs on mesh ``i``.  When the meshes need more
-hosts than there are but fit the devices (``[(1, 2)] * 4`` on two 4-device hosts), the
-hosts are split into workers (:meth:`ClusterSpec.split`): one host-actor per block of
-devices, several meshes per host, and the plan is made for that worker view.
+hosts than there are but fit the devices (``[(1, 2)] * 4`` on two 4-device hosts), each
+mesh gets host-actors of its own block of a host's devices (:meth:`ClusterSpec.split`),
+several meshes per host, and the plan is made for that worker view.
 """
 
 from __future__ import annotations
-
-import math
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
@@ -53,9 +51,8 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     on (split into workers when meshes share hosts) and the DP's plan.
 
     The DP chooses among Alpa's submeshes ``(1, 1), (1, 2), ..., (1, D), (h, D)`` (or the
-    method's ``submeshes``) with the data-parallel view.  On a cluster whose meshes span
-    one worker at most (the in-process backend), only whole hosts: meshes of mixed
-    widths sharing a host would span several workers there.
+    method's ``submeshes``) with the data-parallel view; meshes that share a host run as
+    host-actors of their own (:func:`place_meshes`).
     """
     from meshshard.passes.stage_cost import AnalyticCost
     from meshshard.passes.stage_dp import stage_dp
@@ -66,8 +63,7 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     plan = stage_dp(
         cost,
         method.num_micro_batches,
-        choices=method.submeshes
-        or submesh_choices(cluster, whole_hosts=cluster.max_mesh_hosts > 0),
+        choices=method.submeshes or submesh_choices(cluster),
         views="data_parallel",
     )
     groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
@@ -111,15 +107,16 @@ def place_meshes(
     """Meshes of ``shapes`` in stage order and the cluster view they run on.
 
     Whole host-actors per mesh when the hosts suffice (:func:`allocate_meshes`);
-    otherwise the hosts are split into workers of ``b`` devices (``b`` the greatest
-    common divisor of the widths) and each mesh takes workers of one host, or whole
-    hosts' workers, so several meshes share a host.  A ``(1, d)`` mesh then runs as
-    ``(d / b, b)``: ``d / b`` workers of that host.
+    otherwise each mesh gets host-actors of its own block of devices, several per host
+    (:meth:`ClusterSpec.split`): a ``(1, d)`` mesh one worker of ``d`` devices, an
+    ``(h, D)`` mesh ``h`` whole-host workers.
 
     >>> c = ClusterSpec(num_hosts=2, devices_per_host=4)
-    >>> meshes, workers = place_meshes([(1, 2)] * 4, c)
-    >>> [m.hosts for m in meshes], str(workers)
-    ([(0,), (1,), (2,), (3,)], 'local (4 workers x 2 devices, 2 per host)')
+    >>> meshes, workers = place_meshes([(1, 2), (1, 4), (1, 1), (1, 1)], c)
+    >>> [(m.shape, m.hosts) for m in meshes]
+    [((1, 2), (1,)), ((1, 4), (0,)), ((1, 1), (2,)), ((1, 1), (3,))]
+    >>> str(workers)
+    'local (4 workers on 2 hosts: h0 4, h1 2+1+1 devices)'
     """
     fits = sum(h * d for h, d in shapes) <= cluster.num_devices
     fits = fits and all(d <= cluster.devices_per_host for _, d in shapes)
@@ -133,32 +130,25 @@ def share_hosts(
 ) -> tuple[tuple[MeshSpec, ...], ClusterSpec]:
     """Place ``shapes`` with several meshes per host; see :func:`place_meshes`."""
     D = cluster.devices_per_host
-    bad = [s for s in shapes if not ((s[0] == 1 and 0 < s[1] <= D and D % s[1] == 0) or s[1] == D)]
+    bad = [s for s in shapes if not ((s[0] == 1 and 0 < s[1] <= D) or s[1] == D)]
     if bad:
         raise MeshshardInputError(
             f"the stages ask for meshes {shapes}, more hosts than {cluster} has; meshes can "
-            f"share a host only as (1, d) with d dividing devices_per_host={D} or as whole "
-            f"hosts (h, {D}), and {bad} is neither. Ask for fewer or smaller meshes"
+            f"share a host only as (1, d) inside one host or as whole hosts (h, {D}), and "
+            f"{bad} is neither. Ask for fewer or smaller meshes"
         )
-    b = math.gcd(D, *(d for _, d in shapes))
-    k = D // b
     spots = place_submeshes(list(shapes), cluster, exact=False)
-    meshes = []
-    for i, ((_, d), (hosts, first)) in enumerate(zip(shapes, spots, strict=True)):
-        per = d // b  # workers of one host this mesh takes
-        workers = tuple(host * k + first // b + j for host in hosts for j in range(per))
-        meshes.append(MeshSpec(i, (len(workers), b), workers))
-    view = cluster.split(k)
-    wide = [m for m in meshes if view.max_mesh_hosts and len(m.hosts) > view.max_mesh_hosts]
-    if wide:
-        raise MeshshardInputError(
-            f"the meshes {shapes} share hosts as workers of {b} devices, so mesh"
-            f"{wide[0].id} {shapes[wide[0].id]} would span {len(wide[0].hosts)} workers; "
-            f"{cluster} runs a mesh on at most {cluster.max_mesh_hosts} worker(s) (the "
-            "in-process backend): give meshes that share a host the same width, or use "
-            "meshshard.init() (Ray)"
-        )
-    return tuple(meshes), view
+    # one worker per (host, first device) block, numbered in host and device order
+    per_mesh = [
+        [(host, first, d) for host in hosts]
+        for (_, d), (hosts, first) in zip(shapes, spots, strict=True)
+    ]
+    blocks = sorted(b for bs in per_mesh for b in bs)
+    worker = {b: w for w, b in enumerate(blocks)}
+    meshes = tuple(
+        MeshSpec(i, shapes[i], tuple(worker[b] for b in bs)) for i, bs in enumerate(per_mesh)
+    )
+    return meshes, cluster.split(blocks)
 
 
 def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tuple[MeshSpec, ...]:

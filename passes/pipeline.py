@@ -85,7 +85,7 @@ def _layout(st: CompileState) -> CompileState:
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
     groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
     # meshes that share hosts are planned on the worker view (uniform stages never do)
-    cluster = workers if workers.host_split != cluster.host_split else st.cluster
+    cluster = workers if workers.worker_blocks != cluster.worker_blocks else st.cluster
     v = getattr(st.method, "virtual_stages", 1)
     if v > 1:  # interleaved 1F1B: v logical stages per mesh
         groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v)
@@ -95,13 +95,9 @@ def _layout(st: CompileState) -> CompileState:
 
 def _worker_notes(cluster: ClusterSpec, workers: ClusterSpec) -> tuple[str, ...]:
     """A plan note when meshes share hosts (the plan is made for the worker view)."""
-    if workers.host_split == cluster.host_split:
+    if workers.worker_blocks == cluster.worker_blocks:
         return ()
-    return (
-        f"meshes share hosts: each of the {cluster.num_hosts} hosts runs "
-        f"{workers.host_split // cluster.host_split} workers (host-actors) of "
-        f"{workers.devices_per_host} devices; planned on {workers}",
-    )
+    return (f"meshes share hosts: one host-actor per mesh block, planned on {workers}",)
 
 
 def _stage_graph(st: CompileState) -> CompileState:

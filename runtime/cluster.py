@@ -169,16 +169,16 @@ class ThreadsCluster:
             **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
-        self._split_stores: dict[int, dict[int, dict]] = {}  # the same per worker view
+        self._split_stores: dict[tuple, dict[int, dict]] = {}  # the same per worker view
         self.closed = False
 
-    def stores_for(self, host_split: int) -> dict[int, dict]:
-        """The per-worker stores of plans whose meshes share hosts as ``host_split``
-        workers per host (``self.stores`` for whole hosts): a worker id means a
+    def stores_for(self, blocks: tuple) -> dict[int, dict]:
+        """The per-worker stores of plans whose meshes share hosts as host-actor
+        ``blocks`` (``self.stores`` for whole hosts, ``()``): a worker id means a
         different device block in each view, so each view keeps its own arrays."""
-        if host_split == 1:
+        if not blocks:
             return self.stores
-        return self._split_stores.setdefault(host_split, {})
+        return self._split_stores.setdefault(blocks, {})
 
     def backend(self):
         from meshshard.runtime.local import LocalBackend
@@ -251,9 +251,9 @@ class RayCluster:
         self.blocked: set[int] = set()  # hosts left inside a failed call
         self.closed = False
         self.arrays = LiveArrays()  # live RemoteArrays kept here
-        #: workers (host-actors) per host now: a plan whose meshes share hosts runs on
-        #: ClusterSpec.split(k), one actor per block of devices_per_host / k devices
-        self.host_split = 1
+        #: the actors' layout now: () = one per host; a plan whose meshes share hosts
+        #: runs on ClusterSpec.split(blocks), one actor per (host, first, devices) block
+        self.blocks: tuple = ()
         #: step calls over direct connections (runtime.step_channel); off: Ray calls
         self.use_step_channel = os.environ.get("MESHSHARD_STEP_CHANNEL", "1") != "0"
         self._channels: dict = {}  # host -> StepChannel, for this generation
@@ -269,8 +269,8 @@ class RayCluster:
         from meshshard.runtime.actor import HostActor
 
         hosts = list(hosts)
-        devices = self.spec.devices_per_host // self.host_split
         for h in hosts:
+            host, _, devices = self.blocks[h] if self.blocks else (h, 0, self.spec.devices_per_host)
             opts = dict(num_cpus=0, max_concurrency=4)
             if self.platform == "gpu":
                 opts["num_gpus"] = devices
@@ -278,7 +278,7 @@ class RayCluster:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
-                    self._nodes[h // self.host_split], soft=False
+                    self._nodes[host], soft=False
                 )
             self._actors[h] = (
                 ray.remote(HostActor).options(**opts).remote(h, devices, self.platform, verbose())
@@ -317,22 +317,22 @@ class RayCluster:
         self.blocked -= set(hosts)
         self._start(hosts)
 
-    def _relayout(self, host_split: int) -> None:
-        """Run every host as ``host_split`` workers (host-actors) of an equal share of its
-        devices, or back as one: every actor restarts (its live arrays copied to the
-        driver first), so steps compiled for the other view recompile on their next
-        call.  Plans whose meshes share hosts need this (``ClusterSpec.split``)."""
+    def _relayout(self, blocks: tuple) -> None:
+        """Run the hosts as one host-actor per ``(host, first device, devices)`` block, or
+        back as one per host (``()``): every actor restarts (its live arrays copied to
+        the driver first), so steps compiled for the other layout recompile on their
+        next call.  Plans whose meshes share hosts need this (``ClusterSpec.split``)."""
         import ray
 
         everyone = [h for h, a in enumerate(self._actors) if a is not None]
         moved = sum(a.nbytes for a in list(self.arrays) if a.evacuate(everyone, self.dead))
+        n = len(blocks) or self.spec.num_hosts
         log.warning(
-            "restarting the %d host-actors as %d per host of %d devices (%s); copied %.1f "
-            "KiB of live arrays to the driver",
+            "restarting the %d host-actors as %d (%s); copied %.1f KiB of live arrays to "
+            "the driver",
             len(everyone),
-            host_split,
-            self.spec.devices_per_host // host_split,
-            "a plan's meshes share hosts" if host_split > 1 else "a plan uses whole hosts",
+            n,
+            "one per mesh block: a plan's meshes share hosts" if blocks else "one per host",
             moved / 2**10,
         )
         self.generation += 1
@@ -340,8 +340,7 @@ class RayCluster:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(self._actors[h], no_restart=True)
         _wait_exit([self.pids[h] for h in everyone])
-        n = self.spec.num_hosts * host_split
-        self.host_split = host_split
+        self.blocks = blocks
         self._actors, self.pids, self._groups = [None] * n, [None] * n, ["fresh"] * n
         self.dead, self.blocked = set(), set()
         self._transport_ready = False
@@ -411,15 +410,16 @@ class RayCluster:
 
     def prepare(self, plan: Plan) -> None:
         """Make every actor's process layout match ``plan`` (restarting actors if needed)."""
-        split = plan.cluster.host_split
-        if split != self.host_split:
-            if self.spec.devices_per_host % split:
+        blocks = plan.cluster.worker_blocks
+        if blocks != self.blocks:
+            try:
+                self.spec.split(blocks) if blocks else None
+            except ValueError as exc:
                 raise MeshshardInputError(
-                    f"the plan runs {split} workers per host ({plan.cluster}), which does "
-                    f"not divide this cluster's {self.spec.devices_per_host} devices per "
-                    "host; compile the step for this cluster"
-                )
-            self._relayout(split)
+                    f"the plan's host-actor blocks do not fit this cluster ({exc}); compile "
+                    "the step for this cluster"
+                ) from None
+            self._relayout(blocks)
         need: dict[int, object] = {}
         for m in plan.meshes:
             for h in m.hosts:
@@ -700,7 +700,7 @@ class RayBackend:
         self.worker_seconds: dict[int, float] = {}
         self.last_traces: dict = {}  # the last step's WorkerTrace per recording worker
         self.generation = -1  # the cluster generation this plan was compiled in
-        self.layout = 1  # workers per host of the compiled plan (ClusterSpec.host_split)
+        self.layout = ()  # host-actor blocks of the compiled plan (ClusterSpec.worker_blocks)
 
     @property
     def closed(self) -> bool:
@@ -717,7 +717,7 @@ class RayBackend:
 
         self.ensure_ready(lambda: None)
         self.cluster.prepare(plan)
-        self.layout = plan.cluster.host_split  # the worker view its arrays are kept in
+        self.layout = plan.cluster.worker_blocks  # the worker view its arrays are kept in
         self.cluster.ensure_groups(broadcast_groups(plan))
         plan_json = plan.to_json()
         refs = {

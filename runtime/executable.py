@@ -140,7 +140,7 @@ class RemoteArray:
             return None
         if self._backend is not backend and (
             _cluster_of(self._backend) is not _cluster_of(backend)
-            or getattr(self._backend, "layout", 1) != getattr(backend, "layout", 1)
+            or getattr(self._backend, "layout", ()) != getattr(backend, "layout", ())
         ):  # another cluster, or another worker view of it (meshes sharing hosts)
             return None
         return self.keys[worker]

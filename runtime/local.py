@@ -29,7 +29,7 @@ class LocalBackend:
         self.stores = stores
         self.cluster = cluster
         self.workers: dict[int, Worker] = {}
-        self.layout = 1  # workers per host of the compiled plan (ClusterSpec.host_split)
+        self.layout = ()  # host-actor blocks of the compiled plan (ClusterSpec.worker_blocks)
 
     @property
     def closed(self) -> bool:
@@ -46,17 +46,22 @@ class LocalBackend:
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
         devices = jax.local_devices()
         # a plan whose meshes share hosts runs on the hosts' worker view: worker w takes
-        # the w-th block of the plan's devices_per_host devices, with its own stores
-        per_worker = plan.cluster.devices_per_host
-        self.layout = plan.cluster.host_split
+        # its block (host, first, devices) of the host's devices, with its own stores
+        blocks = plan.cluster.worker_blocks
+        self.layout = blocks
         if self.cluster is not None and hasattr(self.cluster, "stores_for"):
-            self.stores = self.cluster.stores_for(self.layout)
-        need = max(w for m in plan.meshes for w in m.workers) + 1
-        if need * per_worker > len(devices):
+            self.stores = self.cluster.stores_for(blocks)
+        D = self.devices_per_host
+
+        def first_device(w: int) -> int:
+            return blocks[w][0] * D + blocks[w][1] if blocks else w * D
+
+        need = max(first_device(w) + m.shape[1] for m in plan.meshes for w in m.workers)
+        if need > len(devices):
             raise MeshshardInputError(
-                f"the in-process backend needs {need * per_worker} local devices "
+                f"the in-process backend needs {need} local devices "
                 f"for this plan but has {len(devices)}; set XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={need * per_worker}"
+                f"--xla_force_host_platform_device_count={need}"
             )
         transports = QueueTransport.group(plan.workers)
         times = {}
@@ -67,7 +72,7 @@ class LocalBackend:
                     "single-host meshes only: use meshshard.init() (Ray) for multi-host meshes"
                 )
             w = m.workers[0]
-            start = w * per_worker
+            start = first_device(w)
             store = self.stores.setdefault(w, {})
             worker = Worker(w, devices[start : start + m.shape[1]], transports[w], store=store)
             times[w] = worker.compile(fn, abstract_args, batch_argnums, plan)

@@ -55,3 +55,25 @@ def test_gpt_under_pipeshard_auto_sharding_matches_single_device(sharded_threads
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto")
     step = check_parity("gpt_small", method, steps=1)
     assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh
+
+
+@pytest.mark.ray
+def test_pipeshard_auto_sharding_on_meshes_across_two_host_actors(ray_cluster):
+    """Two (2, 2) stages on the Ray cluster, each mesh spanning two host-actors, planned
+    with the fabric's collective costs so the ILP splits values (not all-replicated)."""
+    spec = ray_cluster.spec
+    with_fabric_costs(ray_cluster)
+    try:
+        method = PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2)], sharding="auto")
+        step = check_parity("mlp_wide", method, steps=2)
+    finally:
+        ray_cluster.spec = spec
+    assert [m.hosts for m in step.plan.meshes] == [(0, 1), (2, 3)]
+    assert sum("sharding ILP on host=2xdevice=2" in n for n in step.plan.notes) == 2
+    assert _sharded(step.plan), "\n".join(step.plan.notes)
+
+
+@pytest.mark.ray
+def test_stages_auto_on_ray_keeps_parity(ray_cluster):
+    step = check_parity("mlp", PipeshardParallel(num_micro_batches=4, stages="auto"), steps=2)
+    assert any(n.startswith("auto: ") for n in step.plan.notes), step.plan.notes

@@ -25,60 +25,63 @@ def test_whole_hosts_are_placed_as_before():
 
 def test_equal_submeshes_take_one_worker_each():
     meshes, view = place_meshes([(1, 2)] * 4, TWO_BY_FOUR)
-    assert (view.num_hosts, view.devices_per_host, view.host_split) == (4, 2, 2)
+    assert view.worker_blocks == ((0, 0, 2), (0, 2, 2), (1, 0, 2), (1, 2, 2))
+    assert (view.num_hosts, view.devices_per_host) == (4, 2)
     assert [(m.shape, m.hosts) for m in meshes] == [((1, 2), (w,)) for w in range(4)]
     assert [view.physical_host(w) for w in range(4)] == [0, 0, 1, 1]
     assert view.physical_hosts == 2
 
 
-def test_mixed_widths_take_workers_of_one_host():
-    """Largest first: (1, 4) fills host 0 as four 1-device workers, the rest host 1."""
+def test_mixed_widths_keep_their_shapes_one_worker_each():
+    """Largest first: (1, 4) fills host 0; the rest pack host 1 in place order."""
     meshes, view = place_meshes([(1, 1), (1, 4), (1, 2), (1, 1)], TWO_BY_FOUR)
-    assert (view.num_hosts, view.devices_per_host) == (8, 1)
+    assert view.worker_blocks == ((0, 0, 4), (1, 0, 2), (1, 2, 1), (1, 3, 1))
     got = [(m.shape, m.hosts) for m in meshes]
-    assert got == [((1, 1), (6,)), ((4, 1), (0, 1, 2, 3)), ((2, 1), (4, 5)), ((1, 1), (7,))]
-    for m in meshes:  # no mesh straddles two physical hosts
-        assert len({view.physical_host(w) for w in m.hosts}) == 1
+    assert got == [((1, 1), (2,)), ((1, 4), (0,)), ((1, 2), (1,)), ((1, 1), (3,))]
+    assert [view.worker_devices(w) for w in range(4)] == [4, 2, 1, 1]
+    assert str(view) == "local (4 workers on 2 hosts: h0 4, h1 2+1+1 devices)"
 
 
-def test_whole_host_meshes_split_with_the_rest():
+def test_whole_host_meshes_take_whole_host_workers():
     cluster = ClusterSpec(num_hosts=3, devices_per_host=4)
     meshes, view = place_meshes([(2, 4), (1, 2), (1, 2)], cluster)
-    assert view.host_split == 2
+    assert view.worker_blocks == ((0, 0, 4), (1, 0, 4), (2, 0, 2), (2, 2, 2))
     assert [(m.shape, m.hosts) for m in meshes] == [
-        ((4, 2), (0, 1, 2, 3)),
-        ((1, 2), (4,)),
-        ((1, 2), (5,)),
+        ((2, 4), (0, 1)),
+        ((1, 2), (2,)),
+        ((1, 2), (3,)),
     ]
 
 
 @pytest.mark.parametrize(
     "shapes, cluster, match",
     [
-        ([(1, 3), (1, 1), (1, 4)], TWO_BY_FOUR, r"share a host only as \(1, d\).*\[\(1, 3\)\]"),
-        (
-            [(1, 2), (1, 1), (1, 1)],
-            ClusterSpec(num_hosts=1, devices_per_host=4, max_mesh_hosts=1),
-            r"mesh0 \(1, 2\) would span 2 workers.*same width",
-        ),
+        ([(2, 2), (1, 2), (1, 2)], TWO_BY_FOUR, r"share a host only as \(1, d\).*\[\(2, 2\)\]"),
+        ([(1, 3), (1, 3), (1, 2)], TWO_BY_FOUR, r"do not tile .* no room for \(1, 2\)"),
         ([(1, 4)] * 3, TWO_BY_FOUR, r"ask for meshes .* has 8 devices"),
     ],
-    ids=["width-not-dividing", "threads-mixed-widths", "too-many-devices"],
+    ids=["two-host-part", "no-room", "too-many-devices"],
 )
 def test_sharing_errors_name_the_meshes_and_the_fix(shapes, cluster, match):
     with pytest.raises(MeshshardInputError, match=match):
         place_meshes(shapes, cluster)
 
 
-def test_split_spec_round_trips_and_checks_its_parts():
+def test_split_spec_round_trips_and_checks_its_blocks():
     view = TWO_BY_FOUR.split(2)
     assert ClusterSpec.from_dict(view.to_dict()) == view
-    assert str(view) == "local (4 workers x 2 devices, 2 per host)"
-    assert view.split(2).host_split == 4 and view.split(2).devices_per_host == 1
+    assert ClusterSpec.from_json(view.to_json()) == view
+    assert str(view) == "local (4 workers on 2 hosts: h0 2+2, h1 2+2 devices)"
     with pytest.raises(ValueError, match=r"split\(3\).*divide devices_per_host=4"):
         TWO_BY_FOUR.split(3)
-    with pytest.raises(ValueError, match="host_split=2 must divide num_hosts=3"):
-        ClusterSpec(num_hosts=3, host_split=2)
+    with pytest.raises(ValueError, match=r"block \(host 0, devices 1..2\) .* overlaps"):
+        TWO_BY_FOUR.split([(0, 0, 2), (0, 1, 2)])
+    with pytest.raises(ValueError, match=r"block \(host 2, devices 0..0\) is outside"):
+        TWO_BY_FOUR.split([(2, 0, 1)])
+    with pytest.raises(ValueError, match="already a worker view"):
+        view.split(2)
+    with pytest.raises(ValueError, match=r"worker_blocks must give .* 2 workers"):
+        ClusterSpec(num_hosts=2, devices_per_host=2, worker_blocks=((0, 0, 2),))
 
 
 def _state_and_batches(layers=4, steps=3):
@@ -92,14 +95,14 @@ def test_plan_for_shared_hosts_verifies_against_the_physical_cluster():
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
     step = meshshard.parallelize(mlp.train_step, method=method)
     plan = step.lower(state, batches[0], cluster=TWO_BY_FOUR, costs=False)
-    assert plan.cluster == TWO_BY_FOUR.split(2)
+    assert plan.cluster == TWO_BY_FOUR.split(2)  # one 2-device block per mesh
     assert [m.hosts for m in plan.meshes] == [(0,), (1,), (2,), (3,)]
     assert any(
-        n.startswith("meshes share hosts: each of the 2 hosts runs 2 workers") for n in plan.notes
+        n.startswith("meshes share hosts: one host-actor per mesh block") for n in plan.notes
     )
     assert verify(plan, TWO_BY_FOUR) == []  # the worker view of the physical cluster
     problems = verify(plan, ClusterSpec(num_hosts=1, devices_per_host=4))
-    assert any("hosts [2] are outside" in p for p in problems), problems
+    assert any("do not fit" in p and "host 1" in p for p in problems), problems
 
 
 def _run_alternating(methods, layers=4):
@@ -128,23 +131,42 @@ def test_threads_shared_hosts_keep_parity_across_layouts():
 
     with use_cluster(ThreadsCluster(2, 4)):
         shared, whole, _ = _run_alternating([SHARED, WHOLE, SHARED])
-    assert shared.plan.cluster.host_split == 2 and whole.plan.cluster.host_split == 1
+    assert shared.plan.cluster.worker_blocks and not whole.plan.cluster.worker_blocks
     assert len(shared.plan.workers) == 4 and len(whole.plan.workers) == 2
+
+
+MIXED = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 2), (1, 1), (1, 4)])
+
+
+def test_threads_mixed_widths_keep_parity():
+    """One host-actor (thread) per mesh block, blocks of 1, 2, 1 and 4 devices."""
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    with use_cluster(ThreadsCluster(2, 4)):
+        (step,) = _run_alternating([MIXED])
+    assert [m.shape for m in step.plan.meshes] == [(1, 1), (1, 2), (1, 1), (1, 4)]
 
 
 @pytest.mark.ray
 def test_ray_meshes_share_hosts_and_the_actors_follow_the_plan(ray_cluster):
-    """On the 4 x 2 Ray cluster, five stages (one of two devices) need 5 hosts: the
-    hosts run as 8 one-device actors (the (1, 2) mesh spans two of them, one JAX group);
-    a whole-host plan after it restarts the actors back, its state moved to the driver."""
-    mixed = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1), (1, 2), (1, 1), (1, 1)])
+    """On the 4 x 2 Ray cluster, five stages of 2, 1, 1, 2 and 1 devices need 5 hosts:
+    the hosts run as one actor per mesh block (2, 2, 1, 1 and 1 devices); a whole-host
+    plan after it restarts the actors back to one per host, its state moved to the
+    driver."""
+    shared = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 1), (1, 1), (1, 2), (1, 1)])
     whole = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
-    steps = _run_alternating([whole, mixed, mixed, whole], layers=5)
+    steps = _run_alternating([whole, shared, shared, whole], layers=5)
     plan = steps[1].plan
-    assert plan.cluster.host_split == 2 and plan.cluster.devices_per_host == 1
-    assert [m.shape for m in plan.meshes] == [(1, 1), (1, 1), (2, 1), (1, 1), (1, 1)]
+    assert plan.cluster.worker_blocks == ((0, 0, 2), (1, 0, 2), (2, 0, 1), (2, 1, 1), (3, 0, 1))
+    assert [(m.shape, m.hosts) for m in plan.meshes] == [
+        ((1, 2), (0,)),
+        ((1, 1), (2,)),
+        ((1, 1), (3,)),
+        ((1, 2), (1,)),
+        ((1, 1), (4,)),
+    ]
     # the last (whole-host) step put the actors back: four of two devices
-    assert ray_cluster.host_split == 1
+    assert ray_cluster.blocks == ()
     assert sorted(ray_cluster.host_stats()) == [0, 1, 2, 3]
 
 

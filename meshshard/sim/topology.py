@@ -15,8 +15,8 @@ device; inside a host it runs device out -> device in.  It pays ``nic_latency`` 
 
 On a cluster split into workers (``ClusterSpec.split``: several meshes per host) the
 links are the physical hosts': endpoints are ``(worker, device)`` and map to device
-``(w % host_split) * devices_per_host + d`` of host ``w // host_split``, so two workers of
-one host talk over the fabric and share that host's NICs.  Not where the fabric is
+``first + d`` of the worker's block ``(host, first, devices)``, so two workers of one
+host talk over the fabric and share that host's NICs.  Not where the fabric is
 ``memcpy`` (emulated CPU devices of one process): there every worker is a process that
 talks over the transport, priced as a host of its own.
 
@@ -60,9 +60,13 @@ class Topology:
         self._nic: dict[tuple[int, int, str], int] = {}
         # a memcpy fabric (emulated CPU devices) does not reach across processes: the
         # workers of a split local cluster talk over the transport, as separate hosts
-        self._split = 1 if cluster.intra_fabric == "memcpy" else cluster.host_split
-        g, k = cluster.devices_per_host * self._split, cluster.nics_per_host
-        for h in range(cluster.num_hosts // self._split):
+        blocks = cluster.worker_blocks if cluster.intra_fabric != "memcpy" else ()
+        self._blocks = blocks
+        hosts = max(h for h, _, _ in blocks) + 1 if blocks else cluster.num_hosts
+        g = max(f + n for _, f, n in blocks) if blocks else cluster.devices_per_host
+        self._host_devices = g
+        k = cluster.nics_per_host
+        for h in range(hosts):
             for d in range(g):
                 for io in ("out", "in"):
                     self._dev[h, d, io] = len(links)
@@ -80,8 +84,7 @@ class Topology:
         self.switch: int | None = None
         if cluster.oversubscription > 1:
             self.switch = len(links)
-            cap = (cluster.num_hosts // self._split) * k * cluster.nic_bandwidth
-            cap /= cluster.oversubscription
+            cap = hosts * k * cluster.nic_bandwidth / cluster.oversubscription
             links.append(Link(len(links), "switch", cap, "switch"))
         self.links: tuple[Link, ...] = tuple(links)
         self.capacity: list[float] = [link.capacity for link in links]
@@ -112,23 +115,23 @@ class Topology:
 
     def _physical(self, end: Endpoint) -> Endpoint:
         """The physical (host, device) of a (worker, device) endpoint."""
-        if self._split == 1:
+        if not self._blocks:
             return end
         w, d = end
-        return w // self._split, (w % self._split) * self.cluster.devices_per_host + d
+        host, first, _ = self._blocks[w]
+        return host, first + d
 
     def _nic_of(self, device: int) -> int:
         """The NIC of a physical host's device (spread evenly on a split cluster)."""
-        if self._split == 1:
+        if not self._blocks:
             return self.cluster.nic_of(device)
-        c = self.cluster
-        return device * c.nics_per_host // (c.devices_per_host * self._split)
+        return device * self.cluster.nics_per_host // self._host_devices
 
     def latency(self, src: Endpoint, dst: Endpoint) -> float:
         """Seconds a message from ``src`` to ``dst`` pays once, before its bytes move."""
         if src == dst:
             return 0.0
-        if src[0] // self._split == dst[0] // self._split:
+        if self._physical(src)[0] == self._physical(dst)[0]:
             return float(self.cluster.intra_latency)
         return float(self.cluster.nic_latency)
 
