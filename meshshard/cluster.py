@@ -370,7 +370,7 @@ class ClusterSpec:
     def __str__(self) -> str:
         if self.worker_blocks:
             per = {}
-            for h, _, n in self.worker_blocks:
+            for h, _, n in sorted(self.worker_blocks):  # each host's blocks in device order
                 per.setdefault(h, []).append(str(n))
             hosts = ", ".join(f"h{h} {'+'.join(ns)}" for h, ns in sorted(per.items()))
             return f"{self.name} ({self.num_hosts} workers on {len(per)} hosts: {hosts} devices)"

@@ -114,9 +114,9 @@ def place_meshes(
     >>> c = ClusterSpec(num_hosts=2, devices_per_host=4)
     >>> meshes, workers = place_meshes([(1, 2), (1, 4), (1, 1), (1, 1)], c)
     >>> [(m.shape, m.hosts) for m in meshes]
-    [((1, 2), (1,)), ((1, 4), (0,)), ((1, 1), (2,)), ((1, 1), (3,))]
-    >>> str(workers)
-    'local (4 workers on 2 hosts: h0 4, h1 2+1+1 devices)'
+    [((1, 2), (0,)), ((1, 4), (1,)), ((1, 1), (2,)), ((1, 1), (3,))]
+    >>> workers.worker_blocks
+    ((1, 0, 2), (0, 0, 4), (1, 2, 1), (1, 3, 1))
     """
     fits = sum(h * d for h, d in shapes) <= cluster.num_devices
     fits = fits and all(d <= cluster.devices_per_host for _, d in shapes)
@@ -138,17 +138,14 @@ def share_hosts(
             f"{bad} is neither. Ask for fewer or smaller meshes"
         )
     spots = place_submeshes(list(shapes), cluster, exact=False)
-    # one worker per (host, first device) block, numbered in host and device order
-    per_mesh = [
-        [(host, first, d) for host in hosts]
-        for (_, d), (hosts, first) in zip(shapes, spots, strict=True)
-    ]
-    blocks = sorted(b for bs in per_mesh for b in bs)
-    worker = {b: w for w, b in enumerate(blocks)}
-    meshes = tuple(
-        MeshSpec(i, shapes[i], tuple(worker[b] for b in bs)) for i, bs in enumerate(per_mesh)
-    )
-    return meshes, cluster.split(blocks)
+    # one worker per (host, first device) block, numbered in mesh order (so the meshes
+    # of data-parallel replicas, listed after the stages', are the stages' workers + H)
+    blocks, meshes = [], []
+    for i, ((_, d), (hosts, first)) in enumerate(zip(shapes, spots, strict=True)):
+        workers = tuple(range(len(blocks), len(blocks) + len(hosts)))
+        blocks += [(host, first, d) for host in hosts]
+        meshes.append(MeshSpec(i, shapes[i], workers))
+    return tuple(meshes), cluster.split(blocks)
 
 
 def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tuple[MeshSpec, ...]:

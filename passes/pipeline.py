@@ -23,7 +23,7 @@ from meshshard.passes.forward_only import (
     is_forward_only,
     slice_forward,
 )
-from meshshard.passes.meshes import auto_layout, stage_layout
+from meshshard.passes.meshes import auto_layout, place_meshes, stage_layout
 from meshshard.passes.reductions import reduction_notes
 from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
@@ -84,6 +84,12 @@ def _layout(st: CompileState) -> CompileState:
     if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
     groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
+    shapes = [] if isinstance(st.method.stages, str) else list(st.method.stages) * d
+    if d > 1 and shapes and sum(h * n for h, n in shapes) <= cluster.num_devices:
+        # replicas that need more hosts than there are share them (else replicas.py says)
+        replicated, view = place_meshes(shapes, cluster)
+        if view.worker_blocks:  # replica j's meshes follow on workers + j * H
+            meshes, workers = replicated[: len(meshes)], view
     # meshes that share hosts are planned on the worker view (uniform stages never do)
     cluster = workers if workers.worker_blocks != cluster.worker_blocks else st.cluster
     v = getattr(st.method, "virtual_stages", 1)

@@ -120,7 +120,7 @@ def test_allreduce_switch_cuts_the_gradient_into_chunks():
         (dict(data_parallel=3), r"data_parallel=3 must divide num_micro_batches=4"),
         (dict(data_parallel=0), r"data_parallel must be a positive int"),
         (dict(stages="auto"), r"data_parallel=2, stages='auto'"),
-        (dict(stages=[(1, 1)] * 3, num_micro_batches=2), r"needs 2 x 3 hosts"),
+        (dict(stages=[(1, 2)] * 3, num_micro_batches=2), r"needs 2 x 3 hosts"),
         (dict(stages=[(2, 1)]), r"span several hosts.*one-host mesh"),
     ],
 )

@@ -33,19 +33,19 @@ def test_equal_submeshes_take_one_worker_each():
 
 
 def test_mixed_widths_keep_their_shapes_one_worker_each():
-    """Largest first: (1, 4) fills host 0; the rest pack host 1 in place order."""
+    """Largest first: (1, 4) fills host 0, the rest pack host 1; workers in mesh order."""
     meshes, view = place_meshes([(1, 1), (1, 4), (1, 2), (1, 1)], TWO_BY_FOUR)
-    assert view.worker_blocks == ((0, 0, 4), (1, 0, 2), (1, 2, 1), (1, 3, 1))
+    assert view.worker_blocks == ((1, 2, 1), (0, 0, 4), (1, 0, 2), (1, 3, 1))
     got = [(m.shape, m.hosts) for m in meshes]
-    assert got == [((1, 1), (2,)), ((1, 4), (0,)), ((1, 2), (1,)), ((1, 1), (3,))]
-    assert [view.worker_devices(w) for w in range(4)] == [4, 2, 1, 1]
+    assert got == [((1, 1), (0,)), ((1, 4), (1,)), ((1, 2), (2,)), ((1, 1), (3,))]
+    assert [view.worker_devices(w) for w in range(4)] == [1, 4, 2, 1]
     assert str(view) == "local (4 workers on 2 hosts: h0 4, h1 2+1+1 devices)"
 
 
 def test_whole_host_meshes_take_whole_host_workers():
     cluster = ClusterSpec(num_hosts=3, devices_per_host=4)
     meshes, view = place_meshes([(2, 4), (1, 2), (1, 2)], cluster)
-    assert view.worker_blocks == ((0, 0, 4), (1, 0, 4), (2, 0, 2), (2, 2, 2))
+    assert view.worker_blocks == ((0, 0, 4), (1, 0, 4), (2, 0, 2), (2, 2, 2))  # mesh order
     assert [(m.shape, m.hosts) for m in meshes] == [
         ((2, 4), (0, 1)),
         ((1, 2), (2,)),
@@ -138,6 +138,29 @@ def test_threads_shared_hosts_keep_parity_across_layouts():
 MIXED = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 2), (1, 1), (1, 4)])
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(stages=[(1, 1)] * 4, schedule="zb_h1"),
+        dict(stages=[(1, 1)] * 2, schedule="interleaved_1f1b", virtual_stages=2),
+        dict(stages=[(1, 1)] * 2, data_parallel=2),
+    ],
+    ids=["zb_h1", "interleaved", "data-parallel-replicas"],
+)
+def test_threads_schedules_and_replicas_on_one_shared_host(kw):
+    """One 4-device host: stages, virtual stages and data-parallel replicas each take
+    one-device host-actors of it (replica j's after the stages')."""
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+    from tests.parity import check_parity
+
+    with use_cluster(ThreadsCluster(1, 4)):
+        step = check_parity("mlp", PipeshardParallel(num_micro_batches=4, **kw), steps=2)
+    blocks = step.plan.cluster.worker_blocks
+    assert blocks and all(h == 0 and n == 1 for h, _, n in blocks)
+    if kw.get("data_parallel"):
+        assert [m.hosts for m in step.plan.meshes] == [(0,), (1,), (2,), (3,)]
+
+
 def test_threads_mixed_widths_keep_parity():
     """One host-actor (thread) per mesh block, blocks of 1, 2, 1 and 4 devices."""
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
@@ -157,12 +180,12 @@ def test_ray_meshes_share_hosts_and_the_actors_follow_the_plan(ray_cluster):
     whole = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
     steps = _run_alternating([shared, whole], layers=5)
     plan = steps[0].plan
-    assert plan.cluster.worker_blocks == ((0, 0, 2), (1, 0, 2), (2, 0, 1), (2, 1, 1), (3, 0, 1))
+    assert plan.cluster.worker_blocks == ((0, 0, 2), (2, 0, 1), (2, 1, 1), (1, 0, 2), (3, 0, 1))
     assert [(m.shape, m.hosts) for m in plan.meshes] == [
         ((1, 2), (0,)),
+        ((1, 1), (1,)),
         ((1, 1), (2,)),
-        ((1, 1), (3,)),
-        ((1, 2), (1,)),
+        ((1, 2), (3,)),
         ((1, 1), (4,)),
     ]
     # the last (whole-host) step put the actors back: four of two devices
