@@ -31,8 +31,9 @@ from benchmarks import fidelity  # noqa: E402  (sets XLA_FLAGS before JAX starts
 PLAN = 1  # fidelity.PLANS[1]: "A 2x(1,2) gpipe M=4"
 
 
-def measure(rounds: int, block: int) -> list[dict]:
-    """Median traced and untraced step time per step-call path."""
+def on_each_path(row) -> list[dict]:
+    """``row(name, step, state, batch, trace_path)`` for the plan on each step-call path
+    (direct connections, then Ray calls), each row tagged with its plan and path."""
     import meshshard
 
     cluster = meshshard.init()
@@ -47,22 +48,21 @@ def measure(rounds: int, block: int) -> list[dict]:
             for path, on in (("connection", True), ("ray call", False)):
                 cluster.use_step_channel = on
                 cluster.close_channels()
-                traced, untraced = fidelity._overhead(
-                    step, state, batch, f"{tmp}/trace.json", rounds=rounds, block=block
-                )
-                rows.append(
-                    dict(
-                        plan=name,
-                        path=path,
-                        traced_s=traced,
-                        untraced_s=untraced,
-                        overhead=traced / untraced - 1,
-                    )
-                )
+                rows.append(dict(plan=name, path=path, **row(step, state, batch, f"{tmp}/t.json")))
         cluster.use_step_channel = True
     finally:
         meshshard.shutdown()
     return rows
+
+
+def measure(rounds: int, block: int) -> list[dict]:
+    """Median traced and untraced step time per step-call path."""
+
+    def row(step, state, batch, trace):
+        traced, untraced = fidelity._overhead(step, state, batch, trace, rounds, block)
+        return dict(traced_s=traced, untraced_s=untraced, overhead=traced / untraced - 1)
+
+    return on_each_path(row)
 
 
 def paired_ratios(step, state, batch, path: str, rounds: int, block: int):
@@ -95,38 +95,19 @@ def measure_paired(rounds: int, block: int) -> list[dict]:
     """Median per-round traced/untraced ratio and its 95% interval, per step-call path."""
     import statistics
 
-    import meshshard
+    def row(step, state, batch, trace):
+        ratios, untraced = paired_ratios(step, state, batch, trace, rounds, block)
+        lo, hi = bootstrap_median(ratios)
+        return dict(
+            rounds=rounds,
+            block=block,
+            untraced_s=statistics.median(untraced),
+            overhead=statistics.median(ratios) - 1,
+            ci95=(lo - 1, hi - 1),
+            ratios=ratios,
+        )
 
-    cluster = meshshard.init()
-    rows = []
-    try:
-        name, _, model_key, method = fidelity.PLANS[PLAN]
-        state, batch = fidelity._setup(model_key)
-        step = meshshard.parallelize(fidelity.gpt.train_step, method=method)
-        for _ in range(2):  # compile, then place the state on the actors
-            state, _ = step(state, batch)
-        with tempfile.TemporaryDirectory() as tmp:
-            for path, on in (("connection", True), ("ray call", False)):
-                cluster.use_step_channel = on
-                cluster.close_channels()
-                ratios, untraced = paired_ratios(step, state, batch, f"{tmp}/t.json", rounds, block)
-                lo, hi = bootstrap_median(ratios)
-                rows.append(
-                    dict(
-                        plan=name,
-                        path=path,
-                        rounds=rounds,
-                        block=block,
-                        untraced_s=statistics.median(untraced),
-                        overhead=statistics.median(ratios) - 1,
-                        ci95=(lo - 1, hi - 1),
-                        ratios=ratios,
-                    )
-                )
-        cluster.use_step_channel = True
-    finally:
-        meshshard.shutdown()
-    return rows
+    return on_each_path(row)
 
 
 def main(argv=None) -> int:
