@@ -84,7 +84,8 @@ def _layout(st: CompileState) -> CompileState:
     if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
     groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
-    shapes = [] if isinstance(st.method.stages, str) else list(st.method.stages) * d
+    stages = getattr(st.method, "stages", "uniform")  # DataParallel has one mesh
+    shapes = [] if isinstance(stages, str) else list(stages) * d
     if d > 1 and shapes and sum(h * n for h, n in shapes) <= cluster.num_devices:
         # replicas that need more hosts than there are share them (else replicas.py says)
         replicated, view = place_meshes(shapes, cluster)
