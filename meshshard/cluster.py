@@ -153,12 +153,7 @@ class ClusterSpec:
     source: str = "built-in defaults for an emulated CPU cluster (see meshshard calibrate)"
 
     def __post_init__(self) -> None:
-        for field_name in (
-            "num_hosts",
-            "devices_per_host",
-            "nics_per_host",
-            "chunk_bytes",
-        ):
+        for field_name in ("num_hosts", "devices_per_host", "nics_per_host", "chunk_bytes"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(

@@ -134,8 +134,8 @@ class PipeshardParallel:
             (:mod:`meshshard.passes.layer_cluster`); None (default) uses the markers.
         submeshes: with ``stages="auto"``, the mesh shapes the stage DP may give a stage
             (Alpa's manually specified submeshes); default: Alpa's ``(1, 1), (1, 2), ...,
-            (1, D), (h, D)`` (whole hosts only on the in-process backend).  Meshes that
-            share a host run as host-actors of their own (``ClusterSpec.split``).
+            (1, D), (h, D)``.  Meshes that share a host run as host-actors of their own
+            (``ClusterSpec.split``).
         stage_times: with ``stages="auto"``, measured seconds per micro-batch (forward +
             backward programs) of layer ranges on submeshes, ``((lo, hi, (h, d), s),
             ...)``: the stage DP scales its cost model's compute for those layers to

@@ -169,16 +169,15 @@ class ThreadsCluster:
             **LOCAL_MESH_COLLECTIVES,
         )
         self.stores: dict[int, dict] = {}  # per host: arrays kept between steps, across plans
-        self._split_stores: dict[tuple, dict[int, dict]] = {}  # the same per worker view
+        #: the same per worker view (ClusterSpec.worker_blocks; () = whole hosts)
+        self._view_stores: dict[tuple, dict[int, dict]] = {(): self.stores}
         self.closed = False
 
     def stores_for(self, blocks: tuple) -> dict[int, dict]:
         """The per-worker stores of plans whose meshes share hosts as host-actor
         ``blocks`` (``self.stores`` for whole hosts, ``()``): a worker id means a
         different device block in each view, so each view keeps its own arrays."""
-        if not blocks:
-            return self.stores
-        return self._split_stores.setdefault(blocks, {})
+        return self._view_stores.setdefault(blocks, {})
 
     def backend(self):
         from meshshard.runtime.local import LocalBackend
@@ -205,7 +204,7 @@ class ThreadsCluster:
 
     def close(self) -> None:
         self.closed = True
-        for stores in (self.stores, *self._split_stores.values()):
+        for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()
 

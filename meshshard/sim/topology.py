@@ -62,7 +62,7 @@ class Topology:
         # workers of a split local cluster talk over the transport, as separate hosts
         blocks = cluster.worker_blocks if cluster.intra_fabric != "memcpy" else ()
         self._blocks = blocks
-        hosts = max(h for h, _, _ in blocks) + 1 if blocks else cluster.num_hosts
+        hosts = cluster.physical_hosts if blocks else cluster.num_hosts
         g = max(f + n for _, f, n in blocks) if blocks else cluster.devices_per_host
         self._host_devices = g
         k = cluster.nics_per_host
@@ -131,7 +131,10 @@ class Topology:
         """Seconds a message from ``src`` to ``dst`` pays once, before its bytes move."""
         if src == dst:
             return 0.0
-        if self._physical(src)[0] == self._physical(dst)[0]:
+        same_host = (
+            self._physical(src)[0] == self._physical(dst)[0] if self._blocks else src[0] == dst[0]
+        )
+        if same_host:
             return float(self.cluster.intra_latency)
         return float(self.cluster.nic_latency)
 
