@@ -68,8 +68,21 @@ def _first_overlap(blocks: Sequence[Index]) -> tuple[Index, Index] | None:
     return None
 
 
+class _Where:
+    """``message #i (m)`` for error messages, printed only when one is raised: printing
+    every message checked cost more than checking it."""
+
+    __slots__ = ("i", "m")
+
+    def __init__(self, i: int, m: Message) -> None:
+        self.i, self.m = i, m
+
+    def __str__(self) -> str:
+        return f"message #{self.i} ({self.m})"
+
+
 def _check_one(m: Message, i: int, problem, src_tiles, dst_tiles) -> None:
-    where = f"message #{i} ({m})"
+    where = _Where(i, m)
     if m.group and (m.group[0] != m.src or len(m.group) < 2 or m.dst != m.group[1]):
         raise ValueError(f"{where}: group {m.group} must be (src, dst, ...)")
     if len(m.dst_devices) != len(m.receivers) or not all(m.dst_devices):
@@ -85,7 +98,7 @@ def _check_one(m: Message, i: int, problem, src_tiles, dst_tiles) -> None:
         _check_block(b, m, where, src_tiles, dst_tiles)
 
 
-def _check_host_level(m: Message, where: str) -> None:
+def _check_host_level(m: Message, where: _Where) -> None:
     """A host-level message's header matches its blocks (``Message`` docstring)."""
     first = m.blocks[0]
     if (m.index, m.src_device) != (first.index, first.src_device):
@@ -103,7 +116,7 @@ def _check_host_level(m: Message, where: str) -> None:
         )
 
 
-def _check_block(b, m: Message, where: str, src_tiles, dst_tiles) -> None:
+def _check_block(b, m: Message, where: _Where, src_tiles, dst_tiles) -> None:
     if (m.src, b.src_device) not in src_tiles:
         raise ValueError(f"{where}: sender w{m.src}.{b.src_device} is not a source device")
     if not contains(src_tiles[(m.src, b.src_device)], b.index):

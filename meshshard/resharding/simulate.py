@@ -29,7 +29,8 @@ from meshshard.passes.lower_transfer import transfer_streams
 from meshshard.plan import MeshSpec, Message, Plan, ProgramSpec, Schedule, TensorSpec, TransferSpec
 from meshshard.resharding.coverage import check_messages
 from meshshard.resharding.result import LocalGather
-from meshshard.sim import SimOptions, simulate
+from meshshard.sim import SimOptions
+from meshshard.sim.simulator import iteration_time
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["gather_seconds", "resharding_sim_plan", "simulate_resharding"]
@@ -107,7 +108,7 @@ def simulate_resharding(
 ) -> float:
     """Predicted seconds for ``messages`` to reshard ``problem`` on ``cluster``.
 
-    Runs :func:`meshshard.sim.simulate` on the plan of :func:`resharding_sim_plan`,
+    Runs :func:`meshshard.sim.simulator.iteration_time` on the plan of :func:`resharding_sim_plan`,
     with the local all-gathers the messages rely on; serial communication per worker
     unless ``options`` says otherwise.  Raises ValueError if the messages do not
     reshard exactly or the cluster lacks the hosts.
@@ -115,4 +116,4 @@ def simulate_resharding(
     gathers = check_messages(problem, messages)
     plan, times = resharding_sim_plan(problem, messages, cluster, gathers)
     opts = options or SimOptions(serial_comm=True, record=False)
-    return simulate(plan, cluster, options=opts, program_times=times).iteration_time
+    return iteration_time(plan, cluster, opts, times)

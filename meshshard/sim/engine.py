@@ -69,7 +69,7 @@ from meshshard.sim.costs import ProgramCost, program_cost
 from meshshard.sim.fanout import device_shares, scatter_broadcast, scatter_fanout
 from meshshard.sim.network import FlowNetwork
 from meshshard.sim.rules import RULES, CollKey, P2PKey, RunKey, StreamState
-from meshshard.sim.topology import Topology
+from meshshard.sim.topology import Topology, topology_of
 
 __all__ = ["SimOptions", "SimulationDeadlock", "Timeline", "OpRecord", "execute", "check_fits"]
 
@@ -257,7 +257,7 @@ class _Engine:
         self.plan = plan
         self.cluster = cluster
         self.opt = options
-        self.topo = Topology(cluster)
+        self.topo = topology_of(cluster)
         self.net = FlowNetwork(self.topo.capacity, record=options.record)
         self.now = 0.0
         self.heap: list = []
