@@ -72,25 +72,45 @@ def substitute(args: tuple, argnums) -> tuple:
     return tuple(out)
 
 
+class _StepOf:
+    """A 2BW wrapper of a user's step; wrappers of one step compare equal, so a second
+    ``parallelize`` of it (or ``lower`` then a call) is served from the trace cache.
+
+    Its one attribute has a name of its own: ``ParallelizedFunction`` copies a wrapped
+    function's ``__dict__`` (``functools.update_wrapper``), so a plain ``fn`` would
+    replace the parallelized function's own.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        self._two_bw_user_step = fn
+        self.__name__ = getattr(fn, "__name__", "step")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._two_bw_user_step == self._two_bw_user_step
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._two_bw_user_step))
+
+
+class _FirstStep(_StepOf):
+    def __call__(self, *args):
+        return _traced(self._two_bw_user_step, None, args)
+
+
+class _SteadyStep(_StepOf):
+    def __call__(self, stash, *args):
+        return _traced(self._two_bw_user_step, stash, args)
+
+
 def first_step(fn: Callable) -> Callable:
     """``fn`` returning ``(outputs, the differentiated weights)``: the first 2BW call."""
-
-    def step(*args):
-        return _traced(fn, None, args)
-
-    step.__name__ = getattr(fn, "__name__", "step")
-    return step
+    return _FirstStep(fn)
 
 
 def steady_step(fn: Callable) -> Callable:
     """``step(stash, *args)``: ``fn`` differentiated at ``stash``, returning
     ``(outputs, the weights it replaced)``: every later 2BW call."""
-
-    def step(stash, *args):
-        return _traced(fn, stash, args)
-
-    step.__name__ = getattr(fn, "__name__", "step")
-    return step
+    return _SteadyStep(fn)
 
 
 def _traced(fn: Callable, shadow, args: tuple):

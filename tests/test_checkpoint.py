@@ -153,7 +153,9 @@ def test_ray_save_shutdown_restore_on_another_layout_equals_six_steps(tmp_path):
     """Multi-host meshes on both sides; its own process, so its own Ray cluster."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
+    # the session's fast-compile flags, without its 8 emulated devices (the actors set theirs)
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.checkpoint_scenario", str(tmp_path / "c")],
         cwd=root,

@@ -90,6 +90,7 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.ray
+@pytest.mark.own_cluster  # a subprocess with its own Ray: runs beside the shared one
 def test_shutdown_leaves_no_processes_and_join_existing_cluster(tmp_path):
     import pathlib
 

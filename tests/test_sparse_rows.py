@@ -152,6 +152,8 @@ def test_the_simulator_sizes_the_rows_and_the_rest(sparse_plan):
 def test_training_with_sparse_rows_is_bit_identical(threads_cluster, schedule, tied):
     model = gpt.GPT(vocab=1024, num_layers=2, tie_embeddings=tied)
     batches = [gpt.make_batch(batch_size=8, vocab=1024, seed=s) for s in range(2)]
+    # one state (so one optimizer, one tree structure): the three steps share its traces
+    state = gpt.make_state(model, batches[0]["inputs"])
     outs = []
     for sw in (frozenset(), frozenset({"sparse"}), frozenset(COMM_SWITCHES)):
         method = PipeshardParallel(
@@ -162,14 +164,8 @@ def test_training_with_sparse_rows_is_bit_identical(threads_cluster, schedule, t
             comm_schedule=sw,
         )
         step = meshshard.parallelize(gpt.train_step, method=method)
-        assert bool(step_rows(step, batches[0], model)) == ("sparse" in sw)
-        outs.append(run_steps(step, gpt.make_state(model, batches[0]["inputs"]), batches))
+        assert bool(step.lower(state, batches[0]).sparse_rows) == ("sparse" in sw)
+        outs.append(run_steps(step, state, batches))
     for got in outs[1:]:
         jax.tree.map(np.testing.assert_array_equal, outs[0][0], got[0])
         np.testing.assert_array_equal(outs[0][1], got[1])
-
-
-def step_rows(step, batch, model):
-    """The sparse rows of ``step``'s plan for ``batch``."""
-    state = gpt.make_state(model, batch["inputs"])
-    return step.lower(state, batch).sparse_rows
