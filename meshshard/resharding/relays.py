@@ -112,6 +112,7 @@ from meshshard.resharding.hops import hop_bound_terms
 from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
 from meshshard.resharding.sharedroot import shared_root_terms
+from meshshard.resharding.tworoots import two_roots_terms
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["least_chunk", "relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
@@ -268,6 +269,7 @@ def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
     extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
     extra += clean_last_terms(problem, cluster, hop) + shared_root_terms(problem, cluster, hop)
+    extra += two_roots_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
