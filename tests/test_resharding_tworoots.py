@@ -91,7 +91,7 @@ def test_the_term_names_its_case_and_needs_roots_that_must_share():
     """The doctest's case binds on "one holder sends each host apart"; the big halves on
     the shared host; with four destination hosts two chains need not meet (no term)."""
     assert str(relay_bound_terms(two.problem(282752), CLUSTER)).endswith(
-        "w0 and w1 relay, a shared host forwards twice"
+        "roots w0 and w1, a shared host forwards twice"
     )
     four = resharding_problem(
         (4096,), "int8", two.SRC, ("host",), MeshSpec(1, (4, 1), (2, 3, 4, 5)), (None,)

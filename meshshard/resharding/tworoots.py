@@ -46,7 +46,7 @@ the term is the largest of that over ``(A, B)``.  Here: ``min(265.2, 265.2, min(
     ...                        (None, "host"), MeshSpec(1, (3, 3), (2, 3, 4)),
     ...                        ("device", None))
     >>> print(relay_bound_terms(p, ClusterSpec.preset("aws-p3.8xlarge")))
-    relay bound 265.219 us: w0 and w1 relay, w0 sends each host apart
+    relay bound 265.219 us: roots w0 and w1, w0 sends each host apart
 """
 
 from __future__ import annotations
@@ -163,4 +163,4 @@ def two_roots_terms(
         return []
     seconds, how, a, b = best
     nbytes = sum(n for (s, _), n in hold.only.items() if s in (a, b))
-    return [BoundTerm(f"w{a} and w{b} relay", nbytes, 2, len(ingress), seconds, how)]
+    return [BoundTerm(f"roots w{a} and w{b}", nbytes, 2, len(ingress), seconds, how)]
