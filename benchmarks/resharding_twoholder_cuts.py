@@ -13,7 +13,7 @@ quarter), each through chains of every shape, in every per-worker order, with 1 
 and 32 KiB chunks, up to ``--max-messages``.  A message set is simulated only where
 its busiest worker's least busy time in the bounds' execution model
 (``twoholder_schedules.busiest``) is under the plan's time times ``--slack``: no order
-of the others beats the plan.  It prints the best schedule simulated against
+of the others beats the plan (``--slack inf``: every set, the model not assumed).  It prints the best schedule simulated against
 ``broadcast``'s plan and the relay bound, and how many schedules simulate below the
 bound (there must be none).
 """
