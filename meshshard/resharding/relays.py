@@ -78,7 +78,10 @@ destination host needs all of it, the one-holder term
 holder's latencies and bytes once two operations reach the relaying hosts.  And it
 takes the shared-root term (:mod:`~meshshard.resharding.sharedroot`): a host's last
 message hops unless it is a big one, which one of two hosts that a third source host
-alone serves can take only late.
+alone serves can take only late.  And the two-roots term
+(:mod:`~meshshard.resharding.tworoots`): where two source hosts' chains must meet, the
+split above lets a relaying host take one relayed and one direct operation, but then
+one of the two roots sends every host its bytes apart, or a shared host forwards twice.
 
     >>> from meshshard.cluster import ClusterSpec
     >>> from meshshard.plan import MeshSpec
@@ -112,6 +115,7 @@ from meshshard.resharding.hops import hop_bound_terms
 from meshshard.resharding.lasthop import direct_hop, ingress_hop_terms, last_hop_terms
 from meshshard.resharding.oneholder import one_holder_terms
 from meshshard.resharding.sharedroot import shared_root_terms
+from meshshard.resharding.tworoots import two_roots_terms
 from meshshard.tiles import ReshardingProblem
 
 __all__ = ["least_chunk", "relay_bound", "relay_bound_terms", "relay_bytes", "relay_terms"]
@@ -262,12 +266,14 @@ def relay_bound_terms(problem: ReshardingProblem, cluster: ClusterSpec) -> Lower
     """The hop bound's terms (the tight bound's and the hop term), the relay term, for
     one holder the one-holder term (:mod:`~meshshard.resharding.oneholder`), and the
     last-hop terms (:mod:`~meshshard.resharding.lasthop`,
-    :mod:`~meshshard.resharding.cleanlast`, :mod:`~meshshard.resharding.sharedroot`);
-    the bound is their maximum."""
+    :mod:`~meshshard.resharding.cleanlast`, :mod:`~meshshard.resharding.sharedroot`)
+    and the two-roots term (:mod:`~meshshard.resharding.tworoots`); the bound is their
+    maximum."""
     hop = hop_bound_terms(problem, cluster)
     extra = relay_terms(problem, cluster, hop) + one_holder_terms(problem, cluster, hop)
     extra += last_hop_terms(problem, cluster, hop) + ingress_hop_terms(problem, cluster, hop)
     extra += clean_last_terms(problem, cluster, hop) + shared_root_terms(problem, cluster, hop)
+    extra += two_roots_terms(problem, cluster, hop)
     terms = hop.terms + tuple(extra)
     top = max((t.seconds for t in terms), default=0.0)
     return LowerBound(top, hop.latency, hop.bandwidth, terms, kind="relay")
