@@ -16,6 +16,7 @@ Values pinned with ``meshshard.shard`` keep their pin in every mode but
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,24 +51,46 @@ class MeshSharding:
         return self.solution.specs
 
 
-def _leaf_key(path: str) -> str:
-    return path.split(".", 1)[1] if "." in path else path
+_ARG_PREFIX = re.compile(r"^args\[\d+\]\.?")
+_OUT_PREFIXES = (re.compile(r"^out\[\d+\]\.?"), re.compile(r"^out\.?"))
+
+
+def _state_key(path: str) -> str:
+    """A state input's path below its argument: ``args[0].params['w']`` -> ``params['w']``,
+    ``args[0][1]['w']`` -> ``[1]['w']``."""
+    return _ARG_PREFIX.sub("", path, count=1)
+
+
+def _out_keys(path: str) -> tuple[str, ...]:
+    """The paths an output may have below the state it returns: below ``out[j]`` (a step
+    returning ``(state, loss)``) or below ``out`` (a step returning the state alone)."""
+    return tuple(dict.fromkeys(p.sub("", path, count=1) for p in _OUT_PREFIXES))
 
 
 def tied_state(traced: TracedStep) -> tuple[tuple[int, int], ...]:
-    """(input var id, output var id) of each state leaf the step returns updated."""
+    """(input var id, output var id) of each state leaf the step returns updated.
+
+    An output ties to the one state input with its path below the argument, shape and
+    dtype: a Flax ``TrainState``, a tuple ``(params, opt_state)`` or a dict alike.  A
+    state leaf left untied may get another spec as an output than as an input, which a
+    later step reading it back would reshard.
+    """
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
     by_key: dict = {}
     for i, leaf in enumerate(traced.inputs):
         if not leaf.is_batch:
-            by_key.setdefault((_leaf_key(leaf.path), leaf.shape, leaf.dtype), []).append(i)
+            by_key.setdefault((_state_key(leaf.path), leaf.shape, leaf.dtype), []).append(i)
     pairs = []
     for j, leaf in enumerate(traced.outputs):
-        got = by_key.get((_leaf_key(leaf.path), leaf.shape, leaf.dtype), [])
         out = jaxpr.outvars[j]
-        if len(got) == 1 and not is_literal(out) and out in ids:
-            pairs.append((got[0], ids[out]))
+        if is_literal(out) or out not in ids:
+            continue
+        for key in _out_keys(leaf.path):
+            got = by_key.get((key, leaf.shape, leaf.dtype), [])
+            if len(got) == 1:
+                pairs.append((got[0], ids[out]))
+                break
     return tuple(pairs)
 
 

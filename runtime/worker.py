@@ -132,6 +132,7 @@ class Worker:
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.shape)
+        self._shardings: dict = {}  # spec -> NamedSharding on self.mesh
         # interleaved 1F1B: logical meshes that view this same mesh run here too
         views = {
             m.id for m in plan.meshes if (m.hosts, m.shape) == (mesh_spec.hosts, mesh_spec.shape)
@@ -276,17 +277,30 @@ class Worker:
         self.last_trace = None
 
     def _state_array(self, value, tensor) -> jax.Array:
+        want = self._shardings.get(tensor.spec)
+        if want is None:
+            want = self._shardings[tensor.spec] = sharding(self.mesh, tensor.spec)
         if isinstance(value, StoreKey):
             try:
-                return self.store[int(value)]
+                arr = self.store[int(value)]
             except KeyError:
                 raise MeshshardRuntimeError(
                     f"worker w{self.worker} no longer holds array {int(value)}; it was donated "
                     "to an earlier step or freed. Pass the state the last step returned"
                 ) from None
-        return array_from_host(
-            np.asarray(value, dtype=tensor.dtype), sharding(self.mesh, tensor.spec)
-        )
+            if arr.sharding == want or len(self.mesh_spec.workers) > 1:
+                return arr  # a mesh of several workers holds its own part: kept as stored
+            return self._respec(arr, want)
+        return array_from_host(np.asarray(value, dtype=tensor.dtype), want)
+
+    @staticmethod
+    def _respec(arr: jax.Array, want) -> jax.Array:
+        """A kept array that another plan (or this plan's output spec of a state leaf it
+        did not tie to its input) laid out otherwise on this worker's mesh: moved to the
+        layout this step's programs read."""
+        if arr.sharding.is_equivalent_to(want, arr.ndim):
+            return arr
+        return jax.device_put(arr, want)
 
     def fetch(self, key: int) -> list[tuple[tuple, np.ndarray]]:
         """The local shards of stored array ``key`` as (index, data) pairs."""
