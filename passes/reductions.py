@@ -61,8 +61,23 @@ def _shape(v) -> tuple:
     return tuple(getattr(v.aval, "shape", ()))
 
 
+def _is_index_dtype(v) -> bool:
+    try:
+        dtype = np.dtype(v.aval.dtype)
+    except (AttributeError, TypeError):  # a token, or an extended dtype (a typed key)
+        return False
+    return np.issubdtype(dtype, np.integer) or dtype == np.bool_
+
+
 def _normalizes(em, ef, m: int) -> str:
-    """'norm' if ``em`` divides by (or multiplies by the inverse of) the batch size."""
+    """'norm' if ``em`` divides by (or multiplies by the inverse of) the batch size.
+
+    Integer and boolean equations are never a normaliser: their batch-size literals are
+    index arithmetic (``x[jnp.arange(n), labels]`` wraps negative indices with
+    ``add(i, n)``), which picks values without scaling them.
+    """
+    if all(_is_index_dtype(o) for o in em.outvars):
+        return ""
     out = ""
     for pos, (a, b) in enumerate(zip(em.invars, ef.invars, strict=True)):
         if not (is_literal(a) and is_literal(b)):

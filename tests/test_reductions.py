@@ -190,6 +190,10 @@ def _classify_loss(loss_fn, m=4):
         (lambda x: jnp.sum(x) * jnp.sum(x), ""),
         # linear after it: still a mean
         (lambda x: 2.0 * jnp.mean(x**2) + 1.0, "mean"),
+        # rows picked by an index array: its integer arithmetic (add(i, n) wraps negative
+        # indices) changes with the batch size but does not scale the value
+        (lambda x: -jnp.mean(x[jnp.arange(x.shape[0]), 0]), "mean"),
+        (lambda x: jnp.sum(jnp.zeros_like(x).at[jnp.arange(x.shape[0])].add(x)), "sum"),
         # a batch statistic used on the batch again (batch norm): per micro-batch, a mean
         (
             lambda x: jnp.mean(
@@ -212,6 +216,8 @@ def _classify_loss(loss_fn, m=4):
         "logsumexp",
         "product-of-sums",
         "affine-mean",
+        "index-picked-mean",
+        "index-scattered-sum",
         "batch-norm",
     ],
 )
