@@ -570,7 +570,9 @@ class ThreadsStep:
     """``fn(w)`` for every worker, each in its own thread, started now; :meth:`result`
     waits for all (a :class:`StepHandle` of the in-process backend)."""
 
-    def __init__(self, workers, fn):
+    def __init__(self, workers, fn, on_error=None):
+        """``on_error(w, exc)``, if given, runs in the failing worker's thread as soon as
+        ``fn(w)`` raises (the in-process backend abandons the step's messages)."""
         self.results: dict = {}
         self.errors: dict[int, BaseException] = {}
 
@@ -579,6 +581,8 @@ class ThreadsStep:
                 self.results[w] = fn(w)
             except BaseException as exc:  # reported by result() with every failure
                 self.errors[w] = exc
+                if on_error is not None:
+                    on_error(w, exc)
 
         self.threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
         for t in self.threads:

@@ -29,6 +29,7 @@ class LocalBackend:
         self.stores = stores
         self.cluster = cluster
         self.workers: dict[int, Worker] = {}
+        self.transports: dict[int, QueueTransport] = {}
         self.layout = ()  # host-actor blocks of the compiled plan (ClusterSpec.worker_blocks)
 
     @property
@@ -64,6 +65,7 @@ class LocalBackend:
                 f"--xla_force_host_platform_device_count={need}"
             )
         transports = QueueTransport.group(plan.workers)
+        self.transports = transports
         times = {}
         for m in plan.meshes:
             if m.shape[0] != 1:
@@ -80,12 +82,21 @@ class LocalBackend:
         return times
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
-        return run_in_threads(per_worker, lambda w: self.workers[w].run_step(*per_worker[w]))
+        return self.submit_step(per_worker).result()
 
     def submit_step(self, per_worker: dict[int, tuple]) -> ThreadsStep:
-        """Start a step in the workers' threads without waiting (pipelined 2BW)."""
+        """Start a step in the workers' threads without waiting (pipelined 2BW).  A worker
+        that fails abandons the step: the others stop waiting for its messages."""
         workers = dict(self.workers)  # a later recompile does not change this step's
-        return ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]))
+        transport = next(iter(self.transports.values()), None)
+        if transport is not None:
+            transport.reset()  # messages an abandoned step left behind
+
+        def abandon(w: int, exc: BaseException) -> None:
+            if transport is not None:
+                transport.abandon(f"w{w} failed ({type(exc).__name__})")
+
+        return ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]), abandon)
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -142,30 +143,84 @@ class _Done:
         return self.value
 
 
+class _Abandon:
+    """A step its workers abandon: set when one worker fails, so the others stop waiting
+    for messages it will never send (within :data:`ABANDON_POLL_S`)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = reason
+        self.event.set()
+
+
+#: How often a waiting receive looks whether its step was abandoned (seconds).
+ABANDON_POLL_S = 0.1
+
+
 class QueueTransport:
     """In-process transport: one queue per (src, dst, tag), shared by all workers' views.
 
     A receive that waits ``timeout_s`` raises TimeoutError (a deadlock detector for
     tests).  The default is generous: on a loaded 2-core machine one worker thread of a
-    GPT pipeline can spend over a minute between two messages.
+    GPT pipeline can spend over a minute between two messages.  When a worker fails,
+    :meth:`abandon` makes every other worker's waiting receive fail at once instead.
     """
 
-    def __init__(self, rank: int, queues: dict, lock: threading.Lock, timeout_s: float = 300.0):
+    def __init__(
+        self,
+        rank: int,
+        queues: dict,
+        lock: threading.Lock,
+        timeout_s: float = 300.0,
+        abandoned: _Abandon | None = None,
+    ):
         self.rank = rank
         self._queues = queues
         self._lock = lock
         self.timeout_s = timeout_s
+        self._abandoned = abandoned if abandoned is not None else _Abandon()
 
     @staticmethod
     def group(ranks) -> dict[int, QueueTransport]:
         """One transport per rank, all sharing the same queues."""
         queues: dict = {}
         lock = threading.Lock()
-        return {r: QueueTransport(r, queues, lock) for r in ranks}
+        abandoned = _Abandon()
+        return {r: QueueTransport(r, queues, lock, abandoned=abandoned) for r in ranks}
+
+    def abandon(self, reason: str) -> None:
+        """Make every rank's waiting (and later) receives raise ``reason``: a worker
+        failed, so messages it owes will not come."""
+        self._abandoned.set(reason)
+
+    def reset(self) -> None:
+        """Before a step after an abandoned one: drop the messages it left queued."""
+        if self._abandoned.event.is_set():
+            with self._lock:
+                self._queues.clear()
+            self._abandoned.event.clear()
 
     def _q(self, src: int, dst: int, tag: int) -> queue.Queue:
         with self._lock:
             return self._queues.setdefault((src, dst, tag), queue.Queue())
+
+    def _get(self, q: queue.Queue, what: str):
+        """The next item of ``q``; TimeoutError after ``timeout_s``, MeshshardRuntimeError
+        as soon as the step is abandoned."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return q.get(timeout=max(0.0, min(ABANDON_POLL_S, deadline - time.monotonic())))
+            except queue.Empty:
+                if self._abandoned.event.is_set():
+                    raise MeshshardRuntimeError(
+                        f"w{self.rank} stopped waiting for {what}: {self._abandoned.reason}"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} did not arrive in {self.timeout_s}s") from None
 
     def isend(self, data: np.ndarray, peer: int, tag: int) -> Handle:
         self._q(self.rank, peer, tag).put(np.frombuffer(data.tobytes(), np.uint8))
@@ -173,16 +228,11 @@ class QueueTransport:
 
     def irecv(self, nbytes: int, peer: int, tag: int) -> Handle:
         q = self._q(peer, self.rank, tag)
-        timeout = self.timeout_s
+        get = self._get
 
         class _Recv:
             def wait(self_inner):
-                try:
-                    raw = q.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(
-                        f"message from w{peer} with tag {tag} did not arrive in {timeout}s"
-                    ) from None
+                raw = get(q, f"message from w{peer} with tag {tag}")
                 if raw.nbytes != nbytes:
                     raise ValueError(
                         f"expected {nbytes} bytes from w{peer} (tag {tag}), got {raw.nbytes}"
@@ -217,22 +267,14 @@ class QueueTransport:
             if peer != self.rank:
                 self._q(self.rank, peer, tag).put(mine)
         queues = {p: self._q(p, self.rank, tag) for p in group if p != self.rank}
-        timeout = self.timeout_s
+        get = self._get
 
         class _Exchange:
             def wait(self_inner):
-                parts = []
-                for p in group:
-                    if p not in queues:
-                        parts.append(mine)
-                        continue
-                    try:
-                        parts.append(queues[p].get(timeout=timeout))
-                    except queue.Empty:
-                        raise TimeoutError(
-                            f"{what} {key}: w{p} did not contribute in {timeout}s"
-                        ) from None
-                return parts
+                return [
+                    mine if p not in queues else get(queues[p], f"{what} {key}: w{p}'s part")
+                    for p in group
+                ]
 
         return _Exchange()
 
