@@ -6,7 +6,10 @@ chunks its ``COLL``s number (``#0 .. #n-1``; communication scheduling cuts a lar
 group into several so that higher-priority traffic passes between them): the first
 chunk to run reads the arrays off the devices into one flat host vector, each chunk
 sums one contiguous slice of it (:func:`numpy.array_split` into ``n``) over the group,
-and ``WAIT A`` puts the sums back into arrays of the group's shapes and shardings.
+and ``WAIT A`` puts the sums back into arrays of the group's shapes and shardings.  An
+accumulator a multi-device mesh holds as per-device partial sums (stored ``(n, *shape)``,
+:meth:`~meshshard.plan.TensorSpec.stored`) enters the vector summed to its traced shape,
+so the group moves the bytes the plan prices, and comes back as partial 0 of zeros.
 
 Tensors the plan moves as touched rows (``plan.sparse_rows``, an embedding table's
 gradient; :mod:`meshshard.passes.sparse_rows`) stay out of the flat vector: a
@@ -78,8 +81,31 @@ def _wire_dtype(tensors) -> np.dtype:
     return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float64)
 
 
-def _flatten(arrays, dtype) -> np.ndarray:
-    parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+def _whole(array, t) -> np.ndarray:
+    """Accumulator ``t``'s value on the host with its traced shape: an accumulator held
+    as per-device partial sums (``t.unreduced``, stored ``(n, *t.shape)``) is summed over
+    its leading axis here, so the replicas exchange ``t.nbytes``, what the plan prices."""
+    x = np.asarray(array)
+    return x.sum(axis=0, dtype=x.dtype) if t.unreduced else x
+
+
+def _stored(x: np.ndarray, t, axis_size) -> tuple[np.ndarray, tuple]:
+    """(host array, spec) of whole value ``x`` in ``t``'s stored form: for a partial-sum
+    accumulator ``x`` is partial 0 and the others are zeros (the update adds them up, as
+    :func:`~meshshard.program_fn.program_function` adds a whole contribution once)."""
+    shape, spec = t.stored(axis_size)
+    if not t.unreduced:
+        return x, spec
+    full = np.zeros(shape, x.dtype)
+    full[0] = x
+    return full, spec
+
+
+def _flatten(arrays, tensors, dtype) -> np.ndarray:
+    parts = [
+        np.asarray(_whole(a, t), dtype=dtype).reshape(-1)
+        for a, t in zip(arrays, tensors, strict=True)
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
@@ -109,9 +135,9 @@ def _pending(step, name: BufferRef) -> _Pending:
         del step.buffers[name]
         sparse = interp.plan.sparse_tensors(name)
         tensors = interp._buffers_spec[name.group].tensors
-        dense = [a for k, a in enumerate(value) if k not in sparse]
-        dtype = _wire_dtype([t for k, t in enumerate(tensors) if k not in sparse])
-        lazy = Lazy(lambda: _flatten(dense, dtype))
+        dense = [k for k in range(len(tensors)) if k not in sparse]
+        dtype = _wire_dtype([tensors[k] for k in dense])
+        lazy = Lazy(lambda: _flatten([value[k] for k in dense], [tensors[k] for k in dense], dtype))
         pend = _Pending(value, lazy, interp.grad_chunks.get(name, 0), sparse)
         step.grads[name] = pend
     return pend
@@ -209,8 +235,7 @@ def wait_grads(step, name: BufferRef):
 
     def fn():
         host = _dense(step, pend, tensors) | _summed_rows(step, pend, tensors)
-        return tuple(
-            array_from_host(host[k], sharding(interp.mesh, t.spec)) for k, t in enumerate(tensors)
-        )
+        stored = [_stored(host[k], t, interp.mesh.shape) for k, t in enumerate(tensors)]
+        return tuple(array_from_host(x, sharding(interp.mesh, spec)) for x, spec in stored)
 
     return fn

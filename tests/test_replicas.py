@@ -139,6 +139,17 @@ def test_replicas_match_single_device_gpt(threads_cluster):
 
 
 @pytest.mark.slow
+def test_replicas_of_multi_device_meshes_match_jit(threads_cluster):
+    """Stage meshes of two devices hold gradient accumulators as per-device partial sums
+    (``(2, *shape)``); the replicas exchange them summed to the traced shape, and the
+    update still equals jax.jit on the full batch."""
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2, data_parallel=2)
+    step = check_parity("mlp", method, steps=2)
+    accs = [b for b in step.plan.buffers if b.name.kind is BufferKind.ACCUMULATORS]
+    assert accs and all(t.unreduced for b in accs for t in b.tensors)
+
+
+@pytest.mark.slow
 def test_replicas_under_2bw_follow_the_2bw_rule(threads_cluster):
     method = PipeshardParallel(
         num_micro_batches=4, stages=[(1, 1)] * 2, schedule="2bw", data_parallel=2
