@@ -27,7 +27,7 @@ from meshshard.refs import (
     TransferRef,
 )
 
-__all__ = ["Plan", "PlanFormatError", "SparseRows"]
+__all__ = ["ExtremeKeys", "Plan", "PlanFormatError", "SparseRows"]
 
 
 def _set(obj, name: str, value) -> None:
@@ -561,6 +561,31 @@ class SparseRows:
 
 
 @dataclass(frozen=True)
+class ExtremeKeys:
+    """A tensor of a replicas' accumulator group combined by ``reduce`` ("max" or
+    "min": ``meshshard.aux_max`` / ``aux_min``), so the replicas must not add it up.
+
+    Its accumulator holds order keys (:mod:`meshshard.accumulate`: the maximum of the
+    keys is the maximum, or the minimum, of the values), so the replicas combine it by
+    the maximum of their keys: every member sends its keys (``nbytes``) in the group's
+    all-gather, and each takes the maximum in member order.  ``tensor`` is its position
+    in group ``group``'s tensors.
+    """
+
+    group: BufferRef
+    tensor: int
+    reduce: str
+
+    def __post_init__(self) -> None:
+        _set(self, "group", BufferRef.of(self.group))
+        if self.reduce not in ("max", "min"):
+            raise ValueError(f"ExtremeKeys reduce {self.reduce!r} is not 'max' or 'min'")
+
+    def __str__(self) -> str:
+        return f"{self.group}[{self.tensor}] by {self.reduce} (order keys, all-gathered)"
+
+
+@dataclass(frozen=True)
 class Plan:
     """Everything the compiler decided for one parallelized step (see module docstring)."""
 
@@ -580,6 +605,8 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     reductions: tuple[ReductionSpec, ...] = field(default=())
     sparse_rows: tuple[SparseRows, ...] = field(default=())
+    #: replicas' accumulators combined by max or min (all-gathered, never summed)
+    extremes: tuple[ExtremeKeys, ...] = field(default=())
 
     # --- lookups -------------------------------------------------------------------
     def program(self, ref: ProgramRef | str) -> ProgramSpec:
@@ -628,13 +655,19 @@ class Plan:
         group = ref.group
         return {r.tensor: r for r in self.sparse_rows if r.group == group}
 
+    def extreme_tensors(self, ref: BufferRef) -> dict[int, ExtremeKeys]:
+        """The tensors of accumulator group ``ref`` combined by max or min, by position."""
+        group = ref.group
+        return {e.tensor: e for e in self.extremes if e.group == group}
+
     def grad_nbytes(self, ref: BufferRef) -> tuple[int, int]:
-        """(dense bytes all-reduced, bytes each member all-gathers as rows) of the
-        replicas' accumulator group ``ref``."""
+        """(dense bytes all-reduced, bytes each member all-gathers: touched rows and
+        max/min keys) of the replicas' accumulator group ``ref``."""
         tensors = self.buffer(ref).tensors
-        rows = self.sparse_tensors(ref)
-        dense = sum(t.nbytes for i, t in enumerate(tensors) if i not in rows)
-        return dense, sum(r.payload_nbytes(tensors[i]) for i, r in rows.items())
+        rows, keys = self.sparse_tensors(ref), self.extreme_tensors(ref)
+        dense = sum(t.nbytes for i, t in enumerate(tensors) if i not in rows and i not in keys)
+        gathered = sum(r.payload_nbytes(tensors[i]) for i, r in rows.items())
+        return dense, gathered + sum(tensors[i].nbytes for i in keys)
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -669,6 +702,8 @@ class Plan:
             out += ["", "all-reduces:"] + [f"  {r}" for r in self.reductions]
         if self.sparse_rows:
             out += ["", "sparse gradients:"] + [f"  {r}" for r in self.sparse_rows]
+        if self.extremes:
+            out += ["", "max/min accumulators:"] + [f"  {e}" for e in self.extremes]
         out += ["", "inputs:"] + [f"  {i}" for i in self.inputs]
         out += ["", "outputs:"] + [f"  {o}" for o in self.outputs]
         out += ["", "schedule " + _indent(str(self.schedule)).lstrip()]

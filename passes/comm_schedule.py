@@ -102,7 +102,7 @@ def traffic_kind(ins: Instruction, sparse_rows: frozenset[BufferRef] = frozenset
         if ins.transfer is not None:
             return "p2p"  # a resharding broadcast between stages
         if ins.kind is CollectiveKind.ALLGATHER and ins.buffer.kind is BufferKind.ACCUMULATORS:
-            return "sparse"  # a replicas' group's touched rows (passes/sparse_rows.py)
+            return "sparse"  # a replicas' group's touched rows, max/min keys (all-gathered)
         return "sparse" if unversioned(ins.buffer) in sparse_rows else "allreduce"
     return None
 

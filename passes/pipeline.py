@@ -24,7 +24,7 @@ from meshshard.passes.forward_only import (
     slice_forward,
 )
 from meshshard.passes.meshes import auto_layout, place_meshes, stage_layout
-from meshshard.passes.reductions import reduction_notes
+from meshshard.passes.reductions import accumulator_reductions, reduction_notes
 from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
 from meshshard.passes.shard_accumulate import accumulation_comms, local_accumulation
@@ -209,7 +209,8 @@ def _assemble(st: CompileState) -> CompileState:
         reductions=plan_reductions(traced, graph, st.meshes),
     )
     # data-parallel replicas of the stages, in the same pass: the plan is whole only then
-    plan = replicate_stages(plan, getattr(st.method, "data_parallel", 1))
+    d = getattr(st.method, "data_parallel", 1)
+    plan = replicate_stages(plan, d, accumulator_reductions(traced.jaxpr) if d > 1 else None)
     return replace(st, plan=plan)
 
 

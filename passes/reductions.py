@@ -29,7 +29,15 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.jaxpr_util import (
+    bind_eqn,
+    is_dropvar,
+    is_literal,
+    is_marker,
+    read_var,
+    retrace,
+    var_ids,
+)
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
 
@@ -278,6 +286,18 @@ def reductions_of(jaxpr) -> tuple:
     step's ``out`` marker (``()`` if none)."""
     g = next((e for e in jaxpr.eqns if is_marker(e, "grad_end", "out")), None)
     return () if g is None else tuple(g.params.get("reduce") or ())
+
+
+def accumulator_reductions(jaxpr) -> dict[int, str]:
+    """Var id (:func:`~meshshard.jaxpr_util.var_ids`) of each accumulated value (a result
+    of the ``grad_end`` or ``out`` marker, an accumulator tensor's ``var``) -> the
+    reduction that combines it over micro-batches, where one was decided."""
+    g = next((e for e in jaxpr.eqns if is_marker(e, "grad_end", "out")), None)
+    if g is None:
+        return {}
+    ids = var_ids(jaxpr)
+    info = tuple(g.params.get("reduce") or ())
+    return {ids[v]: r[1] for v, r in zip(g.outvars, info, strict=False) if v in ids and r[1]}
 
 
 def reduction_notes(jaxpr, m: int, guessed_only: bool = False) -> list[str]:

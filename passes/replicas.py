@@ -22,15 +22,21 @@ micro-batches computes, up to summation order; every replica gets the same bits 
 keeps identical weights.  The plan's schedule stays one replica's grid (``M/d``
 micro-batches on ``L`` meshes).  State inputs go to every replica; each step result is listed
 on every replica (a state result stays where the next step reads it).
+
+A max- or min-reduced accumulator (``aux_max`` / ``aux_min``) must not be summed: the
+plan lists it in ``extremes`` (:class:`~meshshard.plan.ExtremeKeys`) and issues a
+``COLL allgather A`` before the group's all-reduce; every member takes the maximum of the
+gathered order keys (:mod:`meshshard.runtime.replica_grads`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from meshshard.errors import MeshshardInputError
 from meshshard.instructions import Collective, Instruction, Load, Recv, Run, Send, Wait
-from meshshard.plan import MeshSpec, Plan, TransferSpec
+from meshshard.plan import ExtremeKeys, MeshSpec, Plan, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
 __all__ = ["replicate_stages"]
@@ -133,9 +139,12 @@ def _check(plan: Plan, d: int) -> None:
         )
 
 
-def _with_allreduce(ins: list[Instruction], group_of) -> list[Instruction]:
+def _with_allreduce(
+    ins: list[Instruction], group_of, gathered: frozenset[BufferRef]
+) -> list[Instruction]:
     """``ins`` with ``COLL allreduce A`` + ``WAIT A`` before the first update phase
-    reading each accumulator group ``A``."""
+    reading each accumulator group ``A``, and a ``COLL allgather A`` first for a group in
+    ``gathered`` (it has max/min accumulators: :class:`~meshshard.plan.ExtremeKeys`)."""
     out: list[Instruction] = []
     done: set[BufferRef] = set()
     for x in ins:
@@ -143,24 +152,49 @@ def _with_allreduce(ins: list[Instruction], group_of) -> list[Instruction]:
             for a in x.inputs:
                 if a.kind is BufferKind.ACCUMULATORS and a.group not in done:
                     done.add(a.group)
-                    kind = CollectiveKind.ALLREDUCE
-                    coll = Collective(kind=kind, buffer=a, transfer=None, message=0, group=group_of)
+                    coll = Collective(
+                        kind=CollectiveKind.ALLREDUCE,
+                        buffer=a,
+                        transfer=None,
+                        message=0,
+                        group=group_of,
+                    )
+                    if a.group in gathered:
+                        out.append(replace(coll, kind=CollectiveKind.ALLGATHER))
                     out += [coll, Wait(buffer=a)]
         out.append(x)
     return out
 
 
-def replicate_stages(plan: Plan, d: int) -> Plan:
-    """``plan`` run by ``d`` data-parallel replicas of its stages (module doc)."""
+def _extremes(plan: Plan, names, reductions: Mapping[int, str]) -> tuple[ExtremeKeys, ...]:
+    """Every replica's accumulator tensors combined by max or min (``reductions``: var
+    id -> reduction over micro-batches): the sum the rest of ``A`` takes would be wrong."""
+    return tuple(
+        ExtremeKeys(rn.buf(b.name), k, reductions[t.var])
+        for rn in names
+        for b in plan.buffers
+        if b.name.kind is BufferKind.ACCUMULATORS
+        for k, t in enumerate(b.tensors)
+        if reductions.get(t.var) in ("max", "min")
+    )
+
+
+def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = None) -> Plan:
+    """``plan`` run by ``d`` data-parallel replicas of its stages (module doc).
+    ``reductions``: var id -> how each accumulator combines over micro-batches
+    (:func:`~meshshard.passes.reductions.accumulator_reductions`); a max or min one is
+    all-gathered and combined by its order keys (:class:`~meshshard.plan.ExtremeKeys`)."""
     if d == 1:
         return plan
     _check(plan, d)
     names = [_Rename(plan, j, d) for j in range(d)]
+    extremes = _extremes(plan, names, reductions or {})
+    gathered = frozenset(e.group for e in extremes)
     streams, meshes, programs, buffers, transfers, reductions = [], [], [], [], [], []
     for rn in names:
         for st in plan.streams:
             group = tuple(r.w(st.worker) for r in names)
-            ins = _with_allreduce([rn.ins(x) for x in st.instructions], group)
+            ins = _with_allreduce([rn.ins(x) for x in st.instructions], group, gathered)
             streams.append(replace(st, worker=rn.w(st.worker), instructions=tuple(ins)))
         meshes += [
             MeshSpec(m.id + rn.L * rn.j, m.shape, tuple(map(rn.w, m.hosts))) for m in plan.meshes
@@ -189,6 +223,11 @@ def replicate_stages(plan: Plan, d: int) -> Plan:
         f"{names[0].K - 1}; accumulators all-reduced over the replicas before each update; "
         "the schedule grid is one replica's"
     ]
+    if extremes:
+        notes.append(
+            f"data_parallel={d}: {len(extremes)} max/min accumulator(s) all-gathered and "
+            "combined by their order keys, not summed"
+        )
     return replace(
         plan,
         meshes=tuple(meshes),
@@ -200,4 +239,5 @@ def replicate_stages(plan: Plan, d: int) -> Plan:
         inputs=tuple(replace(i, slots=slots(i)) for i in plan.inputs),
         outputs=tuple(replace(o, slots=slots(o)) for o in plan.outputs),
         notes=plan.notes + tuple(notes),
+        extremes=extremes,
     )

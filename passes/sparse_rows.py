@@ -183,8 +183,9 @@ def find_sparse_rows(plan: Plan, traced: TracedStep) -> tuple[SparseRows, ...]:
     bounds: dict[int, int | None] = {}
     for group, (coll, stream) in sorted(_replica_allreduces(plan).items(), key=lambda g: str(g[0])):
         k = _accumulations(stream, group)
+        keys = plan.extreme_tensors(group)
         for i, t in enumerate(plan.buffer(group).tensors):
-            if not _candidate(t):
+            if not _candidate(t) or i in keys:
                 continue
             if t.var not in bounds:
                 bounds[t.var] = row_bound(traced.jaxpr, t.var)
@@ -199,13 +200,19 @@ def find_sparse_rows(plan: Plan, traced: TracedStep) -> tuple[SparseRows, ...]:
 
 def with_sparse_rows(plan: Plan, rows: Sequence[SparseRows]) -> Plan:
     """``plan`` with ``rows`` recorded and a ``COLL allgather A`` issued just before the
-    first ``COLL allreduce A`` of each group that has rows."""
+    first ``COLL allreduce A`` of each group that has rows (one that already has it, for
+    its max/min accumulators, sends its rows in the same all-gather)."""
     if not rows:
         return plan
     groups = {r.group for r in rows}
     streams = []
     for st in plan.streams:
-        ins, done = [], set()
+        ins = []
+        done = {
+            x.buffer.group
+            for x in st.instructions
+            if isinstance(x, Collective) and x.kind is CollectiveKind.ALLGATHER
+        }
         for x in st.instructions:
             if (
                 isinstance(x, Collective)

@@ -46,7 +46,7 @@ from meshshard.runtime.replica_grads import (
     chunk_counts,
     grads_groups,
     issue_chunk,
-    issue_rows,
+    issue_gather,
     wait_grads,
 )
 from meshshard.runtime.trace_record import Recorder, RecordingTransport, _TimedHandle, clock_ns
@@ -527,7 +527,7 @@ class _Step:
             self.allreduce(i, ins)
             return
         if ins.kind == "allgather" and ins.buffer.kind is BufferKind.ACCUMULATORS:
-            issue_rows(self, i, ins)  # replicas' sparse gradient rows
+            issue_gather(self, i, ins)  # replicas' sparse gradient rows, max/min keys
             return
         if ins.kind != "broadcast":
             raise MeshshardRuntimeError(f"collective {ins.kind} is not supported by this runtime")

@@ -6,7 +6,10 @@ chunks its ``COLL``s number (``#0 .. #n-1``; communication scheduling cuts a lar
 group into several so that higher-priority traffic passes between them): the first
 chunk to run reads the arrays off the devices into one flat host vector, each chunk
 sums one contiguous slice of it (:func:`numpy.array_split` into ``n``) over the group,
-and ``WAIT A`` puts the sums back into arrays of the group's shapes and shardings.
+and ``WAIT A`` puts the sums back into arrays of the group's shapes and shardings.  An
+accumulator a multi-device mesh holds as per-device partial sums (stored ``(n, *shape)``,
+:meth:`~meshshard.plan.TensorSpec.stored`) enters the vector summed to its traced shape,
+so the group moves the bytes the plan prices, and comes back as partial 0 of zeros.
 
 Tensors the plan moves as touched rows (``plan.sparse_rows``, an embedding table's
 gradient; :mod:`meshshard.passes.sparse_rows`) stay out of the flat vector: a
@@ -14,6 +17,9 @@ gradient; :mod:`meshshard.passes.sparse_rows`) stay out of the flat vector: a
 payload (:func:`~meshshard.sparse_grads.pack_rows`), and ``WAIT A`` adds them up in
 member order in the dtype the transport's all-reduce sums in
 (:func:`~meshshard.sparse_grads.sum_rows`), so they equal the dense sum bit for bit.
+Max- and min-reduced accumulators (``plan.extremes``: ``aux_max`` / ``aux_min``) stay out
+of it too, since a sum of them is wrong: their bytes ride in the same all-gather and
+``WAIT A`` takes the maximum of the members' order keys (:func:`_max_keys`).
 
 Every member flattens the same tensors in the same order and issues the collectives on
 one channel per group (:func:`grads_channel`), in stream order, so the operations match;
@@ -35,7 +41,7 @@ __all__ = [
     "grads_channel",
     "grads_groups",
     "issue_chunk",
-    "issue_rows",
+    "issue_gather",
     "wait_grads",
 ]
 
@@ -78,23 +84,48 @@ def _wire_dtype(tensors) -> np.dtype:
     return dtypes.pop() if len(dtypes) == 1 else np.dtype(np.float64)
 
 
-def _flatten(arrays, dtype) -> np.ndarray:
-    parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+def _whole(array, t) -> np.ndarray:
+    """Accumulator ``t``'s value on the host with its traced shape: an accumulator held
+    as per-device partial sums (``t.unreduced``, stored ``(n, *t.shape)``) is summed over
+    its leading axis here, so the replicas exchange ``t.nbytes``, what the plan prices."""
+    x = np.asarray(array)
+    return x.sum(axis=0, dtype=x.dtype) if t.unreduced else x
+
+
+def _stored(x: np.ndarray, t, axis_size) -> tuple[np.ndarray, tuple]:
+    """(host array, spec) of whole value ``x`` in ``t``'s stored form: for a partial-sum
+    accumulator ``x`` is partial 0 and the others are zeros (the update adds them up, as
+    :func:`~meshshard.program_fn.program_function` adds a whole contribution once)."""
+    shape, spec = t.stored(axis_size)
+    if not t.unreduced:
+        return x, spec
+    full = np.zeros(shape, x.dtype)
+    full[0] = x
+    return full, spec
+
+
+def _flatten(arrays, tensors, dtype) -> np.ndarray:
+    parts = [
+        np.asarray(_whole(a, t), dtype=dtype).reshape(-1)
+        for a, t in zip(arrays, tensors, strict=True)
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 class _Pending:
     """One accumulator group's exchange in flight on this worker: the arrays, the flat
     vector of its dense tensors (made lazily), the positions that move as rows
-    (:class:`~meshshard.plan.SparseRows`) and the handles issued so far."""
+    (:class:`~meshshard.plan.SparseRows`) or as max/min keys
+    (:class:`~meshshard.plan.ExtremeKeys`) and the handles issued so far."""
 
-    def __init__(self, value, lazy_flat, n: int, sparse: dict):
+    def __init__(self, value, lazy_flat, n: int, sparse: dict, keys: dict):
         self.value = value
         self.flat = lazy_flat
         self.n = n
         self.sparse = sparse
+        self.keys = keys
         self.handles: list = []
-        self.rows = None  # (handle, key) of the all-gather of the sparse rows
+        self.gather = None  # (handle, key) of the all-gather of the rows and keys
 
 
 def _pending(step, name: BufferRef) -> _Pending:
@@ -108,11 +139,12 @@ def _pending(step, name: BufferRef) -> _Pending:
         value = step.value(name)
         del step.buffers[name]
         sparse = interp.plan.sparse_tensors(name)
+        keys = interp.plan.extreme_tensors(name)
         tensors = interp._buffers_spec[name.group].tensors
-        dense = [a for k, a in enumerate(value) if k not in sparse]
-        dtype = _wire_dtype([t for k, t in enumerate(tensors) if k not in sparse])
-        lazy = Lazy(lambda: _flatten(dense, dtype))
-        pend = _Pending(value, lazy, interp.grad_chunks.get(name, 0), sparse)
+        dense = [k for k in range(len(tensors)) if k not in sparse and k not in keys]
+        dtype = _wire_dtype([tensors[k] for k in dense])
+        lazy = Lazy(lambda: _flatten([value[k] for k in dense], [tensors[k] for k in dense], dtype))
+        pend = _Pending(value, lazy, interp.grad_chunks.get(name, 0), sparse, keys)
         step.grads[name] = pend
     return pend
 
@@ -134,9 +166,11 @@ def issue_chunk(step, i: int, ins: Collective) -> None:
     pend.handles.append((c, step.issue(i, ins.priority, fn, chan, ins.group), key))
 
 
-def issue_rows(step, i: int, ins: Collective) -> None:
-    """Issue the all-gather of the touched rows of ``ins.buffer``'s sparse tensors: one
-    fixed-size payload per member (:func:`~meshshard.sparse_grads.pack_rows`)."""
+def issue_gather(step, i: int, ins: Collective) -> None:
+    """Issue the all-gather of ``ins.buffer``'s sparse tensors' touched rows and its
+    max/min accumulators' order keys: one fixed-size byte payload per member (each
+    sparse tensor's :func:`~meshshard.sparse_grads.pack_rows`, then each key tensor's
+    bytes, in position order)."""
     interp = step.interp
     name = ins.buffer
     pend = _pending(step, name)
@@ -145,16 +179,20 @@ def issue_rows(step, i: int, ins: Collective) -> None:
     tensors = interp._buffers_spec[name.group].tensors
 
     def fn():
-        payload = np.concatenate(
-            [
-                pack_rows(np.asarray(pend.value[k]), r.max_rows, f"{tensors[k].name} of {name}")
-                for k, r in sorted(pend.sparse.items())
-            ]
-        )
+        rows = [
+            pack_rows(np.asarray(pend.value[k]), r.max_rows, f"{tensors[k].name} of {name}")
+            for k, r in sorted(pend.sparse.items())
+        ]
+        keys = [_bytes(np.asarray(pend.value[k])) for k in sorted(pend.keys)]
+        payload = np.concatenate([_bytes(p) for p in rows + keys])
         step.stamp("sent", key)
         return interp.transport.iallgather(payload, ins.group, chan)
 
-    pend.rows = (step.issue(i, ins.priority, fn, chan, ins.group), key)
+    pend.gather = (step.issue(i, ins.priority, fn, chan, ins.group), key)
+
+
+def _bytes(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
 def _dense(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
@@ -166,7 +204,7 @@ def _dense(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
     flat = np.concatenate(parts) if parts else np.zeros(0)
     out, at = {}, 0
     for k, t in enumerate(tensors):
-        if k in pend.sparse:
+        if k in pend.sparse or k in pend.keys:
             continue
         size = int(np.prod(t.shape, dtype=np.int64))
         out[k] = flat[at : at + size].astype(t.dtype).reshape(t.shape)
@@ -174,17 +212,18 @@ def _dense(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
     return out
 
 
-def _summed_rows(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
-    """The sparse tensors, summed over the members from their gathered rows."""
-    if not pend.sparse:
+def _gathered(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
+    """The sparse tensors, summed over the members from their gathered rows, and the
+    max/min accumulators, combined over the members by :func:`_max_keys`."""
+    if pend.gather is None:
         return {}
-    handle, key = pend.rows
+    handle, key = pend.gather
     payloads = handle.result().wait()
     step.stamp("arrived", key)
     sum_dtype = step.interp.transport.sum_dtype
-    out, split = {}, {}
+    out, split, keys = {}, {}, {}
     for payload in payloads:
-        raw, at = np.asarray(payload).view(np.uint8), 0
+        raw, at = np.ascontiguousarray(payload).view(np.uint8), 0
         for k, r in sorted(pend.sparse.items()):
             size = r.payload_nbytes(tensors[k])
             t = tensors[k]
@@ -192,10 +231,24 @@ def _summed_rows(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
                 unpack_rows(raw[at : at + size], t.shape, t.dtype, r.max_rows)
             )
             at += size
+        for k in sorted(pend.keys):
+            t = tensors[k]
+            keys.setdefault(k, []).append(raw[at : at + t.nbytes].view(t.dtype).reshape(t.shape))
+            at += t.nbytes
     for k, parts in split.items():
         t = tensors[k]
         out[k] = sum_rows(parts, t.shape, t.dtype, sum_dtype(np.dtype(t.dtype)))
-    return out
+    return out | {k: _max_keys(parts) for k, parts in keys.items()}
+
+
+def _max_keys(parts: list[np.ndarray]) -> np.ndarray:
+    """The members' max/min accumulators combined: the maximum of their order keys (the
+    bits read as unsigned ints, :mod:`meshshard.accumulate`), what one accumulator over
+    every member's micro-batches holds."""
+    dtype = parts[0].dtype
+    unsigned = np.dtype(f"u{dtype.itemsize}")
+    top = np.maximum.reduce([p.view(unsigned) for p in parts])
+    return np.asarray(top).view(dtype).reshape(parts[0].shape)
 
 
 def wait_grads(step, name: BufferRef):
@@ -208,9 +261,8 @@ def wait_grads(step, name: BufferRef):
     tensors = interp._buffers_spec[name.group].tensors
 
     def fn():
-        host = _dense(step, pend, tensors) | _summed_rows(step, pend, tensors)
-        return tuple(
-            array_from_host(host[k], sharding(interp.mesh, t.spec)) for k, t in enumerate(tensors)
-        )
+        host = _dense(step, pend, tensors) | _gathered(step, pend, tensors)
+        stored = [_stored(host[k], t, interp.mesh.shape) for k, t in enumerate(tensors)]
+        return tuple(array_from_host(x, sharding(interp.mesh, spec)) for x, spec in stored)
 
     return fn
