@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from meshshard._compat import ClosedJaxpr, Jaxpr
+from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import bind_eqn, eval_eqns, is_dropvar, read_var, retrace
 
@@ -99,11 +99,16 @@ def _subs(eqn):
                 yield name, k, j, tuple(getattr(x, "consts", ()))
 
 
-def _has_draw(jaxpr) -> bool:
-    return any(
-        e.primitive.name in DRAW_PRIMITIVES or any(_has_draw(s[2]) for s in _subs(e))
-        for e in jaxpr.eqns
-    )
+def _first_draw(jaxpr) -> str | None:
+    """The primitive name of the first draw in ``jaxpr`` or its sub-jaxprs; None if none."""
+    for e in jaxpr.eqns:
+        if e.primitive.name in DRAW_PRIMITIVES:
+            return e.primitive.name
+        for s in _subs(e):
+            name = _first_draw(s[2])
+            if name is not None:
+                return name
+    return None
 
 
 def find_batch_draws(micro: ClosedJaxpr, full: ClosedJaxpr, m: int) -> tuple[BatchDraw, ...]:
@@ -120,12 +125,13 @@ def find_batch_draws(micro: ClosedJaxpr, full: ClosedJaxpr, m: int) -> tuple[Bat
 def _find(mj, fj, m: int, path: tuple[Step, ...]) -> list[BatchDraw]:
     """The batch draws of ``mj`` (and its sub-jaxprs), matched with ``fj``'s by position."""
     me, fe = mj.eqns, fj.eqns
-    if not _has_draw(mj):
+    draw = _first_draw(mj)
+    if draw is None:
         return []
     if [e.primitive.name for e in me] != [e.primitive.name for e in fe]:
         where = f" inside {' > '.join(map(str, path))}" if path else ""
         raise MeshshardInputError(
-            f"the step draws random numbers but traces to different programs at "
+            f"the step draws random numbers ({draw}) but traces to different programs at "
             f"micro-batch and full-batch shape{where} ({len(me)} vs {len(fe)} "
             "equations), so meshshard cannot match each draw with the full batch's; make "
             "the step's Python control flow independent of the batch size"
@@ -247,8 +253,8 @@ def _remat_rule(eqn, invals, sub, index) -> list:
     traced = jax.make_jaxpr(lambda *a: _eval(jaxpr, (), a[:-1], draws, a[-1]))(
         *avals, jax.ShapeDtypeStruct((1,), np.int32)
     )
-    tj = traced.jaxpr
-    body = Jaxpr((), [*tj.constvars, *tj.invars], tj.outvars, tj.eqns, tj.effects)
+    tj = traced.jaxpr  # remat bodies take no consts: they become leading operands
+    body = tj.replace(constvars=[], invars=[*tj.constvars, *tj.invars])
     params = dict(eqn.params, jaxpr=body)
     cse = params.get("prevent_cse")
     if isinstance(cse, tuple):  # per operand
