@@ -13,10 +13,10 @@ holding the micro-batch index.
 Draws inside nested jaxprs are matched the same way, along the same nesting path in
 both traces: a ``jax.checkpoint``/``nn.remat`` body (whose recomputation in the
 backward pass must redraw the forward's mask), a ``scan`` body (``nn.scan``; each
-iteration's draw is sliced the same way), ``cond`` branches, ``while`` bodies and
-``jit`` calls.  The micro-batch index enters such a body as one more operand.  A draw
-carrying the batch inside any other construct (``custom_jvp``/``custom_vjp`` rules,
-``shard_map``...) is refused at plan time, naming the construct.
+iteration's draw is sliced the same way), ``cond`` branches, ``while`` bodies, ``jit``
+calls and the primal function of a ``custom_jvp``/``custom_vjp``.  The micro-batch index
+enters such a body as one more operand.  A draw carrying the batch inside any other
+construct (``shard_map``...) is refused at plan time, naming the construct.
 
 Why draw the full shape and slice rather than offset the counters: the slice is exact
 for every PRNG implementation and every ``jax_threefry_partitionable`` setting (the
@@ -238,7 +238,12 @@ def _closed(eqn, param: str, branch: int = 0) -> tuple:
 
 
 def _inline_rule(eqn, invals, sub, index) -> list:
-    """A ``jit`` call: evaluated in place (``passes/inline.py`` does this at top level)."""
+    """A ``jit`` call: evaluated in place (``passes/inline.py`` does this at top level).
+
+    Also a ``custom_jvp``/``custom_vjp`` call: the traced step already holds its
+    backward pass and is never differentiated again, so only the primal function (the
+    ``call_jaxpr``, what ``jax.jit`` runs too) is evaluated; the rule is not needed.
+    """
     param = "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
     jaxpr, consts = _closed(eqn, param)
     return _eval(jaxpr, consts, invals, sub(param), index)
@@ -317,6 +322,8 @@ _RULES: dict[str, Callable] = {
     "pjit": _inline_rule,
     "closed_call": _inline_rule,
     "core_call": _inline_rule,
+    "custom_jvp_call": _inline_rule,
+    "custom_vjp_call": _inline_rule,
     "remat2": _remat_rule,
     "checkpoint": _remat_rule,
     "scan": _scan_rule,

@@ -100,14 +100,15 @@ def _drop(h, k, keep=0.8):
 
 
 def control_flow_step(w, key, x, y):
-    """Dropout at the top, in a remat body, in each scan iteration, a cond branch and a
-    while body; the loss and its gradient."""
+    """Dropout at the top, in a remat body, in each scan iteration (of a plain and of a
+    remat'd body) and in a cond branch; the loss and its gradient."""
 
     def loss_fn(w):
-        k = jax.random.split(key, 6)
+        k = jax.random.split(key, 8)
         h = _drop(jnp.tanh(x @ w), k[0])
         h = jax.checkpoint(lambda c: _drop(_drop(c, k[1]), k[2]))(h)
         h, _ = jax.lax.scan(lambda c, kk: (_drop(c, kk), None), h, k[3:5])
+        h, _ = jax.lax.scan(lambda c, kk: (jax.checkpoint(_drop)(c, kk), None), h, k[6:8])
         h = jax.lax.cond(jnp.sum(w) > 0, lambda c: _drop(c, k[5]), lambda c: c * 2.0, h)
         return jnp.mean((h - y) ** 2)
 
@@ -136,6 +137,7 @@ def test_find_batch_draws_looks_inside_remat_scan_and_cond():
     draws = find_batch_draws(micro, full, 2)
     nested = {s.primitive for d in draws for s in d.path[:1]}
     assert {"remat2", "scan", "cond"} <= nested
+    assert any([s.primitive for s in d.path[:2]] == ["scan", "remat2"] for d in draws)
     assert all((d.axis, d.size, d.full_shape) == (0, 4, (8, 4)) for d in draws)
 
 
@@ -183,14 +185,37 @@ def test_draw_in_while_body_is_sliced():
     np.testing.assert_array_equal(np.concatenate(got), np.asarray(jaxpr_as_fun(full)(x, k)[0]))
 
 
-def test_draw_in_custom_vjp_is_refused():
+def test_draw_in_custom_vjp_primal_is_sliced():
+    """The traced step is never differentiated again: the primal function is evaluated."""
+
     @jax.custom_vjp
     def noisy(x, k):
         return x + jax.random.normal(k, x.shape)
 
     noisy.defvjp(lambda x, k: (noisy(x, k), None), lambda _, g: (g, None))
+    k, x = jax.random.key(0), jnp.ones((4, 3))
+    micro, full = jax.make_jaxpr(noisy)(x[:2], k), jax.make_jaxpr(noisy)(x, k)
+    draws = find_batch_draws(micro, full, 2)
+    assert [d.path[0].primitive for d in draws] == ["custom_vjp_call"]
+    sliced = slice_batch_draws(micro, draws)
+    got = [jaxpr_as_fun(sliced)(x[:2], k, jnp.array([i], jnp.int32))[0] for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(got), np.asarray(jaxpr_as_fun(full)(x, k)[0]))
+
+
+def test_draw_in_shard_map_is_refused():
+    mesh = jax.make_mesh((1,), ("i",))
+    P = jax.sharding.PartitionSpec
+
+    def f(x, k):
+        body = lambda x: x + jax.random.normal(k, x.shape)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
+
     k = jax.random.key(0)
-    micro = jax.make_jaxpr(noisy)(jnp.ones((2, 3)), k)
-    full = jax.make_jaxpr(noisy)(jnp.ones((4, 3)), k)
-    with pytest.raises(MeshshardInputError, match=r"inside a custom_vjp_call\w* equation.*outside"):
+    micro = jax.make_jaxpr(f)(jnp.ones((2, 3)), k)
+    full = jax.make_jaxpr(f)(jnp.ones((4, 3)), k)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"random draw of shape \[4, 3\] \(full batch\) inside a shard_map equation.*"
+        r"draw the random values .* outside the shard_map function.*num_micro_batches=1",
+    ):
         find_batch_draws(micro, full, 2)
