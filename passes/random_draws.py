@@ -129,22 +129,29 @@ def _find(mj, fj, m: int, path: tuple[Step, ...]) -> list[BatchDraw]:
     if draw is None:
         return []
     if [e.primitive.name for e in me] != [e.primitive.name for e in fe]:
-        where = f" inside {' > '.join(map(str, path))}" if path else ""
-        raise MeshshardInputError(
-            f"the step draws random numbers ({draw}) but traces to different programs at "
-            f"micro-batch and full-batch shape{where} ({len(me)} vs {len(fe)} "
-            "equations), so meshshard cannot match each draw with the full batch's; make "
-            "the step's Python control flow independent of the batch size"
-        )
+        raise _different_programs(draw, path, f"{len(me)} vs {len(fe)} equations")
     out = []
     for i, (a, b) in enumerate(zip(me, fe, strict=True)):
         if a.primitive.name in DRAW_PRIMITIVES:
             d = _batch_draw(a, b, m, i, path)
             if d is not None:
                 out.append(d)
-        for (name, k, sa, _), (_, _, sb, _) in zip(_subs(a), _subs(b), strict=True):
+        subs_a, subs_b = list(_subs(a)), list(_subs(b))
+        if [s[:2] for s in subs_a] != [s[:2] for s in subs_b]:
+            raise _different_programs(draw, path, f"{a.primitive.name} eqn {i} differs")
+        for (name, k, sa, _), (_, _, sb, _) in zip(subs_a, subs_b, strict=True):
             out += _find(sa, sb, m, (*path, Step(i, a.primitive.name, name, k)))
     return out
+
+
+def _different_programs(draw: str, path: tuple[Step, ...], how: str) -> MeshshardInputError:
+    where = f" inside {' > '.join(map(str, path))}" if path else ""
+    return MeshshardInputError(
+        f"the step draws random numbers ({draw}) but traces to different programs at "
+        f"micro-batch and full-batch shape{where} ({how}), so meshshard cannot match each "
+        "draw with the full batch's; make the step's Python control flow independent of "
+        "the batch size"
+    )
 
 
 def _batch_draw(a, b, m: int, i: int, path) -> BatchDraw | None:

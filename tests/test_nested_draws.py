@@ -219,3 +219,22 @@ def test_draw_in_shard_map_is_refused():
         r"draw the random values .* outside the shard_map function.*num_micro_batches=1",
     ):
         find_batch_draws(micro, full, 2)
+
+
+def test_shape_dependent_program_inside_remat_is_refused():
+    def f(x, k):
+        def body(c):
+            c = c * 2 if c.shape[0] > 2 else c  # only on the full batch
+            return c + jax.random.normal(k, c.shape)
+
+        return jax.checkpoint(body)(x)
+
+    k = jax.random.key(0)
+    micro = jax.make_jaxpr(f)(jnp.ones((2, 3)), k)
+    full = jax.make_jaxpr(f)(jnp.ones((4, 3)), k)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"draws random numbers \(random_bits\) but traces to different programs at "
+        r"micro-batch and full-batch shape inside remat2 eqn 0 .*control flow independent",
+    ):
+        find_batch_draws(micro, full, 2)
