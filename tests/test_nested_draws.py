@@ -141,13 +141,14 @@ def test_find_batch_draws_looks_inside_remat_scan_and_cond():
     assert all((d.axis, d.size, d.full_shape) == (0, 4, (8, 4)) for d in draws)
 
 
+@pytest.mark.slow  # compiles three programs with scans (~10 s)
 def test_sliced_micro_batches_draw_the_full_batch_masks():
     """Per micro-batch, the rewritten step's loss and gradient are those of the full
     batch's masks on its rows: their mean is the full-batch step's."""
     m = 2
     micro, full, (w, key, x, y) = _pass_inputs(m)
     sliced = slice_batch_draws(micro, find_batch_draws(micro, full, m))
-    want_w, want_loss = jaxpr_as_fun(full)(w, key, x, y)
+    want_w, want_loss = jax.jit(jaxpr_as_fun(full))(w, key, x, y)
     rows = 8 // m
     outs = [
         jaxpr_as_fun(sliced)(
@@ -165,7 +166,7 @@ def test_sliced_micro_batches_draw_the_full_batch_masks():
     np.testing.assert_allclose(got_w, np.asarray(want_w), rtol=1e-5, atol=1e-6)
     # not vacuous: micro-batch 1 drawing at its own shape gets other masks (micro-batch
     # 0 may not: the partitionable threefry's first rows do not depend on the shape)
-    own = jaxpr_as_fun(micro)(w, key, x[rows:], y[rows:])[1]
+    own = jax.jit(jaxpr_as_fun(micro))(w, key, x[rows:], y[rows:])[1]
     assert abs(float(own) - float(outs[1][1])) > 1e-4
 
 
