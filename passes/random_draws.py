@@ -189,19 +189,29 @@ def slice_batch_draws(closed: ClosedJaxpr, draws: tuple[BatchDraw, ...]) -> Clos
     if not draws:
         return closed
 
+    at = _by_eqn(draws)
+
     def hook(i, eqn, env, extra) -> bool:
         (index,) = extra
-        return _rewrite_eqn(i, eqn, env, draws, index)
+        return _rewrite_eqn(eqn, env, at.get(i, ()), index)
 
     return retrace(closed, hook, (jax.ShapeDtypeStruct((1,), np.int32),))
 
 
-def _rewrite_eqn(i: int, eqn, env: dict, draws, index) -> bool:
-    """Bind equation ``i`` with its draws sliced (itself or inside it); False if none."""
-    here = [d for d in draws if not d.path and d.eqn == i]
-    below = [d for d in draws if d.path and d.path[0].eqn == i]
-    if not here and not below:
+def _by_eqn(draws) -> dict[int, list[BatchDraw]]:
+    """``draws`` (paths relative to one jaxpr) by the equation of that jaxpr they are in."""
+    at: dict[int, list[BatchDraw]] = {}
+    for d in draws:
+        at.setdefault(d.path[0].eqn if d.path else d.eqn, []).append(d)
+    return at
+
+
+def _rewrite_eqn(eqn, env: dict, draws, index) -> bool:
+    """Bind ``eqn`` with ``draws`` (it, or draws inside it) sliced; False if there are none."""
+    if not draws:
         return False
+    here = [d for d in draws if not d.path]
+    below = [d for d in draws if d.path]
     invals = [read_var(env, v) for v in eqn.invars]
     if here:
         (d,) = here
@@ -227,7 +237,8 @@ def _eval(jaxpr, consts, args, draws, index) -> list:
     """Evaluate ``jaxpr`` on ``args`` with ``draws`` (paths relative to it) sliced."""
     env = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
-    eval_eqns(jaxpr.eqns, env, on_eqn=lambda i, e, env: _rewrite_eqn(i, e, env, draws, index))
+    at = _by_eqn(draws)
+    eval_eqns(jaxpr.eqns, env, on_eqn=lambda i, e, env: _rewrite_eqn(e, env, at.get(i, ()), index))
     return [read_var(env, v) for v in jaxpr.outvars]
 
 
