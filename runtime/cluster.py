@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Sequence
 
 from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
@@ -31,6 +32,8 @@ _CURRENT = None
 
 #: Seconds a blocked receive waits before the transfer is declared lost.
 TRANSFER_TIMEOUT_S = 300.0
+#: How long closing an in-process cluster waits for a step still running (seconds).
+CLOSE_WAIT_S = 30.0
 
 
 def current_cluster():
@@ -79,7 +82,12 @@ def init(
     else:
         raise MeshshardInputError(f"init(backend={backend!r}): use 'ray' or 'threads'")
     # shut down before the interpreter does (and before Ray's own exit hook, registered
-    # earlier): worker threads still inside XLA at interpreter exit abort the process
+    # earlier): worker threads still inside XLA at interpreter exit abort the process.
+    # The helper threads' hook goes first, so it runs after the shutdown waited for
+    # the steps in flight (they need their comm threads to finish)
+    from meshshard.runtime.overlap import hook_exit
+
+    hook_exit()
     atexit.unregister(_shutdown_at_exit)
     atexit.register(_shutdown_at_exit)
     log.info("meshshard cluster %s started", _CURRENT.spec.name)
@@ -172,6 +180,8 @@ class ThreadsCluster:
         #: the same per worker view (ClusterSpec.worker_blocks; () = whole hosts)
         self._view_stores: dict[tuple, dict[int, dict]] = {(): self.stores}
         self.closed = False
+        #: steps started and maybe still running (pipelined 2BW steps return early)
+        self.inflight: weakref.WeakSet = weakref.WeakSet()
 
     def stores_for(self, blocks: tuple) -> dict[int, dict]:
         """The per-worker stores of plans whose meshes share hosts as host-actor
@@ -203,7 +213,12 @@ class ThreadsCluster:
         }
 
     def close(self) -> None:
+        """Wait for the steps still running in worker threads (a pipelined 2BW step
+        returns before it ends: threads left inside XLA at interpreter exit abort the
+        process), then drop every kept array."""
         self.closed = True
+        for step in list(self.inflight):
+            step.join(timeout=CLOSE_WAIT_S)
         for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()

@@ -588,10 +588,14 @@ class ThreadsStep:
         for t in self.threads:
             t.start()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for every worker's thread to end (each at most ``timeout`` seconds)."""
+        for t in self.threads:
+            t.join(timeout)
+
     def result(self) -> dict:
         """``{w: fn(w)}`` once every thread ended; raises every worker's failure."""
-        for t in self.threads:
-            t.join()
+        self.join()
         raise_worker_errors(self.errors)
         return self.results
 

@@ -96,7 +96,10 @@ class LocalBackend:
             if transport is not None:
                 transport.abandon(f"w{w} failed ({type(exc).__name__})")
 
-        return ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]), abandon)
+        step = ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]), abandon)
+        if hasattr(self.cluster, "inflight"):  # close() waits for it
+            self.cluster.inflight.add(step)
+        return step
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just

@@ -294,8 +294,16 @@ _hooked = False
 
 def _register(helper) -> None:
     """Track a comm or prefetch thread so :func:`stop_helpers` ends it at exit."""
-    global _hooked
     _HELPERS.add(helper)
+    hook_exit()
+
+
+def hook_exit() -> None:
+    """Register :func:`stop_helpers` at interpreter exit (once).  ``meshshard.init``
+    calls it before registering its own shutdown, so the shutdown (which waits for the
+    steps still running) runs first: exit hooks run last-registered first, and a step
+    whose comm thread was already stopped would wait forever for its own sends."""
+    global _hooked
     with _HOOK_LOCK:
         if not _hooked:
             import jax  # noqa: F401  (its exit hook first, so stop_helpers runs before it)
