@@ -76,22 +76,9 @@ def _case(model):
     ],
     ids=["pipeshard", "data"],
 )
-def test_dropout_in_remat_matches_jit(threads_cluster, method):
-    state, batches = _case(RematMLP())
-    check_step_parity(random_steps.mlp_train_step, method, state, batches)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "method",
-    [
-        PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
-        DataParallel(mesh_shape=(1, 2), num_micro_batches=2),
-    ],
-    ids=["pipeshard", "data"],
-)
-def test_dropout_in_scan_matches_jit(threads_cluster, method):
-    state, batches = _case(ScanMLP())
+@pytest.mark.parametrize("model", [RematMLP, ScanMLP], ids=["remat", "scan"])
+def test_dropout_in_remat_and_scan_matches_jit(threads_cluster, model, method):
+    state, batches = _case(model())
     check_step_parity(random_steps.mlp_train_step, method, state, batches)
 
 
