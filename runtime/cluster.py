@@ -217,8 +217,9 @@ class ThreadsCluster:
         returns before it ends: threads left inside XLA at interpreter exit abort the
         process), then drop every kept array."""
         self.closed = True
+        end = time.monotonic() + CLOSE_WAIT_S
         for step in list(self.inflight):
-            step.join(timeout=CLOSE_WAIT_S)
+            step.join(timeout=max(0.0, end - time.monotonic()))
         for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()

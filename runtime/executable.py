@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -589,9 +590,10 @@ class ThreadsStep:
             t.start()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for every worker's thread to end (each at most ``timeout`` seconds)."""
+        """Wait for every worker's thread to end (at most ``timeout`` seconds in all)."""
+        end = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout)
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
 
     def result(self) -> dict:
         """``{w: fn(w)}`` once every thread ended; raises every worker's failure."""

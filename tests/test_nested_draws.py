@@ -164,13 +164,7 @@ def test_draw_in_while_body_is_sliced():
         body = lambda c: (c[0] + 1, _drop(c[1], jax.random.fold_in(k, c[0])))  # noqa: E731
         return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
 
-    k, x = jax.random.key(1), jnp.ones((8, 3))
-    micro, full = jax.make_jaxpr(f)(x[:2], k), jax.make_jaxpr(f)(x, k)
-    draws = find_batch_draws(micro, full, 4)
-    assert [d.path[0].primitive for d in draws] == ["while"]
-    sliced = slice_batch_draws(micro, draws)
-    got = [jaxpr_as_fun(sliced)(x[:2], k, jnp.array([i], jnp.int32))[0] for i in range(4)]
-    np.testing.assert_array_equal(np.concatenate(got), np.asarray(jaxpr_as_fun(full)(x, k)[0]))
+    _assert_slices_make_the_full_draw(f, jnp.ones((8, 3)), jax.random.key(1), 4, "while")
 
 
 def test_draw_in_custom_vjp_primal_is_sliced():
@@ -181,12 +175,20 @@ def test_draw_in_custom_vjp_primal_is_sliced():
         return x + jax.random.normal(k, x.shape)
 
     noisy.defvjp(lambda x, k: (noisy(x, k), None), lambda _, g: (g, None))
-    k, x = jax.random.key(0), jnp.ones((4, 3))
-    micro, full = jax.make_jaxpr(noisy)(x[:2], k), jax.make_jaxpr(noisy)(x, k)
-    draws = find_batch_draws(micro, full, 2)
-    assert [d.path[0].primitive for d in draws] == ["custom_vjp_call"]
+    x, k = jnp.ones((4, 3)), jax.random.key(0)
+    _assert_slices_make_the_full_draw(noisy, x, k, 2, "custom_vjp_call")
+
+
+def _assert_slices_make_the_full_draw(f, x, k, m: int, primitive: str) -> None:
+    """``f(x, k)`` traced at ``1/m`` of ``x``'s rows has one batch draw, inside a
+    ``primitive`` equation; the sliced program's ``m`` micro-batches, concatenated, equal
+    the full batch's result."""
+    rows = x.shape[0] // m
+    micro, full = jax.make_jaxpr(f)(x[:rows], k), jax.make_jaxpr(f)(x, k)
+    draws = find_batch_draws(micro, full, m)
+    assert [d.path[0].primitive for d in draws] == [primitive]
     sliced = slice_batch_draws(micro, draws)
-    got = [jaxpr_as_fun(sliced)(x[:2], k, jnp.array([i], jnp.int32))[0] for i in range(2)]
+    got = [jaxpr_as_fun(sliced)(x[:rows], k, jnp.array([i], jnp.int32))[0] for i in range(m)]
     np.testing.assert_array_equal(np.concatenate(got), np.asarray(jaxpr_as_fun(full)(x, k)[0]))
 
 
