@@ -1,4 +1,5 @@
-"""Program FLOPs and bytes (passes/costs.py): counted once per program per process."""
+"""What a re-plan of the same step reuses: program FLOPs and bytes (passes/costs.py) and
+resharding plans (passes/transfers.py), each made once per process."""
 
 from dataclasses import replace
 
@@ -7,7 +8,7 @@ import pytest
 
 from examples import mlp
 from meshshard import ClusterSpec, PipeshardParallel
-from meshshard.passes import costs
+from meshshard.passes import costs, transfers
 from meshshard.passes.pipeline import plan_traced
 from meshshard.passes.trace import trace_step
 
@@ -51,3 +52,22 @@ def test_a_replan_counts_only_programs_it_has_not_seen(traced, monkeypatch):
     costs._COSTS.clear()
     cold, n_cold = _counts(traced, four, monkeypatch)
     assert warm == cold and 0 < n_warm <= n_cold == len(cold)
+
+
+def test_a_replan_reuses_the_resharding_plans(traced, monkeypatch):
+    transfers._planned.cache_clear()
+    planned = []
+    real = transfers.plan_resharding
+
+    def counting(problem, *args, **kwargs):
+        planned.append(problem)
+        return real(problem, *args, **kwargs)
+
+    monkeypatch.setattr(transfers, "plan_resharding", counting)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
+    first = plan_traced(traced, method=method, cluster=CLUSTER)
+    n = len(planned)
+    assert 0 < n <= len(first.transfers)
+    again = plan_traced(traced, method=replace(method, schedule="gpipe"), cluster=CLUSTER)
+    assert len(planned) == n  # nothing planned again
+    assert [t.messages for t in again.transfers] == [t.messages for t in first.transfers]
