@@ -4,9 +4,16 @@ Each program is lowered once at its global (unsharded) shapes on the planning ma
 and XLA's HLO cost analysis is read; nothing is compiled or run.  The simulator turns
 these counts into times on a described device (whole-program totals; it divides by the
 mesh's device count).
+
+Counts are kept per process by the program's identity (the traced step's fingerprint
+and the program's equations and values): re-planning one step under another schedule,
+stage list or method lowers only the programs it has not seen.
 """
 
 from __future__ import annotations
+
+import threading
+from collections import OrderedDict
 
 import jax
 
@@ -22,17 +29,35 @@ def program_costs(
     traced: TracedStep, graph: StageGraph
 ) -> dict[ProgramRef, tuple[float | None, float | None]]:
     """``{program name: (flops, bytes accessed)}`` for every program of ``graph``."""
-    by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
+    by_id = None
     out = {}
     for p in graph.programs:
+        apply = p.name.phase is Phase.APPLY
+        partials = program_partials(graph.reductions, p.outputs, p.stage)
+        key = (
+            traced.fingerprint,
+            traced.num_micro_batches,
+            apply,
+            p.eqns,
+            tuple(g.vars for g in p.inputs),
+            tuple(g.vars for g in p.outputs),
+            repr(sorted(partials.items())),
+        )
+        with _LOCK:
+            known = _COSTS.get(key)
+        if known is not None:
+            out[p.name] = known
+            continue
+        if by_id is None:
+            by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
         fn = program_function(
             traced,
             p.eqns,
             p.inputs,
             p.outputs,
             traced.num_micro_batches,
-            p.name.phase is Phase.APPLY,
-            partials=program_partials(graph.reductions, p.outputs, p.stage),
+            apply,
+            partials=partials,
         )
         args = [
             jax.ShapeDtypeStruct(by_id[i].aval.shape, by_id[i].aval.dtype)
@@ -49,4 +74,14 @@ def program_costs(
             float(flops) if flops is not None else None,
             float(nbytes) if nbytes is not None else None,
         )
+        with _LOCK:
+            _COSTS[key] = out[p.name]
+            while len(_COSTS) > COST_CACHE_SIZE:
+                _COSTS.popitem(last=False)
     return out
+
+
+#: Programs whose counts are kept (oldest dropped first).
+COST_CACHE_SIZE = 1024
+_COSTS: OrderedDict = OrderedDict()
+_LOCK = threading.Lock()

@@ -285,5 +285,20 @@ def _micro_batch_shape(a, where: str, m: int):
 
 
 def fingerprint(closed: ClosedJaxpr) -> str:
-    """A short stable hash of a jaxpr's text, to check two traces are the same program."""
-    return hashlib.sha256(str(closed.jaxpr).encode()).hexdigest()[:16]
+    """A short stable hash of a traced program: its jaxpr's text and the values of its
+    constants (arrays the step closes over, which the text names but does not show).
+
+    Two steps that differ only in a closed-over array (a mask, loss weights, a
+    learning rate held as an array) are different programs: with the text alone they
+    shared a fingerprint, and a worker looking up its trace by the plan's fingerprint
+    ran the other step's constants.  A jaxpr without constants hashes its text alone,
+    as before."""
+    h = hashlib.sha256(str(closed.jaxpr).encode())
+    for c in closed.consts:
+        dtype = getattr(c, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            c = jax.random.key_data(c)
+        a = np.ascontiguousarray(np.asarray(c))
+        h.update(f"|{a.dtype}{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()[:16]

@@ -3,10 +3,15 @@
 Each cross-stage value becomes a :class:`~meshshard.tiles.ReshardingProblem` (its
 sharding on the producer's mesh -> its sharding on the consumer's mesh), which the
 resharding planner turns into messages: point-to-point sends, or broadcasts that
-cross each destination host boundary once.
+cross each destination host boundary once.  The planner is a pure function of the
+problem, strategy and cluster, so each process plans a problem once (a step's
+boundaries often carry same-shaped values, and a step is re-planned under other
+schedules and methods).
 """
 
 from __future__ import annotations
+
+import functools
 
 from meshshard.cluster import ClusterSpec
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes, tensor_specs
@@ -48,7 +53,7 @@ def plan_transfers(
             src_spec = specs.get(src.id, {}).get(e.var, src_spec)
             dst_spec = specs.get(dst.id, {}).get(e.var, dst_spec)
         problem = resharding_problem(shape, dtype, src, src_spec, dst, dst_spec)
-        planned = plan_resharding(problem, strategy, cluster, simulate=simulate)
+        planned = _planned(problem, strategy, cluster, simulate)
         out.append(
             TransferSpec(
                 name=TransferRef(k),
@@ -66,3 +71,8 @@ def plan_transfers(
             )
         )
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned(problem, strategy: str, cluster: ClusterSpec, simulate: bool):
+    return plan_resharding(problem, strategy, cluster, simulate=simulate)

@@ -107,3 +107,40 @@ def test_a_second_parallelize_of_one_step_is_served_from_the_trace_and_keys_stay
         assert got.key.dtype == state.key.dtype
         np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want))
         assert_trees_close(outs[0].params, got.params)
+
+
+def _weighted_step(weights):
+    """A step closing over an array (held as a constant of its jaxpr, not in its text)."""
+    import jax.numpy as jnp
+
+    weights = jnp.asarray(weights, jnp.float32)
+
+    def step(w, batch):
+        def loss(w):
+            h = jnp.tanh(batch["x"] * w)
+            meshshard.mark_pipeline_boundary()
+            return jnp.mean((h @ weights - batch["y"]) ** 2)
+
+        value, grad = meshshard.value_and_grad(loss)(w)
+        return w - 0.1 * grad, value
+
+    return step
+
+
+def test_steps_differing_only_in_a_closed_over_array_are_different_programs(threads_cluster):
+    """Two steps from one factory (the same jaxpr text, other constant values) have
+    different fingerprints; so a worker never serves one's trace for the other.  Before,
+    after ``a``, ``b``, ``a`` the third call's workers ran ``b``'s constants (and on Ray
+    every actor that had traced ``a`` ran ``a``'s for ``b``): silently wrong numbers."""
+    w = np.ones(3, np.float32)
+    batch = {"x": np.arange(24.0, dtype=np.float32).reshape(8, 3) / 10, "y": np.ones(8, np.float32)}
+    a, b = _weighted_step([1.0, 2.0, 3.0]), _weighted_step([1.0, 2.0, 4.0])
+    fps = {
+        trace_mod.trace_step(f, (w, batch), batch_argnums=(1,), num_micro_batches=2).fingerprint
+        for f in (a, b)
+    }
+    assert len(fps) == 2
+    for method in (meshshard.DataParallel((1, 2)), PipeshardParallel(2, stages=[(1, 2)] * 2)):
+        for f in (a, b, a):
+            got = meshshard.parallelize(f, method=method)(w, batch)
+            assert_trees_close(jax.jit(f)(w, batch), got)

@@ -199,7 +199,7 @@ def _two_holder_message(problem, i, root, chain, parts):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nbytes", [9000, 30000])
+@pytest.mark.parametrize("nbytes", [9000])
 def test_two_holders_all_direct_plus_half_a_hop_every_schedule_is_above(nbytes):
     """Two holders of the whole array, three hosts x 2 devices that each need a
     different third (no slice shared, so no host can relay): every schedule of one
@@ -207,7 +207,8 @@ def test_two_holders_all_direct_plus_half_a_hop_every_schedule_is_above(nbytes):
     None is below the bound (the relay term's all-direct split: four messages, plus
     half a fabric latency, the least the holders' last messages leave), the best is
     within 4% of it (one holder's last message fans out: a whole latency), and
-    ``broadcast``'s plan takes the best.  About 20 s each."""
+    ``broadcast``'s plan takes the best.  About 20 s.  (It held at 30,000 bytes too, a
+    second case until the suite was trimmed.)"""
     p = resharding_problem((nbytes,), "int8", TWO, (None,), DST, (("host", "device"),))
     terms = relay_bound_terms(p, CLUSTER)
     assert "all direct" in str(terms) and "then a hop" in str(terms)

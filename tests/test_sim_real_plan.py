@@ -8,7 +8,8 @@ from meshshard import ClusterSpec, PipeshardParallel
 from meshshard.instructions import Run
 from meshshard.plan import Plan
 from meshshard.refs import Phase
-from meshshard.sim import simulate
+from meshshard.sim import SimOptions, simulate
+from meshshard.sim.simulator import iteration_time
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def test_compiled_plan_simulates(plan, overlap):
     assert r.num_flows == sum(len(t.messages) for t in plan.transfers) * plan.num_micro_batches
     for w in r.workers:
         assert 0 <= w.idle_fraction < 1
+    # the searches' shortcut (no timeline records, no summary) predicts the same time
+    assert iteration_time(plan, cluster, SimOptions(overlap=overlap)) == r.iteration_time
 
 
 def test_measured_program_times_drive_the_timeline(plan):

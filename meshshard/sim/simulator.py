@@ -11,7 +11,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Collective, Instruction, Recv, Run, Send, Wait, WaitAll
 from meshshard.plan import Plan
 from meshshard.plan_checks import require_valid_plan
-from meshshard.sim.engine import SimOptions, Timeline, execute
+from meshshard.sim.engine import SimOptions, Timeline, execute, finish_time
 from meshshard.sim.memory import CATEGORY_ORDER, memory_profile
 from meshshard.sim.result import Counter, LinkStats, MemoryStats, SimResult, Span, WorkerStats
 
@@ -62,7 +62,7 @@ def iteration_time(
     to be valid (the callers build it).
     """
     with _gc_paused():
-        return execute(plan, cluster, options, program_times).end + cluster.dispatch_overhead
+        return finish_time(plan, cluster, options, program_times) + cluster.dispatch_overhead
 
 
 @contextmanager
