@@ -867,10 +867,7 @@ def execute(
     Raises ValueError if the plan does not fit the cluster and
     :class:`SimulationDeadlock` if its streams cannot finish.
     """
-    check_fits(plan, cluster)
-    engine = _Engine(plan, cluster, options, program_times)
-    engine.run()
-    return engine.timeline()
+    return _ran(plan, cluster, options, program_times).timeline()
 
 
 def finish_time(
@@ -881,7 +878,12 @@ def finish_time(
 ) -> float:
     """When :func:`execute`'s timeline ends (its ``end``), without building the
     timeline's per-instruction records: for searches that compare many plans' times."""
+    engine = _ran(plan, cluster, options, program_times)
+    return max(max((op.end for op in engine.ops), default=0.0), engine.net.now)
+
+
+def _ran(plan, cluster, options, program_times) -> _Engine:
     check_fits(plan, cluster)
     engine = _Engine(plan, cluster, options, program_times)
     engine.run()
-    return max(max((op.end for op in engine.ops), default=0.0), engine.net.now)
+    return engine
