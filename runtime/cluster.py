@@ -34,6 +34,8 @@ _CURRENT = None
 TRANSFER_TIMEOUT_S = 300.0
 #: How long closing an in-process cluster waits for a step still running (seconds).
 CLOSE_WAIT_S = 30.0
+#: Then, how long it waits for the threads of a step it gave up on to end (seconds).
+CANCEL_WAIT_S = 2.0
 
 
 def current_cluster():
@@ -213,13 +215,31 @@ class ThreadsCluster:
         }
 
     def close(self) -> None:
-        """Wait for the steps still running in worker threads (a pipelined 2BW step
-        returns before it ends: threads left inside XLA at interpreter exit abort the
-        process), then drop every kept array."""
+        """Wait (at most :data:`CLOSE_WAIT_S` in all) for the steps still running in
+        worker threads (a pipelined 2BW step returns before it ends: threads left inside
+        XLA at interpreter exit abort the process), give up on any still running (its
+        waiting receives fail at once; at most :data:`CANCEL_WAIT_S` more for its
+        threads to end), then drop every kept array."""
         self.closed = True
         end = time.monotonic() + CLOSE_WAIT_S
-        for step in list(self.inflight):
+        steps = list(self.inflight)
+        for step in steps:
             step.join(timeout=max(0.0, end - time.monotonic()))
+        stuck = [step for step in steps if step.running]
+        for step in stuck:
+            step.cancel(
+                f"the cluster was shut down while this step still ran {CLOSE_WAIT_S:.0f}s "
+                "after the shutdown began"
+            )
+        if stuck:
+            log.warning(
+                "meshshard: %d step(s) still ran %.0fs after the shutdown began; abandoned",
+                len(stuck),
+                CLOSE_WAIT_S,
+            )
+            end = time.monotonic() + CANCEL_WAIT_S
+            for step in stuck:
+                step.join(timeout=max(0.0, end - time.monotonic()))
         for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()
