@@ -203,6 +203,9 @@ class StreamInterpreter:
         self._active = 0  # steps running now (two when pipelined)
         self._active_lock = threading.Lock()
         self._helpers_lock = threading.Lock()  # two pipelined steps may start at once
+        #: instructions done and messages arrived, all steps: a shutdown waits for a
+        #: step as long as this moves (ThreadsCluster.close)
+        self.progress = 0
         # stop the helpers when the interpreter is dropped, but not at interpreter exit:
         # weakref's exit hook (registered with the first finalizer, after meshshard.init
         # registered the shutdown) runs before the shutdown, which waits for the steps
@@ -265,6 +268,7 @@ class StreamInterpreter:
                     step.do(i, ins)
                 except Exception as exc:
                     raise step.failure(i, exc) from exc
+                self.progress += 1
                 if rec is not None:
                     rec.end[i] = clock_ns()
             step.finish()
@@ -598,6 +602,7 @@ class _Step:
         def arrived(handle, key):
             raw = handle.result().wait()
             self.stamp("arrived", key)
+            interp.progress += 1
             return raw
 
         if name.kind is BufferKind.REDUCTION:

@@ -101,6 +101,7 @@ class LocalBackend:
             lambda w: workers[w].run_step(*per_worker[w]),
             abandon,
             cancel=None if transport is None else transport.abandon,
+            progress=lambda: sum(workers[w].interp.progress for w in per_worker),
         )
         if hasattr(self.cluster, "inflight"):  # close() waits for it
             self.cluster.inflight.add(step)

@@ -184,8 +184,9 @@ def test_a_lost_message_fails_the_step_after_the_transfer_timeout(threads_cluste
 
 @pytest.mark.slow
 def test_closing_the_cluster_gives_up_on_a_step_that_cannot_finish(threads_cluster, monkeypatch):
-    """The shutdown (also the one at exit) waits CLOSE_WAIT_S, then the stalled step's
-    receives fail at once: its threads end, the close returns."""
+    """The shutdown (also the one at exit) gives up on a stalled step once it made no
+    progress for CLOSE_WAIT_S: its receives fail at once, its threads end, the close
+    returns (before: its threads waited out the 300 s transfer timeout)."""
     step, exe, state, batch = steady_2bw(threads_cluster)
     lost = lose_stage1_sends(monkeypatch, exe)
     monkeypatch.setattr(cluster_mod, "CLOSE_WAIT_S", 1.0)
@@ -193,7 +194,30 @@ def test_closing_the_cluster_gives_up_on_a_step_that_cannot_finish(threads_clust
     assert lost.wait(BOUND_S)
     t0 = time.monotonic()
     threads_cluster.close()
-    took = time.monotonic() - t0
+    assert time.monotonic() - t0 < BOUND_S
     assert ended(handle, exe, bound_s=0.0), "the close returned with the stalled step running"
-    assert took < 1.0 + cluster_mod.CANCEL_WAIT_S + 1.0
     assert any("the cluster was shut down" in str(e) for e in handle.errors.values())
+
+
+@pytest.mark.slow
+def test_closing_the_cluster_waits_for_a_slow_step_that_gets_on(threads_cluster, monkeypatch):
+    """Each instruction of the step in flight takes 0.2 s more, so it runs for several
+    times CLOSE_WAIT_S, never that long without progress: the shutdown waits for it and
+    it ends without an error (before: given up after CLOSE_WAIT_S in all; at exit
+    that left threads inside XLA, which aborted the process under load)."""
+    step, exe, state, batch = steady_2bw(threads_cluster)
+    monkeypatch.setattr(cluster_mod, "CLOSE_WAIT_S", 1.5)
+    do = interpreter._Step.do
+
+    def slow_do(self, i, ins):
+        time.sleep(0.2)
+        return do(self, i, ins)
+
+    monkeypatch.setattr(interpreter._Step, "do", slow_do)
+    handle = in_flight(step, exe, state, batch)
+    t0 = time.monotonic()
+    threads_cluster.close()
+    took = time.monotonic() - t0
+    assert ended(handle, exe, bound_s=0.0), "the close returned with the step running"
+    assert handle.errors == {}
+    assert took > cluster_mod.CLOSE_WAIT_S  # it did wait past the idle limit
