@@ -32,8 +32,15 @@ _CURRENT = None
 
 #: Seconds a blocked receive waits before the transfer is declared lost.
 TRANSFER_TIMEOUT_S = 300.0
-#: How long closing an in-process cluster waits for a step still running (seconds).
+#: How long closing an in-process cluster waits for a step still running that makes no
+#: progress (seconds): a step that gets on is waited for (on a loaded machine the last
+#: pipelined GPT step of a script took 110 s to end, and threads left inside XLA at
+#: exit abort the process); a stalled one is given up after this long.
 CLOSE_WAIT_S = 30.0
+#: Then, how long it waits for the threads of a step it gave up on to end (seconds).
+CANCEL_WAIT_S = 2.0
+#: How often closing looks at the progress of the steps it waits for (seconds).
+CLOSE_POLL_S = 0.2
 
 
 def current_cluster():
@@ -215,14 +222,47 @@ class ThreadsCluster:
     def close(self) -> None:
         """Wait for the steps still running in worker threads (a pipelined 2BW step
         returns before it ends: threads left inside XLA at interpreter exit abort the
-        process), then drop every kept array."""
+        process) as long as they make progress, give up on them once they made none for
+        :data:`CLOSE_WAIT_S` (their waiting receives fail at once; at most
+        :data:`CANCEL_WAIT_S` more for their threads to end), then drop every kept
+        array."""
         self.closed = True
-        end = time.monotonic() + CLOSE_WAIT_S
-        for step in list(self.inflight):
-            step.join(timeout=max(0.0, end - time.monotonic()))
+        steps = list(self.inflight)
+        _wait_while_progressing(steps, CLOSE_WAIT_S)
+        stuck = [step for step in steps if step.running]
+        why = f"the cluster was shut down and this step made no progress for {CLOSE_WAIT_S:.0f}s"
+        for step in stuck:
+            step.cancel(why)
+        if stuck:
+            log.warning(
+                "meshshard: %d step(s) made no progress for %.0fs after the shutdown "
+                "began; abandoned",
+                len(stuck),
+                CLOSE_WAIT_S,
+            )
+            end = time.monotonic() + CANCEL_WAIT_S
+            for step in stuck:
+                step.join(timeout=max(0.0, end - time.monotonic()))
         for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()
+
+
+def _wait_while_progressing(steps: list, idle_s: float) -> None:
+    """Wait until every one of ``steps`` (ThreadsSteps) ended, or until none of those
+    still running made progress for ``idle_s`` seconds."""
+    seen, since = None, time.monotonic()
+    while True:
+        running = [step for step in steps if step.running]
+        if not running:
+            return
+        now = time.monotonic()
+        marks = (len(running), sum(step.progress() for step in running))
+        if marks != seen:
+            seen, since = marks, now
+        elif now - since >= idle_s:
+            return
+        running[0].join(timeout=min(CLOSE_POLL_S, max(0.0, since + idle_s - now)))
 
 
 class RayCluster:

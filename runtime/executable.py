@@ -571,11 +571,16 @@ class ThreadsStep:
     """``fn(w)`` for every worker, each in its own thread, started now; :meth:`result`
     waits for all (a :class:`StepHandle` of the in-process backend)."""
 
-    def __init__(self, workers, fn, on_error=None):
+    def __init__(self, workers, fn, on_error=None, cancel=None, progress=None):
         """``on_error(w, exc)``, if given, runs in the failing worker's thread as soon as
-        ``fn(w)`` raises (the in-process backend abandons the step's messages)."""
+        ``fn(w)`` raises (the in-process backend abandons the step's messages);
+        ``cancel(reason)``, if given, makes the workers stop waiting for messages
+        (:meth:`cancel`); ``progress()``, if given, a count that moves while the
+        workers get on (:meth:`progress`)."""
         self.results: dict = {}
         self.errors: dict[int, BaseException] = {}
+        self._cancel = cancel
+        self._progress = progress
 
         def one(w) -> None:
             try:
@@ -594,6 +599,22 @@ class ThreadsStep:
         end = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
             t.join(None if end is None else max(0.0, end - time.monotonic()))
+
+    @property
+    def running(self) -> bool:
+        """True while a worker's thread has not ended."""
+        return any(t.is_alive() for t in self.threads)
+
+    def progress(self) -> int:
+        """A count that moves while the step gets on (instructions done, messages
+        arrived); 0 when unknown."""
+        return self._progress() if self._progress is not None else 0
+
+    def cancel(self, reason: str) -> None:
+        """Give up on the step: its workers' waiting receives (and later ones) raise
+        ``reason``, so their threads end instead of waiting out the transfer timeout."""
+        if self._cancel is not None:
+            self._cancel(reason)
 
     def result(self) -> dict:
         """``{w: fn(w)}`` once every thread ended; raises every worker's failure."""

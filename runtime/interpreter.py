@@ -202,7 +202,17 @@ class StreamInterpreter:
         self._threads: list = []  # comm and prefetch threads (overlapped mode)
         self._active = 0  # steps running now (two when pipelined)
         self._active_lock = threading.Lock()
-        weakref.finalize(self, _close_all, self._threads)
+        self._helpers_lock = threading.Lock()  # two pipelined steps may start at once
+        #: instructions done and messages arrived, all steps: a shutdown waits for a
+        #: step as long as this moves (ThreadsCluster.close)
+        self.progress = 0
+        # stop the helpers when the interpreter is dropped, but not at interpreter exit:
+        # weakref's exit hook (registered with the first finalizer, after meshshard.init
+        # registered the shutdown) runs before the shutdown, which waits for the steps
+        # in flight; a pipelined 2BW step whose comm thread it had stopped never sent
+        # its next message, and both workers of that step waited in their receives.
+        # At exit overlap.stop_helpers stops them, after that wait.
+        weakref.finalize(self, _close_all, self._threads).atexit = False
 
     def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
         """Switch overlapped execution and timeline recording for the next steps."""
@@ -258,6 +268,7 @@ class StreamInterpreter:
                     step.do(i, ins)
                 except Exception as exc:
                     raise step.failure(i, exc) from exc
+                self.progress += 1
                 if rec is not None:
                     rec.end[i] = clock_ns()
             step.finish()
@@ -270,18 +281,19 @@ class StreamInterpreter:
     def _helpers(self) -> tuple[CommQueue, Prefetcher]:
         """This worker's comm and prefetch threads, started once and kept across steps
         (stopped when the interpreter is dropped)."""
-        if not self._threads:
-            w = self.worker
-            table = PROCESS_TABLE if self.admission else None
-            self._threads.extend([CommQueue(f"w{w}-comm", table), Prefetcher(f"w{w}-recv")])
-        return self._threads[0], self._threads[1]
+        with self._helpers_lock:
+            if not self._threads:
+                w = self.worker
+                table = PROCESS_TABLE if self.admission else None
+                self._threads.extend([CommQueue(f"w{w}-comm", table), Prefetcher(f"w{w}-recv")])
+            return self._threads[0], self._threads[1]
 
     def _drop_helpers(self) -> None:
         """After a failed step: stop the comm and prefetch threads (ops of that step may
         still be queued), unless another (pipelined) step still uses them."""
-        with self._active_lock:
+        with self._active_lock, self._helpers_lock:
             if self._active <= 1:
-                _close_all(self._threads)
+                _close_all(self._threads, "a step failed on this worker")
 
     def tag(self, transfer: TransferRef, mb: int, message: int) -> int:
         """:func:`message_tag` from tables built once per plan."""
@@ -330,10 +342,10 @@ def _ready(arrays: list) -> None:
             pass
 
 
-def _close_all(threads: list) -> None:
+def _close_all(threads: list, reason: str = "its interpreter was dropped") -> None:
     """Stop and forget helper threads (each exits once its queue is done)."""
     for t in threads:
-        t.close()
+        t.close(reason)
     threads.clear()
 
 
@@ -590,6 +602,7 @@ class _Step:
         def arrived(handle, key):
             raw = handle.result().wait()
             self.stamp("arrived", key)
+            interp.progress += 1
             return raw
 
         if name.kind is BufferKind.REDUCTION:
@@ -623,7 +636,7 @@ class _Step:
             self.value(name)
         if self.tl is not None:
             for i, t0, done in self.runs:
-                done.result()
+                done.get()  # computed here if the watcher was stopped before it
                 self.tl.runs.append((i, t0, done.at_ns))
             self.interp.last_timeline = self.tl
             self.interp.timelines.append((self.seq, self.tl))

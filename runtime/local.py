@@ -96,7 +96,13 @@ class LocalBackend:
             if transport is not None:
                 transport.abandon(f"w{w} failed ({type(exc).__name__})")
 
-        step = ThreadsStep(per_worker, lambda w: workers[w].run_step(*per_worker[w]), abandon)
+        step = ThreadsStep(
+            per_worker,
+            lambda w: workers[w].run_step(*per_worker[w]),
+            abandon,
+            cancel=None if transport is None else transport.abandon,
+            progress=lambda: sum(workers[w].interp.progress for w in per_worker),
+        )
         if hasattr(self.cluster, "inflight"):  # close() waits for it
             self.cluster.inflight.add(step)
         return step

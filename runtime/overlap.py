@@ -20,6 +20,12 @@ communication a program does not read.  Next to it, per step:
 Both threads only wait for local compute or for messages, never for the dispatching
 thread, so they cannot deadlock with it.
 
+Closing either thread lets it finish what was handed to it before.  A comm queue
+refuses ops submitted after it was closed (:class:`~meshshard.errors.MeshshardRuntimeError`):
+its thread may have ended, and an op nobody issues leaves its receivers and the
+``WAITALL`` of its own step waiting for good.  So a step whose helpers are stopped under
+it fails at its next send, with an error that says so, instead of stalling.
+
 With a :class:`~meshshard.admission.InFlight` table (a plan scheduled with the
 ``topology`` switch) the comm thread is also topology-aware: an op is issued only when
 :func:`~meshshard.admission.admit` lets it onto its links (no strictly higher-priority
@@ -47,6 +53,8 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from meshshard.errors import MeshshardRuntimeError
 
 __all__ = ["Lazy", "CommQueue", "Prefetcher", "Timeline", "Tracked", "overtakes", "stop_helpers"]
 
@@ -156,6 +164,7 @@ class CommQueue:
         self._chan_next: dict[str, int] = {}
         self._chan_count: dict[str, int] = {}
         self._closed = False
+        self._why_closed = ""
         self.issued: list[int] = []  # submission numbers in issue order (tests, traces)
         self.error: BaseException | None = None  # the first op that raised
         self.table = table
@@ -173,9 +182,17 @@ class CommQueue:
         links: tuple[str, ...] = (),
     ) -> Lazy:
         """Queue ``fn`` (it issues one op and returns its handle); returns its future.
-        ``links``: what the op uses, for admission (module docstring)."""
+        ``links``: what the op uses, for admission (module docstring).
+
+        Raises MeshshardRuntimeError once the queue is closed: its thread issues what it
+        holds and ends, so a later op would never be issued."""
         lazy = Lazy(fn if self.table is None else lambda: Tracked(fn()))
         with self._cv:
+            if self._closed:
+                raise MeshshardRuntimeError(
+                    f"the comm thread {self._thread.name} was stopped ({self._why_closed}); "
+                    "an op queued now would never be issued, so the step cannot finish"
+                )
             chan_seq = 0
             if channel is not None:
                 chan_seq = self._chan_count.get(channel, 0)
@@ -246,9 +263,12 @@ class CommQueue:
                     self._chan_next[op.channel] = op.chan_seq + 1
                     self._cv.notify_all()
 
-    def close(self) -> None:
-        """Stop the thread once every queued op is issued (returns at once)."""
+    def close(self, reason: str = "its interpreter was dropped") -> None:
+        """Stop the thread once every queued op is issued (returns at once); later
+        :meth:`submit` calls raise, naming ``reason``."""
         with self._cv:
+            if not self._closed:
+                self._why_closed = reason
             self._closed = True
             self._cv.notify_all()
 
@@ -279,8 +299,9 @@ class Prefetcher:
                 return
             lazy.run()
 
-    def close(self) -> None:
-        """Stop after the receives added so far (returns at once)."""
+    def close(self, reason: str = "") -> None:
+        """Stop after the receives added so far (returns at once).  A receive added later
+        is not prefetched: its reader completes it (:meth:`Lazy.get`)."""
         with self._cv:
             self._queue.append(None)
             self._cv.notify()
@@ -302,7 +323,10 @@ def hook_exit() -> None:
     """Register :func:`stop_helpers` at interpreter exit (once).  ``meshshard.init``
     calls it before registering its own shutdown, so the shutdown (which waits for the
     steps still running) runs first: exit hooks run last-registered first, and a step
-    whose comm thread was already stopped would wait forever for its own sends."""
+    whose comm thread was already stopped could not finish (it fails at its next send).
+    Nothing else may stop the helpers at exit before that shutdown: the interpreters'
+    own finalizers are not run at exit for that reason (``weakref.finalize``'s exit hook
+    is registered with the first finalizer, after ``meshshard.init``)."""
     global _hooked
     with _HOOK_LOCK:
         if not _hooked:
@@ -319,7 +343,7 @@ def stop_helpers(timeout_s: float = 5.0) -> None:
     with data-parallel replicas) could abort it with ``terminate called ...``."""
     helpers = list(_HELPERS)
     for h in helpers:
-        h.close()
+        h.close("the interpreter is exiting")
     end = time.monotonic() + timeout_s
     for h in helpers:
         h._thread.join(max(0.0, end - time.monotonic()))
