@@ -236,6 +236,17 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
         elif not red and (m == 1 or full is None or is_literal(v)):
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
         elif not red and not _same_program(micro, full):
+            if label == "loss":
+                # A guessed mean would average the gradients of a summed loss (or sum
+                # those of a mean): wrong numbers, so refuse as for an unclassifiable loss.
+                raise MeshshardInputError(
+                    "meshshard cannot tell how the loss combines over micro-batches: the "
+                    "step traces differently at micro-batch and full-batch shape (Python "
+                    "code that branches or loops on the batch size, e.g. chunking the "
+                    "batch), so its reductions cannot be matched; declare it with "
+                    "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum'), make the "
+                    "program independent of the batch size, or use num_micro_batches=1"
+                )
             red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
             source = f"{DEFAULT}the step traces differently at micro-batch and full-batch shape"
         elif not red:

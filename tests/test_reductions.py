@@ -5,6 +5,8 @@ count) are found by tracing at micro-batch and full-batch shape, or declared; re
 equal ``jax.jit`` of the unmodified step.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -141,6 +143,40 @@ def test_masked_mean_loss_is_refused():
         r"computed from the batch.*loss_reduce='mean' or 'sum'",
     ):
         step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def chunked_sum_step(state, batch, loss_reduce=None):
+    """A summed loss computed in chunks of 4 rows: a Python loop over the batch size, so
+    the step traces differently at micro-batch and full-batch shape."""
+
+    def loss_fn(params):
+        err = (state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2
+        return sum(jnp.sum(err[i : i + 4]) for i in range(0, err.shape[0], 4))
+
+    grad = meshshard.value_and_grad(loss_fn, loss_reduce=loss_reduce)
+    loss, grads = grad(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_loss_whose_program_depends_on_the_batch_size_is_refused():
+    """Guessing 'mean' here averaged a summed loss's gradients (half of jax.jit's with two
+    micro-batches), with only a warning."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = meshshard.parallelize(chunked_sum_step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines over micro-batches: the step traces "
+        r"differently at micro-batch and full-batch shape.*loss_reduce='mean' or 'sum'",
+    ):
+        step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def test_a_declared_loss_reduction_fixes_a_batch_size_dependent_program(threads_cluster):
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    step = functools.partial(chunked_sum_step, loss_reduce="sum")
+    par = check_step_parity(step, method, state, BATCHES)
+    assert "gradients and loss: sum over 2 micro-batches (declared)" in str(par.plan)
 
 
 def test_aux_reduce_names_an_unknown_key():
