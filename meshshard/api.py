@@ -296,6 +296,7 @@ class ParallelizedFunction:
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
             _warn_guessed_reductions(traced)
+            _warn_unsplit_batch(plan)
             log.info(
                 "compiled %s for %s in %.1fs (%d stages, %d workers)",
                 getattr(self.fn, "__name__", "step"),
@@ -409,6 +410,16 @@ def _warn_guessed_reductions(traced) -> None:
             "num_micro_batches=1",
             note,
         )
+
+
+def _warn_unsplit_batch(plan) -> None:
+    """Say so when a mesh's devices do not divide the micro-batch: its batch values run
+    whole on every device there (no data parallelism), which the user did not ask for."""
+    from meshshard.passes.sharding import UNSPLIT_BATCH
+
+    for note in plan.notes:
+        if note.startswith(UNSPLIT_BATCH):
+            log.warning("%s", note)
 
 
 def _write_at_exit(ref) -> None:

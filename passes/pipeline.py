@@ -34,7 +34,7 @@ from meshshard.passes.shard_plan import (
     sharding_notes,
     spec_lookup,
 )
-from meshshard.passes.sharding import build_buffers
+from meshshard.passes.sharding import build_buffers, unsplit_batch_notes
 from meshshard.passes.slicing import slice_layers
 from meshshard.passes.sparse_rows import find_sparse_rows, with_sparse_rows
 from meshshard.passes.split_backward import split_backward
@@ -191,6 +191,7 @@ def _assemble(st: CompileState) -> CompileState:
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
+    notes += unsplit_batch_notes(traced, st.meshes)
     plan = Plan(
         method=repr(st.method),
         cluster=st.cluster,

@@ -14,7 +14,16 @@ batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contractio
 * a division by a value computed from the batch (a masked mean) or a mix: not inferred;
 * a non-linear function of the reduced value (``sqrt`` of a sum of squares: a norm; a
   product of two batch sums; a ``log`` of a sum): not inferred, since no combination of
-  per-micro-batch values gives the full-batch one.
+  per-micro-batch values gives the full-batch one;
+* terms that combine differently, added: a batch sum plus a constant (a weight penalty
+  added to a summed loss would count once per micro-batch), a mean plus a sum, two
+  maxima: not inferred (a mean plus a constant is a mean);
+* a value that pairs examples with one another (in-batch similarities ``z @ z.T``, the
+  batch in two dimensions): not inferred, since a micro-batch sees only its own examples.
+
+A loss that is a maximum or minimum over the batch is refused: the micro-batches'
+gradients do not combine into its gradient.  A value's slice follows a boundary marker
+(the identity per position) through the traced value's own position only.
 
 The loss decides its gradients (``mean``: averaged over micro-batches, ``sum``: summed).
 A declared reduction (marker or ``aux_reduce``) wins.  An aux value whose reduction is not
@@ -120,46 +129,119 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
         norms += how == "norm"
         if em.primitive.name == "div" and _divides_by_batch_total(em, ef, dep):
             return "", "it divides by a total computed from the batch (e.g. a masked mean)"
+    mixed = _mixed_examples(micro, producers)
+    if mixed:
+        return "", mixed
     bad = _nonlinear_after_reduction(micro, producers, var)
     if bad:
         return "", f"it applies {bad} to a value reduced over the batch"
+    mixed = _mixed_terms(micro, full, producers, m, dep)
+    if mixed:
+        return "", mixed
     if not kinds:
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
     if kinds <= SUM_LIKE:
         return ("mean", "mean over the batch") if norms else ("sum", "sum over the batch")
     if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
-        return kinds.pop()[len("reduce_") :], "reduction over the batch"
+        which = kinds.pop()[len("reduce_") :]
+        flip = _nonlinear_after_reduction(micro, producers, var, keep_order=True)
+        if flip:  # -max(x) is the min of -x: a max over micro-batches would be wrong
+            return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
+        return which, "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
-def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var) -> str:
+def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
+    """Why the value mixes examples with one another, or ''.
+
+    An equation whose result carries the batch in two dimensions (in-batch similarities
+    ``z @ z.T``, a ``(B, B)`` mask) pairs every example with every other: on a
+    micro-batch it sees only that micro-batch's examples (its negatives, say), so no
+    combination of per-micro-batch values gives the full-batch one."""
+    pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
+    for em, ef, _, outs in sorted(producers, key=lambda p: pos[id(p[0])]):
+        if not outs:
+            continue
+        for a, b in zip(em.outvars, ef.outvars, strict=True):
+            k = sum(x != y for x, y in zip(_shape(a), _shape(b), strict=True))
+            if k > 1:
+                return (
+                    f"it mixes examples: {em.primitive.name} makes a value with the batch in "
+                    f"{k} dimensions {list(_shape(a))} (e.g. in-batch similarities), which "
+                    "one micro-batch cannot reproduce"
+                )
+    return ""
+
+
+def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep) -> str:
+    """Why a sum of terms in the value's tail combines no single way, or ''.
+
+    Adding batch reductions is linear only when every term combines the same way: a
+    mean plus anything the same on every micro-batch (a weight penalty) is a mean, and
+    batch sums add to a sum, but a batch sum plus a constant counts the constant once
+    per micro-batch, a mean plus a sum is neither, and two maxima do not add to the
+    maximum of the sums.  Each term is classified on its own (:func:`classify`)."""
+    for em, _, ins, outs in producers:
+        if ins or outs or em.primitive.name not in ("add", "sub", "add_any"):
+            continue
+        kinds = []
+        for v in em.invars:
+            if is_literal(v) or v not in dep:
+                kinds.append("const")
+                continue
+            red, why = classify(micro, full, v, m, dep)
+            if not red:
+                return why
+            kinds.append(red)
+        terms = [k for k in kinds if k != "const"]
+        if len(set(terms)) > 1:
+            return f"it adds a batch {terms[0]} and a batch {terms[1]}"
+        if terms and terms[0] == "sum" and "const" in kinds:
+            return (
+                "it adds a value that does not depend on the batch to a batch sum (each "
+                "micro-batch's value would count it once)"
+            )
+        if len(terms) > 1 and terms[0] in ("max", "min"):
+            return f"it adds two batch {terms[0]}ima"
+    return ""
+
+
+def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=False) -> str:
     """The first non-linear primitive between the batch reductions ``var`` is made from
     and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
     last batch reduction, on values without a batch dimension.  A batch statistic used
     on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
-    semantics, not a combination, and is left alone."""
+    semantics, not a combination, and is left alone.  ``keep_order`` (for a maximum or
+    minimum): also the first step that may reverse order (``neg``, subtracting it, a
+    product or quotient with anything but a positive literal)."""
     by_out = {o: p for p in producers for o in p[0].outvars}
     pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
     tail, reduced, seen, stack = [], set(), set(), [var]
     while stack:
         v = stack.pop()
-        if is_literal(v) or v not in by_out or id(by_out[v][0]) in seen:
+        if is_literal(v) or v not in by_out:
             continue
         em, _, ins, outs = by_out[v]
-        seen.add(id(em))
+        k = list(em.outvars).index(v) if is_marker(em) else None  # see paired_producers
+        if (id(em), k) in seen:
+            continue
+        seen.add((id(em), k))
         if ins and not outs:  # a batch reduction: the tail starts after it
             reduced.update(em.outvars)
         elif not ins and not outs:
-            tail.append(em)
-            stack += list(em.invars)
+            if all(e is not em for e in tail):
+                tail.append(em)
+            stack += [em.invars[k]] if k is not None else list(em.invars)
     for em in sorted(tail, key=lambda e: pos[id(e)]):
         which = [k for k, v in enumerate(em.invars) if not is_literal(v) and v in reduced]
         if not which:
             continue
+        if is_marker(em):  # the identity per position
+            reduced.update(em.outvars[k] for k in which)
+            continue
         name = em.primitive.name
         linear = (
-            is_marker(em)
-            or em.primitive is aux_reduce_p
+            em.primitive is aux_reduce_p
             or (name in LINEAR_AFTER and len(which) == 1)
             or name in ("add", "sub", "add_any")
             or (name == "mul" and len(which) == 1)
@@ -167,8 +249,21 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var) -> str:
         )
         if not linear:
             return name
+        if keep_order and _may_reverse(em, which):
+            return name
         reduced.update(em.outvars)
     return ""
+
+
+def _may_reverse(em, which) -> bool:
+    """Whether equation ``em`` may reverse the order of its operands ``which``."""
+    name = em.primitive.name
+    if name == "neg" or (name == "sub" and 1 in which):
+        return True
+    if name in ("mul", "div"):
+        other = [v for k, v in enumerate(em.invars) if k not in which]
+        return not all(is_literal(v) and np.all(np.asarray(v.val) > 0) for v in other)
+    return False
 
 
 def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:
@@ -189,12 +284,18 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
     seen, stack = set(), [var]
     while stack:
         v = stack.pop()
-        if is_literal(v) or v not in producer or producer[v] in seen:
+        if is_literal(v) or v not in producer:
             continue
         i = producer[v]
-        seen.add(i)
         em, ef = mj.eqns[i], fj.eqns[i]
-        stack += list(em.invars)
+        # a boundary marker is the identity per position and carries unrelated values
+        # too: follow only the traced value's own input, or every value crossing the
+        # same boundary would join this one's slice
+        k = list(em.outvars).index(v) if is_marker(em) else None
+        if (i, k) in seen:
+            continue
+        seen.add((i, k))
+        stack += [em.invars[k]] if k is not None else list(em.invars)
         ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
         outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
         yield em, ef, ins, outs
@@ -236,6 +337,17 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
         elif not red and (m == 1 or full is None or is_literal(v)):
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
         elif not red and not _same_program(micro, full):
+            if label == "loss":
+                # A guessed mean would average the gradients of a summed loss (or sum
+                # those of a mean): wrong numbers, so refuse as for an unclassifiable loss.
+                raise MeshshardInputError(
+                    "meshshard cannot tell how the loss combines over micro-batches: the "
+                    "step traces differently at micro-batch and full-batch shape (Python "
+                    "code that branches or loops on the batch size, e.g. chunking the "
+                    "batch), so its reductions cannot be matched; declare it with "
+                    "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum'), make the "
+                    "program independent of the batch size, or use num_micro_batches=1"
+                )
             red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
             source = f"{DEFAULT}the step traces differently at micro-batch and full-batch shape"
         elif not red:
@@ -253,10 +365,19 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                     f"meshshard cannot tell how the loss combines over micro-batches: {why}; "
                     "make the loss a mean or a sum over the batch (with a masked mean, divide "
                     "by a count passed as a non-batch argument), or declare it with "
-                    "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum')"
+                    "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum') (a declared "
+                    "mean averages the micro-batches' losses with equal weights, whatever "
+                    "their counts)"
                 )
             if not red:
                 red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
+        if label == "loss" and red in ("max", "min") and source != "declared":
+            raise MeshshardInputError(
+                f"the loss is a {red}imum over the batch: its gradient is that of the one "
+                f"example that attains it, and the micro-batches' gradients do not combine "
+                f"into it (an elementwise {red} of gradients is not a gradient); make the "
+                "loss a mean or a sum over the batch, or use num_micro_batches=1"
+            )
         if label == "loss":
             loss = red
         out.append((label, red, source))

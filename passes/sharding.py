@@ -33,6 +33,31 @@ def micro_batch_sizes(traced: TracedStep) -> set[int]:
     return {leaf.shape[0] // m for leaf in traced.inputs if leaf.is_batch}
 
 
+#: Plan notes that start so are also logged as a warning at compile time.
+UNSPLIT_BATCH = "batch not split"
+
+
+def unsplit_batch_notes(traced: TracedStep, meshes: tuple[MeshSpec, ...]) -> list[str]:
+    """A note per mesh whose devices the micro-batch rows do not divide.
+
+    There the data-parallel rule keeps every batch-shaped value whole on every device
+    (correct, but with no data parallelism on that mesh), which a user asking for
+    ``DataParallel((1, 2))`` does not expect from a batch of 9: say so in the plan.
+    """
+    notes = []
+    for size in sorted(micro_batch_sizes(traced)):
+        for mesh in meshes:
+            n = mesh.num_devices
+            if n > 1 and size % n:
+                notes.append(
+                    f"{UNSPLIT_BATCH}: micro-batches of {size} rows do not divide over the "
+                    f"{n} devices of mesh{mesh.id}, so its batch values are replicated there "
+                    f"(every device computes the whole micro-batch); use a batch size whose "
+                    f"micro-batches are a multiple of {n}"
+                )
+    return notes
+
+
 def tensor_specs(traced: TracedStep) -> dict:
     """Var id -> (readable name, shape, dtype) for every value a buffer may hold."""
     jaxpr = traced.jaxpr

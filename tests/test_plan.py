@@ -117,3 +117,25 @@ def test_lower_needs_no_cluster_and_sees_gpu_shapes():
     assert [m.shape for m in plan.meshes] == [(1, 8), (1, 8)]
     assert plan.buffer("X0").tensors[0].spec == (("host", "device"),)
     assert jax.tree.leaves(state)  # nothing was moved or consumed
+
+
+def test_a_batch_the_devices_do_not_divide_is_said_in_the_plan_and_a_warning(
+    threads_cluster, caplog
+):
+    """A batch of 9 on ``DataParallel((1, 2))`` runs whole on both devices (jax.jit's
+    numbers, no data parallelism): the plan's notes and a compile-time warning say so,
+    instead of the fallback being silent."""
+    from tests.random_parity import check_step_parity
+
+    batches = [mlp.make_batch(batch_size=9, seed=i) for i in range(2)]
+    state = mlp.make_state(mlp.MLP(num_layers=2), batches[0]["x"])
+    with caplog.at_level("WARNING", logger="meshshard"):
+        par = check_step_parity(mlp.train_step, DataParallel((1, 2)), state, batches)
+    note = (
+        "batch not split: micro-batches of 9 rows do not divide over the 2 devices of mesh0, "
+        "so its batch values are replicated there"
+    )
+    assert any(n.startswith(note) for n in par.lower(state, batches[0]).notes)
+    assert note in caplog.text
+    even = mlp.make_batch(batch_size=8)
+    assert not any("batch not split" in n for n in par.lower(state, even).notes)

@@ -5,6 +5,8 @@ count) are found by tracing at micro-batch and full-batch shape, or declared; re
 equal ``jax.jit`` of the unmodified step.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -141,6 +143,129 @@ def test_masked_mean_loss_is_refused():
         r"computed from the batch.*loss_reduce='mean' or 'sum'",
     ):
         step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def chunked_sum_step(state, batch, loss_reduce=None):
+    """A summed loss computed in chunks of 4 rows: a Python loop over the batch size, so
+    the step traces differently at micro-batch and full-batch shape."""
+
+    def loss_fn(params):
+        err = (state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2
+        return sum(jnp.sum(err[i : i + 4]) for i in range(0, err.shape[0], 4))
+
+    grad = meshshard.value_and_grad(loss_fn, loss_reduce=loss_reduce)
+    loss, grads = grad(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_loss_whose_program_depends_on_the_batch_size_is_refused():
+    """Guessing 'mean' here averaged a summed loss's gradients (half of jax.jit's with two
+    micro-batches), with only a warning."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = meshshard.parallelize(chunked_sum_step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines over micro-batches: the step traces "
+        r"differently at micro-batch and full-batch shape.*loss_reduce='mean' or 'sum'",
+    ):
+        step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def test_a_declared_loss_reduction_fixes_a_batch_size_dependent_program(threads_cluster):
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    step = functools.partial(chunked_sum_step, loss_reduce="sum")
+    par = check_step_parity(step, method, state, BATCHES)
+    assert "gradients and loss: sum over 2 micro-batches (declared)" in str(par.plan)
+
+
+def _loss_step(make_loss):
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            return make_loss(pred, batch["y"], params)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def _penalty(params):
+    return 1e-2 * sum(jnp.sum(w**2) for w in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize(
+    "make_loss,why",
+    [
+        (  # a summed loss plus a weight penalty: the penalty would count once per micro-batch
+            lambda pred, y, p: jnp.sum((pred - y) ** 2) + _penalty(p),
+            r"it adds a value that does not depend on the batch to a batch sum",
+        ),
+        (lambda pred, y, p: jnp.sum((pred - y) ** 2) + 3.0, r"it adds a value that does not"),
+        (
+            lambda pred, y, p: jnp.mean((pred - y) ** 2) + 1e-2 * jnp.sum(jnp.abs(pred)),
+            r"it adds a batch mean and a batch sum",
+        ),
+        (  # in-batch negatives: each micro-batch would see only its own
+            lambda pred, y, p: -jnp.mean(jnp.diagonal(jax.nn.log_softmax(pred @ pred.T))),
+            r"it mixes examples: .* with the batch in 2 dimensions",
+        ),
+    ],
+    ids=["sum_plus_penalty", "sum_plus_constant", "mean_plus_sum", "in_batch_negatives"],
+)
+def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):
+    """These took 'sum' or 'mean' from the kinds of reduction in the whole slice, and the
+    parallel step silently returned other numbers than jax.jit."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = meshshard.parallelize(
+        _loss_step(make_loss), method=PipeshardParallel(num_micro_batches=2)
+    )
+    with pytest.raises(
+        MeshshardInputError, match=r"cannot tell how the loss combines over micro-batches: " + why
+    ):
+        step.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def test_a_max_loss_is_refused():
+    """Its gradient is one example's; the micro-batches' gradients were combined by an
+    elementwise max."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _loss_step(lambda pred, y, p: jnp.max((pred - y) ** 2))
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(MeshshardInputError, match=r"the loss is a maximum over the batch"):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def test_a_negated_batch_max_is_not_combined_as_a_max():
+    """``-max(err)`` is the minimum of ``-err``: it was traced as a max and combined by a
+    max over micro-batches (not jax.jit's value); now it takes the default and says so."""
+    state = sgd_state(BATCHES[0]["x"])
+
+    def step(state, batch):
+        def loss_fn(params):
+            err = (state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2
+            return jnp.mean(err), {"neg_worst": -jnp.max(err), "worst": 2.0 * jnp.max(err)}
+
+        (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), aux
+
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    notes = par.lower(state, BATCHES[0], cluster=CLUSTER).notes
+    assert (
+        "aux['neg_worst']: mean over 2 micro-batches (default: it applies neg to a batch "
+        "maximum, which may reverse its order)" in notes
+    )
+    assert "aux['worst']: max over 2 micro-batches (traced: reduction over the batch)" in notes
+
+
+def test_a_mean_loss_plus_a_weight_penalty_is_a_mean(threads_cluster):
+    """The penalty is the same on every micro-batch: averaging keeps it once."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _loss_step(lambda pred, y, p: jnp.mean((pred - y) ** 2) + _penalty(p))
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(step, method, state, BATCHES)
+    assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
 
 
 def test_aux_reduce_names_an_unknown_key():
