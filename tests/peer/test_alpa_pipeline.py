@@ -248,3 +248,49 @@ def test_pipeline_marker_is_an_identity():
     np.testing.assert_array_equal(g(x), x.T)
     np.testing.assert_array_equal(jax.jit(g)(x), x.T)
     np.testing.assert_allclose(jax.grad(lambda x: f(x, y).sum())(x), 1 + y, rtol=1e-6)
+
+
+# Alpa's "small_power_of_two" submeshes on one host: (1, 1), (1, 2); the threads backend
+# runs single-host meshes (Alpa's (h, D) choices need Ray)
+ONE_HOST_SUBMESHES = [(1, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "model, layers",
+    [
+        # origin: tests/pipeline_parallel/test_stage_construction.py::test_mlp_stage_construction
+        (RematMLP(), None),
+        # origin: tests/pipeline_parallel/test_stage_construction.py::test_mlp_layer_and_stage
+        (RematMLP(markers=False), "auto"),
+    ],
+    ids=["stage", "layer_and_stage"],
+)
+def test_mlp_auto_stage_construction(threads_cluster, model, layers):
+    state, batch = _mlp_state_and_batch(model)
+    method = PipeshardParallel(
+        num_micro_batches=4, stages="auto", layers=layers, submeshes=ONE_HOST_SUBMESHES
+    )
+    step = meshshard.parallelize(mlp_value_and_grad_step, method=method)
+    got = step(state, batch)
+    assert_trees_close(jax.jit(mlp_value_and_grad_step)(state, batch), got)
+    assert all(m.shape in ONE_HOST_SUBMESHES for m in step.plan.meshes)
+    assert verify(step.plan) == []
+
+
+def bert_inference_step(state, batch):
+    logits = state.apply_fn(
+        {"params": state.params}, batch["tokens"], batch["segments"], batch["padding"]
+    )
+    return logits, bert.mlm_loss(logits, batch)
+
+
+def test_bert_inference_micro_batches(threads_cluster):
+    # origin: tests/pipeline_parallel/test_inference_only.py::test_bert (forward only,
+    # per-example outputs concatenated, the loss combined over micro-batches)
+    batch = bert.make_batch(batch_size=8)
+    state = bert.make_state(bert.Encoder(d_model=16, num_heads=2, num_layers=2, dropout=0.0), batch)
+    step = meshshard.parallelize(
+        bert_inference_step, method=PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2)
+    )
+    assert_trees_close(jax.jit(bert_inference_step)(state, batch), step(state, batch), rtol=1e-4)
+    assert step.plan.schedule.name == "inference"
