@@ -259,3 +259,54 @@ def test_n_layer_mlp(one_host_cluster, batch_size, hidden, parallel):
         assert all(not any(s) for s in specs.values()), specs
     else:
         assert all(any(s) for s in specs.values()), specs
+
+
+def grad_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    return state.apply_gradients(grads=meshshard.grad(loss_fn)(state.params))
+
+
+@pytest.mark.parametrize(
+    "mode, step",
+    [
+        ("zero2", grad_step),
+        ("zero3", grad_step),
+        # Open: with jax.grad (as Alpa's test has it) the step has no update part, so
+        # zero2 cannot tell the optimizer state and silently keeps it whole
+        # (tests/peer/README.md)
+        pytest.param(
+            "zero2",
+            jax_grad_step,
+            marks=pytest.mark.xfail(
+                strict=True, reason="zero2 needs meshshard.grad (tests/peer/README.md)"
+            ),
+        ),
+    ],
+    ids=["zero2", "zero3", "zero2_jax_grad"],
+)
+def test_n_layer_mlp_zero(one_host_cluster, mode, step):
+    # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_data_parallel_reduce_scatter
+    # (Zero2Parallel) and ::..._zero_stage_3 (Zero3Parallel): the optimizer state (zero2),
+    # and the parameters too (zero3), are split over the devices; parity with jax.jit
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.standard_normal((256, 32)).astype(np.float32),
+        "y": rng.standard_normal((256, 32)).astype(np.float32),
+    }
+    model = ReluMLP(num_layers=6, hidden=32)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.adam(1e-2),
+    )
+    ref = jax.jit(step)(state, batch)
+    step = meshshard.parallelize(step, method=ShardParallel((1, 4), sharding=mode))
+    got = step(state, batch)
+    assert_trees_close(ref.params, got.params, rtol=1e-4)
+    tensors = [t for b in step.plan.buffers for t in b.tensors if "kernel" in t.name]
+    opt = [t.spec for t in tensors if "].mu[" in t.name or "].nu[" in t.name]
+    params = [t.spec for t in tensors if "].params[" in t.name and "opt_state" not in t.name]
+    assert len(opt) == 12 and all(opt), opt  # Adam's mu and nu of 6 kernels
+    assert len(params) == 6 and all(params) == (mode == "zero3"), params
