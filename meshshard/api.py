@@ -23,6 +23,9 @@ from meshshard.static_args import WithStatic, dynamic_positions, static_key, sta
 
 log = logging.getLogger(__name__)
 
+#: ``parallelize``'s default ``batch_argnums``: the second argument, where there is one
+DEFAULT_BATCH_ARGNUMS = (1,)
+
 
 class ParallelizedFunction:
     """A train step compiled for a cluster on first call; ``lower`` shows the plan without running.
@@ -56,6 +59,9 @@ class ParallelizedFunction:
         self.method = method
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
+        # parallelize's default names the second argument; a step of one argument
+        # (``add_one(x)``) then has no batch, as in Alpa, instead of an error
+        self._default_batch = batch_argnums is DEFAULT_BATCH_ARGNUMS
         if static_argnums != "auto" and isinstance(static_argnums, str):
             raise MeshshardInputError(
                 f"static_argnums must be 'auto' or argument positions, got {static_argnums!r}"
@@ -149,10 +155,10 @@ class ParallelizedFunction:
         fn, args = physical_call(_layered(self.fn, self.method), args)
         plan, _ = plan_step(
             fn,
-            _abstract(args, self.batch_argnums),
+            _abstract(args, self._batch_for(args)),
             method=self.method,
             cluster=cluster,
-            batch_argnums=self.batch_argnums,
+            batch_argnums=self._batch_for(args),
             costs=costs,
         )
         self._lowered = plan
@@ -252,6 +258,13 @@ class ParallelizedFunction:
         self._last_variant = variant
         return variant, tuple(a for i, a in enumerate(args) if i not in static)
 
+    def _batch_for(self, args) -> tuple[int, ...]:
+        """The batch positions for a call with ``args``: ``batch_argnums``, less the
+        default's second argument when the step was called with one."""
+        if self._default_batch:
+            return tuple(i for i in self.batch_argnums if i < len(args))
+        return self.batch_argnums
+
     def _executable_for(self, args, raw_args=None, flat=None):
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
         data, and ``flat``: their leaves and tree structure, when the caller has them),
@@ -274,7 +287,8 @@ class ParallelizedFunction:
         )
         exe = self._compiled_for(key, cluster)
         if exe is None:
-            abstract = _abstract(args, self.batch_argnums)
+            batch_argnums = self._batch_for(args)
+            abstract = _abstract(args, batch_argnums)
             # a Python scalar leaf (TrainState.step = 0) and the int32 array the step
             # returns for it are one signature: the same plan, not a second compile
             exe = self._compiled_for(_signature(abstract), cluster)
@@ -288,10 +302,10 @@ class ParallelizedFunction:
                 abstract,
                 method=self.method,
                 cluster=cluster.spec,
-                batch_argnums=self.batch_argnums,
+                batch_argnums=batch_argnums,
             )
             exe = Executable(
-                plan, cluster.backend(), fn, abstract, self.batch_argnums, self.donate_argnums
+                plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
             )
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
@@ -367,7 +381,7 @@ def parallelize(
     *,
     method: Method | None = None,
     donate_argnums: Sequence[int] = (),
-    batch_argnums: Sequence[int] = (1,),
+    batch_argnums: Sequence[int] = DEFAULT_BATCH_ARGNUMS,
     trace: str | None = None,
     static_argnums: Sequence[int] | str = "auto",
 ):
@@ -375,8 +389,9 @@ def parallelize(
 
     Use as ``parallelize(step, method=...)`` or as a decorator
     ``@parallelize(method=PipeshardParallel(num_micro_batches=4))``.  Arguments in
-    ``batch_argnums`` are split into micro-batches along their first dimension; the
-    others (parameters, optimizer state) live on the meshes between steps.  Inside
+    ``batch_argnums`` (default: the second, where the step has one) are split into
+    micro-batches along their first dimension; the others (parameters, optimizer
+    state) live on the meshes between steps.  Inside
     ``fn`` compute gradients with ``meshshard.grad``/``meshshard.value_and_grad``; a
     step without them (evaluation, inference) runs as a forward-only pipeline.
     ``method`` defaults to ``DataParallel()`` (the whole cluster as one mesh);

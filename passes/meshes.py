@@ -77,10 +77,18 @@ def follow_layout(method: FollowParallel, num_layers: int):
     groups = tuple(st.layers for st in plan.stages)
     have = sum(len(g) for g in groups)
     if have != num_layers:
+        auto = getattr(getattr(method.step, "method", None), "layers", None)
+        why = (
+            f"; the followed step was cut into layers automatically (layers={auto!r}), "
+            "which this step does not follow: put mark_pipeline_boundary() calls in the "
+            "model and drop layers= from the followed step's method"
+            if auto is not None
+            else ""
+        )
         raise MeshshardInputError(
             f"{method!r}: this step has {num_layers} layers (pipeline boundaries + 1) but "
             f"the followed step's {len(groups)} stages hold {have}; both steps must call "
-            "the same model (the same mark_pipeline_boundary() calls)"
+            f"the same model (the same mark_pipeline_boundary() calls){why}"
         )
     return groups, plan.meshes
 

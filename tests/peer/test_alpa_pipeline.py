@@ -13,7 +13,7 @@ from flax.training import train_state
 from jax import lax
 
 import meshshard
-from examples import mlp
+from examples import bert, mlp
 from meshshard import ClusterSpec, PipeshardParallel
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
@@ -112,3 +112,185 @@ def test_global_norm_and_all_le_are_cross_mesh_all_reduces(threads_cluster):
     assert bool(got_le) == bool(ref_le)
     assert sorted(r.op for r in step.plan.reductions) == ["and", "sum"]
     assert verify(step.plan) == []
+
+
+class RematMLP(nn.Module):
+    """``num_layers`` Dense+tanh layers, each optionally under ``nn.remat``, a boundary
+    between them, or none (``markers=False``) for automatic layer slicing."""
+
+    hidden: int = 16
+    num_layers: int = 4
+    remat: bool = False
+    markers: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        layer = nn.remat(nn.Dense) if self.remat else nn.Dense
+        for i in range(self.num_layers):
+            x = jnp.tanh(layer(self.hidden, name=f"dense{i}")(x))
+            if self.markers and i < self.num_layers - 1:
+                meshshard.mark_pipeline_boundary()
+        return x
+
+
+def mlp_value_and_grad_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def mlp_grad_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    return state.apply_gradients(grads=meshshard.grad(loss_fn)(state.params))
+
+
+def _mlp_state_and_batch(model, batch_size=64, hidden=16):
+    batch = mlp.make_batch(batch_size=batch_size, in_dim=hidden, out_dim=hidden)
+    params = model.init(jax.random.PRNGKey(0), batch["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    return state, batch
+
+
+@pytest.mark.parametrize(
+    "model, step, layers",
+    [
+        # origin: tests/pipeline_parallel/test_numerical_correctness.py::test_mlp (run_mlp:
+        # manual markers, 4 micro-batches, uniform stages, value_and_grad)
+        (RematMLP(), mlp_value_and_grad_step, None),
+        # origin: the same with grad instead of value_and_grad (run_mlp's other form)
+        (RematMLP(), mlp_grad_step, None),
+        # origin: tests/pipeline_parallel/test_remat.py::test_mlp_remat
+        (RematMLP(remat=True), mlp_value_and_grad_step, None),
+        # origin: run_mlp(manual_pipeline_layer=False): AutoLayerOption(layer_num=2)
+        (RematMLP(markers=False), mlp_value_and_grad_step, 2),
+    ],
+    ids=["manual", "grad", "remat", "auto_layers"],
+)
+def test_mlp_pipeshard(threads_cluster, model, step, layers):
+    state, batch = _mlp_state_and_batch(model)
+    method = PipeshardParallel(num_micro_batches=4, layers=layers, stages=[(1, 2)] * 2)
+    got = meshshard.parallelize(step, method=method)(state, batch)
+    assert_trees_close(jax.jit(step)(state, batch), got)
+
+
+def mlp_grads_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    return meshshard.grad(loss_fn)(state.params)
+
+
+def test_2_layer_mlp_returns_gradients(threads_cluster):
+    # origin: tests/pipeline_parallel/test_mlp.py::test_2_layer_mlp_pipeshard_parallel
+    # (the step returns the gradients themselves, PipeshardParallel's defaults)
+    state, batch = _mlp_state_and_batch(RematMLP(hidden=64, num_layers=2), hidden=64)
+    got = meshshard.parallelize(
+        mlp_grads_step, method=PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2)
+    )(state, batch)
+    assert_trees_close(jax.jit(mlp_grads_step)(state, batch), got)
+
+
+def test_two_graphs_run_side_by_side(threads_cluster):
+    # origin: tests/pipeline_parallel/test_multi_graph.py::test_2_mlp (two parallelized
+    # steps with one method compile two executables; each computes its own step)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    state_a, batch_a = _mlp_state_and_batch(RematMLP(), batch_size=16)
+    state_b, batch_b = _mlp_state_and_batch(
+        RematMLP(num_layers=2, hidden=8), batch_size=16, hidden=8
+    )
+    step_a = meshshard.parallelize(mlp_value_and_grad_step, method=method)
+    step_b = meshshard.parallelize(mlp_value_and_grad_step, method=method)
+    ref = jax.jit(mlp_value_and_grad_step)
+    for step, state, batch in [(step_a, state_a, batch_a), (step_b, state_b, batch_b)] * 2:
+        assert_trees_close(ref(state, batch), step(state, batch))
+    assert step_a.plan is not step_b.plan
+    assert step_a.plan.fingerprint != step_b.plan.fingerprint
+
+
+@pytest.mark.parametrize("num_layers", [2])
+def test_n_layer_bert(threads_cluster, num_layers):
+    # origin: tests/pipeline_parallel/test_numerical_correctness.py::test_2_layer_bert
+    # (value_and_grad, uniform stages, one boundary per encoder layer)
+    batch = bert.make_batch(batch_size=4)
+    state = bert.make_state(
+        bert.Encoder(d_model=16, num_heads=2, num_layers=num_layers, dropout=0.0), batch
+    )
+    step = meshshard.parallelize(
+        bert.train_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    )
+    ref_state, ref_loss = jax.jit(bert.train_step)(state, batch)
+    got_state, got_loss = step(state, batch)
+    assert_trees_close((ref_state.params, ref_loss), (got_state.params, got_loss), rtol=1e-4)
+
+
+def test_pipeline_marker_is_an_identity():
+    # origin: tests/pipeline_parallel/test_pipeline_marker.py::test_jax_graph and
+    # ::test_transpose (the marker computes nothing, with or without jit)
+    x = np.random.default_rng(0).random((10, 8)).astype(np.float32)
+    y = np.random.default_rng(1).random((10, 8)).astype(np.float32)
+
+    def f(x, y):
+        a, b = meshshard.mark_pipeline_boundary(x + y, x * y)
+        (z,) = meshshard.mark_pipeline_boundary(a + b)
+        return z
+
+    def g(x):
+        (x,) = meshshard.mark_pipeline_boundary(x)
+        meshshard.mark_pipeline_boundary()
+        return jnp.transpose(x, (1, 0))
+
+    np.testing.assert_allclose(f(x, y), x + y + x * y, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(f)(x, y), x + y + x * y, rtol=1e-6)
+    np.testing.assert_array_equal(g(x), x.T)
+    np.testing.assert_array_equal(jax.jit(g)(x), x.T)
+    np.testing.assert_allclose(jax.grad(lambda x: f(x, y).sum())(x), 1 + y, rtol=1e-6)
+
+
+# Alpa's "small_power_of_two" submeshes on one host: (1, 1), (1, 2); the threads backend
+# runs single-host meshes (Alpa's (h, D) choices need Ray)
+ONE_HOST_SUBMESHES = [(1, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "model, layers",
+    [
+        # origin: tests/pipeline_parallel/test_stage_construction.py::test_mlp_stage_construction
+        (RematMLP(), None),
+        # origin: tests/pipeline_parallel/test_stage_construction.py::test_mlp_layer_and_stage
+        (RematMLP(markers=False), "auto"),
+    ],
+    ids=["stage", "layer_and_stage"],
+)
+def test_mlp_auto_stage_construction(threads_cluster, model, layers):
+    state, batch = _mlp_state_and_batch(model)
+    method = PipeshardParallel(
+        num_micro_batches=4, stages="auto", layers=layers, submeshes=ONE_HOST_SUBMESHES
+    )
+    step = meshshard.parallelize(mlp_value_and_grad_step, method=method)
+    got = step(state, batch)
+    assert_trees_close(jax.jit(mlp_value_and_grad_step)(state, batch), got)
+    assert all(m.shape in ONE_HOST_SUBMESHES for m in step.plan.meshes)
+    assert verify(step.plan) == []
+
+
+def bert_inference_step(state, batch):
+    logits = state.apply_fn(
+        {"params": state.params}, batch["tokens"], batch["segments"], batch["padding"]
+    )
+    return logits, bert.mlm_loss(logits, batch)
+
+
+def test_bert_inference_micro_batches(threads_cluster):
+    # origin: tests/pipeline_parallel/test_inference_only.py::test_bert (forward only,
+    # per-example outputs concatenated, the loss combined over micro-batches)
+    batch = bert.make_batch(batch_size=8)
+    state = bert.make_state(bert.Encoder(d_model=16, num_heads=2, num_layers=2, dropout=0.0), batch)
+    step = meshshard.parallelize(
+        bert_inference_step, method=PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2)
+    )
+    assert_trees_close(jax.jit(bert_inference_step)(state, batch), step(state, batch), rtol=1e-4)
+    assert step.plan.schedule.name == "inference"

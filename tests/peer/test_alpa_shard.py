@@ -1,0 +1,312 @@
+"""Behaviour-level tests of Alpa's intra-operator (shard) suite (alpa-projects/alpa,
+tests/shard_parallel/), ported to meshshard's API: the facts each test checks carry over,
+the code does not.  Each test names its origin; what could not be ported is listed in
+tests/peer/README.md.
+
+Alpa reads the sharding it chose from the HLO text; meshshard shows it in the plan, so
+these tests check the numbers against ``jax.jit`` of the unmodified function and, where
+Alpa checks a structure, read the same fact from the plan.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training.train_state import TrainState
+
+import meshshard
+from meshshard import ShardParallel
+from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+from tests.conftest import assert_trees_close, with_fabric_costs
+
+pytestmark = pytest.mark.slow  # each test compiles and runs a sharded step
+
+
+@pytest.fixture
+def one_host_cluster():
+    """One host of 4 devices as threads (Alpa's shard tests use 4 local devices)."""
+    with use_cluster(ThreadsCluster(1, 4)) as cluster:
+        yield cluster
+
+
+def test_dot_reshape_transpose(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_dot_reshape_transpose
+    def func(a, b):
+        a = jnp.reshape(jnp.transpose(a, [0, 2, 1]), (64, 256))
+        b = jnp.reshape(b, (256, 64))
+        return -(a @ b)
+
+    a = jnp.ones((64, 64, 4)) * jnp.arange(4.0)
+    b = jnp.ones((256, 16, 4)) / 7
+    got = meshshard.parallelize(func, method=ShardParallel((1, 4)))(a, b)
+    assert_trees_close(jax.jit(func)(a, b), got)
+
+
+def test_one_by_one_mesh(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_one_by_one_mesh
+    @meshshard.parallelize(method=ShardParallel((1, 1)))
+    def add_one(x):
+        return x + 1
+
+    a = jnp.ones((128, 128))
+    assert_trees_close(a + 1, add_one(a))
+
+
+def test_donate_buffer(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_donate_buffer
+    @meshshard.parallelize(donate_argnums=(0,), method=ShardParallel((1, 4)))
+    def add_one(x):
+        return x + 1
+
+    a = np.ones((128, 128), np.float32)
+    assert_trees_close(a + 1, add_one(a))
+
+
+class DropoutModel(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic):
+        x = nn.Dense(16, use_bias=False)(x)
+        x = nn.Dropout(0.1, deterministic=deterministic)(x)
+        return nn.Dense(16, use_bias=False)(x)
+
+
+def test_dropout(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_dropout (Alpa checks the mask is
+    # drawn per shard and one all-reduce; we check the step equals jax.jit's, mask included)
+    model = DropoutModel()
+    x = jnp.ones((32, 8, 16)) * jnp.arange(32.0)[:, None, None] / 32
+    y = jnp.ones((32, 8, 16))
+    key = jax.random.PRNGKey(0)
+    state = TrainState.create(
+        apply_fn=model.apply, params=model.init(key, x, True), tx=optax.sgd(1e-2)
+    )
+
+    def step(state, x, y, rngs):
+        def loss_fn(params):
+            return jnp.mean((model.apply(params, x, False, rngs=rngs) - y) ** 2)
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    p_step = meshshard.parallelize(step, method=ShardParallel((1, 4)), batch_argnums=(1, 2))
+    got = p_step(state, x, y, {"dropout": key})
+    assert_trees_close(jax.jit(step)(state, x, y, {"dropout": key}).params, got.params)
+
+
+class GatherModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, use_bias=False)(x)
+        x = x[:, jnp.arange(16)]
+        return nn.Dense(16, use_bias=False)(x)
+
+
+def test_gather(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_gather
+    model = GatherModel()
+    x = jnp.ones((64, 32)) * jnp.arange(64.0)[:, None] / 64
+    y = jnp.ones((64, 16))
+    state = TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), x), tx=optax.sgd(1e-2)
+    )
+
+    def step(state, x, y):
+        def loss_fn(params):
+            return jnp.mean((model.apply(params, x) - y) ** 2)
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    p_step = meshshard.parallelize(step, method=ShardParallel((1, 4)), batch_argnums=(1, 2))
+    assert_trees_close(jax.jit(step)(state, x, y).params, p_step(state, x, y).params)
+
+
+@pytest.mark.parametrize(
+    "name, func, arg",
+    [
+        # origin: tests/shard_parallel/test_basic.py::test_reshape_uneven_partition
+        ("reshape_uneven", lambda a: a.reshape((8, 18)), np.arange(144, dtype=np.float32)),
+        # origin: tests/shard_parallel/test_basic.py::test_argmax
+        ("argmax", lambda a: jnp.argmax(a, axis=0), np.random.default_rng(0).random((144, 144))),
+        # origin: tests/shard_parallel/test_basic.py::test_sort
+        ("sort", jnp.argsort, np.random.default_rng(1).integers(0, 99, 1024).astype(np.int32)),
+    ],
+)
+def test_single_op_functions(one_host_cluster, name, func, arg):
+    arg = np.asarray(arg, np.float32) if arg.dtype == np.float64 else arg
+    got = meshshard.parallelize(func, method=ShardParallel((1, 4)))(arg)
+    np.testing.assert_array_equal(np.asarray(jax.jit(func)(arg)), np.asarray(got))
+
+
+def test_gemv(one_host_cluster):
+    # origin: tests/shard_parallel/test_basic.py::test_gemv
+    def func(a, b):
+        return a @ b
+
+    a = np.linspace(0, 1, 128, dtype=np.float32)
+    b = np.ones((128, 256), np.float32)
+    got = meshshard.parallelize(func, method=ShardParallel((1, 4)))(a, b)
+    assert_trees_close(jax.jit(func)(a, b), got)
+
+
+class TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16)(nn.Dense(16)(x))
+
+
+def accumulate_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    return state.apply_gradients(grads=meshshard.grad(loss_fn)(state.params))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (1, 2)])
+def test_gradient_accumulation(one_host_cluster, mesh_shape):
+    # origin: tests/shard_parallel/test_gradient_accumulation.py::
+    # test_gradient_accumulation_single_host (1x4) and ::test_gradient_accumulation_2d_mesh
+    # (2x2): momentum SGD, 2 micro-batches, parity with the full-batch step.  Alpa counts
+    # one gradient all-reduce per step, not per micro-batch: tests/test_shard_accumulate.py.
+    batch = {
+        "x": np.ones((256, 16), np.float32) * np.arange(256, dtype=np.float32)[:, None] / 256,
+        "y": np.ones((256, 16), np.float32),
+    }
+    model = TwoDense()
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.sgd(1e-2, momentum=0.9),
+    )
+    step = meshshard.parallelize(
+        accumulate_step, method=ShardParallel(mesh_shape, num_micro_batches=2)
+    )
+    got = step(state, batch)
+    assert_trees_close(jax.jit(accumulate_step)(state, batch).params, got.params)
+
+
+class ReluMLP(nn.Module):
+    num_layers: int
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.num_layers - 1):
+            x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.hidden)(x)
+
+
+def jax_grad_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+
+def _kernel_specs(plan):
+    """``{Dense_k: spec}`` of the kernels in the step's parameter buffers."""
+    from meshshard.refs import BufferKind
+
+    return {
+        t.name.split("Dense_")[1].split("'")[0]: t.spec
+        for b in plan.buffers
+        if b.name.kind is BufferKind.PARAMS
+        for t in b.tensors
+        if "kernel" in t.name
+    }
+
+
+@pytest.mark.parametrize(
+    "batch_size, hidden, parallel",
+    [
+        # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_data_parallel (a big
+        # batch and small layers: the batch is split, every weight whole).  Open: our
+        # sharding ILP splits the kernels instead (predicted comm 256 KiB of all-gathers
+        # and all-reduces per step, where data parallelism all-reduces 25 KiB of
+        # gradients); tests/peer/README.md
+        pytest.param(
+            256,
+            32,
+            "data",
+            marks=pytest.mark.xfail(
+                strict=True, reason="sharding ILP splits small kernels (tests/peer/README.md)"
+            ),
+        ),
+        # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_model_parallel (a small
+        # batch and big layers: weights split, as Megatron does)
+        (32, 256, "model"),
+    ],
+)
+def test_n_layer_mlp(one_host_cluster, batch_size, hidden, parallel):
+    with_fabric_costs(one_host_cluster)
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.standard_normal((batch_size, hidden)).astype(np.float32),
+        "y": rng.standard_normal((batch_size, hidden)).astype(np.float32),
+    }
+    model = ReluMLP(num_layers=6, hidden=hidden)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.adam(1e-2),
+    )
+    step = meshshard.parallelize(jax_grad_step, method=ShardParallel((1, 4)))
+    got = step(state, batch)
+    assert_trees_close(jax.jit(jax_grad_step)(state, batch).params, got.params, rtol=1e-4)
+    specs = _kernel_specs(step.plan)
+    assert len(specs) == 6
+    if parallel == "data":
+        assert all(not any(s) for s in specs.values()), specs
+    else:
+        assert all(any(s) for s in specs.values()), specs
+
+
+def grad_step(state, batch):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+    return state.apply_gradients(grads=meshshard.grad(loss_fn)(state.params))
+
+
+@pytest.mark.parametrize(
+    "mode, step",
+    [
+        ("zero2", grad_step),
+        ("zero3", grad_step),
+        # Open: with jax.grad (as Alpa's test has it) the step has no update part, so
+        # zero2 cannot tell the optimizer state and silently keeps it whole
+        # (tests/peer/README.md)
+        pytest.param(
+            "zero2",
+            jax_grad_step,
+            marks=pytest.mark.xfail(
+                strict=True, reason="zero2 needs meshshard.grad (tests/peer/README.md)"
+            ),
+        ),
+    ],
+    ids=["zero2", "zero3", "zero2_jax_grad"],
+)
+def test_n_layer_mlp_zero(one_host_cluster, mode, step):
+    # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_data_parallel_reduce_scatter
+    # (Zero2Parallel) and ::..._zero_stage_3 (Zero3Parallel): the optimizer state (zero2),
+    # and the parameters too (zero3), are split over the devices; parity with jax.jit
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.standard_normal((256, 32)).astype(np.float32),
+        "y": rng.standard_normal((256, 32)).astype(np.float32),
+    }
+    model = ReluMLP(num_layers=6, hidden=32)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.adam(1e-2),
+    )
+    ref = jax.jit(step)(state, batch)
+    step = meshshard.parallelize(step, method=ShardParallel((1, 4), sharding=mode))
+    got = step(state, batch)
+    assert_trees_close(ref.params, got.params, rtol=1e-4)
+    tensors = [t for b in step.plan.buffers for t in b.tensors if "kernel" in t.name]
+    opt = [t.spec for t in tensors if "].mu[" in t.name or "].nu[" in t.name]
+    params = [t.spec for t in tensors if "].params[" in t.name and "opt_state" not in t.name]
+    assert len(opt) == 12 and all(opt), opt  # Adam's mu and nu of 6 kernels
+    assert len(params) == 6 and all(params) == (mode == "zero3"), params
