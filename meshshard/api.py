@@ -428,12 +428,14 @@ def _warn_guessed_reductions(traced) -> None:
 
 
 def _warn_unsplit_batch(plan) -> None:
-    """Say so when a mesh's devices do not divide the micro-batch: its batch values run
-    whole on every device there (no data parallelism), which the user did not ask for."""
+    """Say so when a mesh's devices do not divide the micro-batch (its batch values run
+    whole on every device there: no data parallelism), or when ``sharding="zero2"``
+    found no optimizer state to split: what the user asked for did not happen."""
+    from meshshard.passes.shard_plan import ZERO_UNSPLIT
     from meshshard.passes.sharding import UNSPLIT_BATCH
 
     for note in plan.notes:
-        if note.startswith(UNSPLIT_BATCH):
+        if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT)):
             log.warning("%s", note)
 
 

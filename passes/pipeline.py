@@ -33,6 +33,7 @@ from meshshard.passes.shard_plan import (
     program_constraints,
     sharding_notes,
     spec_lookup,
+    zero_notes,
 )
 from meshshard.passes.sharding import build_buffers, unsplit_batch_notes
 from meshshard.passes.slicing import slice_layers
@@ -192,6 +193,7 @@ def _assemble(st: CompileState) -> CompileState:
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
     notes += unsplit_batch_notes(traced, st.meshes)
+    notes += zero_notes(traced, graph, sharding_mode(st.method))
     plan = Plan(
         method=repr(st.method),
         cluster=st.cluster,

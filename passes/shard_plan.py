@@ -32,7 +32,14 @@ from meshshard.passes.trace import TracedStep
 from meshshard.plan import MeshSpec, Spec
 from meshshard.refs import Phase
 
-__all__ = ["SHARDING_MODES", "MeshSharding", "infer_shardings", "tied_state"]
+__all__ = [
+    "SHARDING_MODES",
+    "ZERO_UNSPLIT",
+    "MeshSharding",
+    "infer_shardings",
+    "tied_state",
+    "zero_notes",
+]
 
 SHARDING_MODES = ("data_parallel", "auto", "zero2", "zero3")
 TIME_LIMIT = 20.0
@@ -100,14 +107,51 @@ def _split_spec(shape, lmesh: LogicalMesh) -> Spec:
     return to_spec(best) if best else ()
 
 
-def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec]:
-    if mode == "auto":
-        return {}
-    mbs = micro_batch_sizes(traced)
+def _read_by_gradients(traced: TracedStep, graph: StageGraph) -> set:
+    """Vars read by a forward or backward program (the rest of the state is the update's)."""
     fwd = set()
     for p in graph.programs:
         if p.name.phase in (Phase.FORWARD, Phase.BACKWARD):
             fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars if not is_literal(v))
+    return fwd
+
+
+#: Plan notes that start so are also logged as a warning at compile time.
+ZERO_UNSPLIT = "optimizer state not split"
+
+
+def zero_notes(traced: TracedStep, graph: StageGraph, mode: str) -> list[str]:
+    """A note when ``sharding="zero2"`` finds no state that only the update reads.
+
+    ZeRO-2 splits the optimizer state, which it tells from the parameters by what the
+    gradient programs read.  A step that differentiates with ``jax.grad`` has no
+    marked gradients, so its update is not planned apart and every state leaf counts
+    as read by them: nothing is split (the numbers are unchanged), which a user asking
+    for ZeRO-2 does not expect without being told.
+    """
+    if mode != "zero2":
+        return []
+    fwd = _read_by_gradients(traced, graph)
+    state = [
+        v
+        for v, info in zip(traced.jaxpr.invars, traced.inputs, strict=False)
+        if not info.is_batch and not info.is_key and len(info.shape) > 0
+    ]
+    if not state or any(v not in fwd for v in state):
+        return []
+    return [
+        f"{ZERO_UNSPLIT} (sharding='zero2'): every state leaf is read by the gradient "
+        "computation, so none is the update's own to split; differentiate with "
+        "meshshard.grad or meshshard.value_and_grad (not jax.grad) so meshshard plans the "
+        "update apart"
+    ]
+
+
+def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec]:
+    if mode == "auto":
+        return {}
+    mbs = micro_batch_sizes(traced)
+    fwd = _read_by_gradients(traced, graph)
     pins = {}
     for leaf, info in enumerate(traced.inputs):
         v = traced.jaxpr.invars[leaf]

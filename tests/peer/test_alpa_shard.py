@@ -310,3 +310,28 @@ def test_n_layer_mlp_zero(one_host_cluster, mode, step):
     params = [t.spec for t in tensors if "].params[" in t.name and "opt_state" not in t.name]
     assert len(opt) == 12 and all(opt), opt  # Adam's mu and nu of 6 kernels
     assert len(params) == 6 and all(params) == (mode == "zero3"), params
+
+
+@pytest.mark.parametrize("step, said", [(jax_grad_step, True), (grad_step, False)])
+def test_zero2_says_when_it_finds_no_optimizer_state_to_split(one_host_cluster, caplog, step, said):
+    """The open case above is at least not silent: with ``jax.grad`` the plan's notes and
+    a compile-time warning say the optimizer state was not split, and how to get it."""
+    import logging
+
+    from meshshard.passes.shard_plan import ZERO_UNSPLIT
+
+    batch = {"x": np.ones((16, 8), np.float32), "y": np.zeros((16, 8), np.float32)}
+    model = ReluMLP(num_layers=2, hidden=8)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.adam(1e-2),
+    )
+    parallel = meshshard.parallelize(step, method=ShardParallel((1, 4), sharding="zero2"))
+    with caplog.at_level(logging.WARNING, logger="meshshard"):
+        parallel(state, batch)
+    notes = [n for n in parallel.plan.notes if n.startswith(ZERO_UNSPLIT)]
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith(ZERO_UNSPLIT)]
+    assert (bool(notes), warned == notes) == (said, True)
+    if said:
+        assert "meshshard.grad" in notes[0] and "jax.grad" in notes[0]
