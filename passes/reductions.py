@@ -301,6 +301,12 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
         yield em, ef, ins, outs
 
 
+def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
+    """Whether two traces of one step run the same primitives in the same order (so their
+    equations pair up by position)."""
+    return _same_program(micro, full)
+
+
 def _same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
     me, fe = micro.jaxpr.eqns, full.jaxpr.eqns
     return [e.primitive for e in me] == [e.primitive for e in fe]

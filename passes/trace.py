@@ -44,7 +44,7 @@ from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
-from meshshard.passes.reductions import resolve, set_reductions
+from meshshard.passes.reductions import resolve, same_program, set_reductions
 from meshshard.passes.shared_grads import split_shared_gradients
 
 
@@ -216,7 +216,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     ]
     micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)[:2]
     draws = find_batch_draws(micro, full, m)
-    reduce = resolve(micro, full if m > 1 else None, is_batch, m)
+    reduce = resolve(*_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m))
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
     closed = split_shared_gradients(set_reductions(closed, reduce))
@@ -246,6 +246,31 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         transposed=forward_only and transposed,
         out_key_impls=tuple(getattr(fn, "out_impls", ())),
     )
+
+
+def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):
+    """``resolve``'s arguments: two traces whose batch sizes differ ``m``-fold, to tell
+    how the loss and aux values combine over micro-batches.
+
+    Normally the micro-batch and the full batch.  JAX specializes a dimension of size 1,
+    so a one-row micro-batch often traces other equations than the full batch, and the
+    two cannot be paired: there the step is traced again at 2 and ``2 m`` rows."""
+    if m == 1:
+        return micro, None, is_batch, m
+    rows = {a.shape[0] for a, b in zip(micro_abs, is_batch, strict=True) if b and a.shape}
+    if rows != {1} or same_program(micro, full):
+        return micro, full, is_batch, m
+
+    def at(n):
+        return [
+            jax.ShapeDtypeStruct((n, *a.shape[1:]), a.dtype) if b and a.shape else a
+            for a, b in zip(micro_abs, is_batch, strict=True)
+        ]
+
+    two, many = _trace(fn, treedef, at(2))[0], _trace(fn, treedef, at(2 * m))[0]
+    if same_program(two, many):
+        return two, many, is_batch, m
+    return micro, full, is_batch, m
 
 
 def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object, bool]:
