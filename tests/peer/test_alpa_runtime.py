@@ -13,17 +13,9 @@ from flax.training.train_state import TrainState
 
 import meshshard
 from meshshard import FollowParallel, MeshshardInputError, PipeshardParallel, ShardParallel
-from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from tests.conftest import assert_trees_close
 
 pytestmark = pytest.mark.slow  # each test compiles and runs a parallelized step
-
-
-@pytest.fixture
-def one_host_cluster():
-    """One host of 4 devices as threads (Alpa's local-mesh runtime tests)."""
-    with use_cluster(ThreadsCluster(1, 4)) as cluster:
-        yield cluster
 
 
 def test_random_generation_is_unique_across_shards(one_host_cluster):

@@ -18,17 +18,9 @@ from flax.training.train_state import TrainState
 
 import meshshard
 from meshshard import ShardParallel
-from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from tests.conftest import assert_trees_close, with_fabric_costs
 
 pytestmark = pytest.mark.slow  # each test compiles and runs a sharded step
-
-
-@pytest.fixture
-def one_host_cluster():
-    """One host of 4 devices as threads (Alpa's shard tests use 4 local devices)."""
-    with use_cluster(ThreadsCluster(1, 4)) as cluster:
-        yield cluster
 
 
 def test_dot_reshape_transpose(one_host_cluster):
