@@ -114,6 +114,19 @@ def _normalizes(em, ef, m: int) -> str:
 
 def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple[str, str]:
     """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars."""
+    return _classify(micro, full, var, m, dep, {})
+
+
+def _classify(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
+    """:func:`classify`, each value once per call: a sum's terms are classified on their
+    own (:func:`_mixed_terms`), and a chain of additions shares its partial sums, so
+    without ``memo`` the work doubled with every term added."""
+    if var not in memo:
+        memo[var] = _classify_once(micro, full, var, m, dep, memo)
+    return memo[var]
+
+
+def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     kinds, norms = set(), 0
@@ -135,7 +148,7 @@ def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tu
     bad = _nonlinear_after_reduction(micro, producers, var)
     if bad:
         return "", f"it applies {bad} to a value reduced over the batch"
-    mixed = _mixed_terms(micro, full, producers, m, dep)
+    mixed = _mixed_terms(micro, full, producers, m, dep, memo)
     if mixed:
         return "", mixed
     if not kinds:
@@ -173,7 +186,7 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
     return ""
 
 
-def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep) -> str:
+def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep, memo) -> str:
     """Why a sum of terms in the value's tail combines no single way, or ''.
 
     Adding batch reductions is linear only when every term combines the same way: a
@@ -189,7 +202,7 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep) 
             if is_literal(v) or v not in dep:
                 kinds.append("const")
                 continue
-            red, why = classify(micro, full, v, m, dep)
+            red, why = _classify(micro, full, v, m, dep, memo)
             if not red:
                 return why
             kinds.append(red)
