@@ -153,12 +153,13 @@ class ParallelizedFunction:
             running = current_cluster()
             cluster = running.spec if running is not None else ClusterSpec()
         fn, args = physical_call(_layered(self.fn, self.method), args)
+        batch_argnums = self._batch_for(args)
         plan, _ = plan_step(
             fn,
-            _abstract(args, self._batch_for(args)),
+            _abstract(args, batch_argnums),
             method=self.method,
             cluster=cluster,
-            batch_argnums=self._batch_for(args),
+            batch_argnums=batch_argnums,
             costs=costs,
         )
         self._lowered = plan
@@ -310,7 +311,7 @@ class ParallelizedFunction:
             exe.set_out_tree(traced.out_tree)
             self.last_compile_seconds = time.perf_counter() - t0
             _warn_guessed_reductions(traced)
-            _warn_unsplit_batch(plan)
+            _warn_unmet_requests(plan)
             log.info(
                 "compiled %s for %s in %.1fs (%d stages, %d workers)",
                 getattr(self.fn, "__name__", "step"),
@@ -427,7 +428,7 @@ def _warn_guessed_reductions(traced) -> None:
         )
 
 
-def _warn_unsplit_batch(plan) -> None:
+def _warn_unmet_requests(plan) -> None:
     """Say so when a mesh's devices do not divide the micro-batch (its batch values run
     whole on every device there: no data parallelism), or when ``sharding="zero2"``
     found no optimizer state to split: what the user asked for did not happen."""

@@ -128,7 +128,7 @@ def output_reductions(
     """Per step result of a forward-only step: (label, reduction, source), or None for a
     result that is a literal or an input (nothing to combine)."""
     from meshshard.passes.hoist import batch_dependent
-    from meshshard.passes.reductions import _same_program
+    from meshshard.passes.reductions import same_program
 
     mj = micro.jaxpr
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
@@ -142,7 +142,7 @@ def output_reductions(
             out.append((label, producer[v].params["reduce"], "declared"))
         elif v not in dep:
             out.append((label, "same", "does not depend on the batch"))
-        elif not _same_program(micro, full):
+        elif not same_program(micro, full):
             raise MeshshardInputError(
                 f"step result {label} depends on the batch, and the step traces differently at "
                 "micro-batch and full-batch shape, so meshshard cannot tell how to combine it "

@@ -317,10 +317,6 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
 def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
     """Whether two traces of one step run the same primitives in the same order (so their
     equations pair up by position)."""
-    return _same_program(micro, full)
-
-
-def _same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
     me, fe = micro.jaxpr.eqns, full.jaxpr.eqns
     return [e.primitive for e in me] == [e.primitive for e in fe]
 
@@ -355,7 +351,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             red, source = loss, "follows the loss"
         elif not red and (m == 1 or full is None or is_literal(v)):
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
-        elif not red and not _same_program(micro, full):
+        elif not red and not same_program(micro, full):
             if label == "loss":
                 # A guessed mean would average the gradients of a summed loss (or sum
                 # those of a mean): wrong numbers, so refuse as for an unclassifiable loss.

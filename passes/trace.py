@@ -216,7 +216,9 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     ]
     micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)[:2]
     draws = find_batch_draws(micro, full, m)
-    reduce = resolve(*_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m))
+    reduce = resolve(
+        *_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m), is_batch, m
+    )
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
     closed = split_shared_gradients(set_reductions(closed, reduce))
@@ -249,17 +251,17 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
 
 
 def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):
-    """``resolve``'s arguments: two traces whose batch sizes differ ``m``-fold, to tell
-    how the loss and aux values combine over micro-batches.
+    """Two traces whose batch sizes differ ``m``-fold (none for the second when ``m`` is
+    1), for ``resolve`` to tell how the loss and aux values combine over micro-batches.
 
     Normally the micro-batch and the full batch.  JAX specializes a dimension of size 1,
     so a one-row micro-batch often traces other equations than the full batch, and the
     two cannot be paired: there the step is traced again at 2 and ``2 m`` rows."""
     if m == 1:
-        return micro, None, is_batch, m
+        return micro, None
     rows = {a.shape[0] for a, b in zip(micro_abs, is_batch, strict=True) if b and a.shape}
     if rows != {1} or same_program(micro, full):
-        return micro, full, is_batch, m
+        return micro, full
 
     def at(n):
         return [
@@ -268,9 +270,7 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):
         ]
 
     two, many = _trace(fn, treedef, at(2))[0], _trace(fn, treedef, at(2 * m))[0]
-    if same_program(two, many):
-        return two, many, is_batch, m
-    return micro, full, is_batch, m
+    return (two, many) if same_program(two, many) else (micro, full)
 
 
 def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object, bool]:
