@@ -200,14 +200,19 @@ def test_draw_in_shard_map_is_refused():
         body = lambda x: x + jax.random.normal(k, x.shape)  # noqa: E731
         return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
 
+    _assert_draws_refused(
+        f,
+        r"random draw of shape \[4, 3\] \(full batch\) inside a shard_map equation.*"
+        r"draw the random values .* outside the shard_map function.*num_micro_batches=1",
+    )
+
+
+def _assert_draws_refused(f, match):
+    """``f(x, key)``'s draws, traced at 2 and 4 rows (2 micro-batches), are refused."""
     k = jax.random.key(0)
     micro = jax.make_jaxpr(f)(jnp.ones((2, 3)), k)
     full = jax.make_jaxpr(f)(jnp.ones((4, 3)), k)
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"random draw of shape \[4, 3\] \(full batch\) inside a shard_map equation.*"
-        r"draw the random values .* outside the shard_map function.*num_micro_batches=1",
-    ):
+    with pytest.raises(MeshshardInputError, match=match):
         find_batch_draws(micro, full, 2)
 
 
@@ -219,12 +224,8 @@ def test_shape_dependent_program_inside_remat_is_refused():
 
         return jax.checkpoint(body)(x)
 
-    k = jax.random.key(0)
-    micro = jax.make_jaxpr(f)(jnp.ones((2, 3)), k)
-    full = jax.make_jaxpr(f)(jnp.ones((4, 3)), k)
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"draws random numbers \(random_bits\) but traces to different programs at "
+    _assert_draws_refused(
+        f,
+        r"draws random numbers \(random_bits\) but traces to different programs at "
         r"micro-batch and full-batch shape inside remat2 eqn 0 .*control flow independent",
-    ):
-        find_batch_draws(micro, full, 2)
+    )
