@@ -5,6 +5,10 @@ STAMP   := $(VENV)/.installed
 # The CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA
 # build); pyproject's range accepts it, and GPU users bring their own CUDA build.
 TORCH   ?= torch==2.13.0
+# ml_dtypes 0.7.0 takes 1.5 s to import (0.6.0: 0.19 s), and every process that imports
+# JAX pays it: each Ray host-actor, each test worker and subprocess (BUILD_NOTES.md,
+# "Import time").  JAX 0.10 accepts >=0.5.
+ML_DTYPES ?= ml_dtypes>=0.5,<0.7
 
 .PHONY: setup demo test test-fast lint format bench clean
 
@@ -14,7 +18,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" "$(ML_DTYPES)"
 	touch $(STAMP)
 
 demo: setup
