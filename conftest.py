@@ -27,12 +27,17 @@ import pytest
 # Eight emulated CPU devices; and the test run compiles with the LLVM backend's
 # optimizations off (HLO passes, sharding and fusion decisions are unchanged, only the
 # machine code is plainer): the tiny test models spend far longer compiling than
-# running, and this cuts a GPT test's time by a quarter to a third.  Every process of
-# the run inherits it: xdist workers, Ray host-actors, subprocess tests.
+# running, and this cuts a GPT test's time by a quarter to a third.  XLA:CPU's older
+# elemental emitters (``--xla_cpu_use_fusion_emitters=false``) compile the same fusions
+# in less time than its MLIR fusion emitters: a script that builds the GPT example's
+# state, runs jax.jit of its step and a first two-stage pipelined step used 18 s of CPU
+# instead of 25-27 s (BUILD_NOTES.md, "Tests").  Every process of the run inherits
+# these: xdist workers, Ray host-actors, subprocess tests.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    + " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # Ray's log monitor re-globs its session's log directory every 0.1 s until it watches
