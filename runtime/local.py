@@ -70,8 +70,10 @@ class LocalBackend:
         for m in plan.meshes:
             if m.shape[0] != 1:
                 raise MeshshardInputError(
-                    f"mesh{m.id} spans {m.shape[0]} hosts; the in-process backend runs "
-                    "single-host meshes only: use meshshard.init() (Ray) for multi-host meshes"
+                    f"mesh{m.id} spans {m.shape[0]} hosts (shape {m.shape}); the in-process "
+                    "backend runs single-host meshes only: give the method a mesh of one "
+                    f"host, e.g. mesh_shape=(1, {m.shape[1]}) or stages=[(1, {m.shape[1]}), "
+                    "...], or use meshshard.init() (Ray) for multi-host meshes"
                 )
             w = m.workers[0]
             start = first_device(w)

@@ -181,3 +181,15 @@ def test_cross_stage_update_is_planned_as_an_allreduce(setup):
         batch,
     )
     assert [r.op for r in plan.reductions] == ["sum"]
+
+
+def test_multi_host_mesh_on_the_threads_backend_names_a_one_host_mesh(setup, threads_cluster):
+    """ShardParallel() takes the whole 4 x 2 cluster as one mesh; the in-process backend
+    cannot run a mesh over several hosts, and says which one-host mesh it could run."""
+    _, batch, state = setup
+    step = meshshard.parallelize(mlp.train_step, method=meshshard.ShardParallel())
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"mesh0 spans 4 hosts \(shape \(4, 2\)\).*mesh_shape=\(1, 2\)",
+    ):
+        step(state, batch)
