@@ -414,7 +414,7 @@ def is_elementwise_call(eqn) -> bool:
                 return False
             if e.primitive.name == "broadcast_in_dim" and _shape(e.invars[0]) != ():
                 return False
-        elif e.primitive.name in CALLS:
+        elif e.primitive.name in CALLS or e.primitive.name in INNER_CALLS:
             if not is_elementwise_call(e):
                 return False
         else:
@@ -423,6 +423,9 @@ def is_elementwise_call(eqn) -> bool:
 
 
 CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint"})
+#: Calls a custom derivative's body may wrap (``jax.nn.relu`` is ``jit(max(x, 0))``
+#: there): the inlining pass does not reach inside ``custom_jvp_call``.
+INNER_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
 def _call(eqn, mesh: LogicalMesh) -> list[Strategy]:
