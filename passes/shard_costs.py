@@ -122,6 +122,22 @@ class LogicalMesh:
             return alpha + nbytes * beta
         raise ValueError(f"unknown collective kind {kind!r}")
 
+    def latency(self, kind: str, axes: tuple[str, ...]) -> float:
+        """The latency (alpha) part of :meth:`collective_time` of ``kind`` over ``axes``:
+        what merging it into another collective of the same group saves.
+
+        >>> from meshshard.cluster import ClusterSpec
+        >>> m = LogicalMesh.of((1, 4), ClusterSpec())
+        >>> t = m.collective_time("all-reduce", ("device",), 1e3)
+        >>> 0 < m.latency("all-reduce", ("device",)) < t
+        True
+        """
+        p = self.size(axes)
+        if p <= 1:
+            return 0.0
+        alpha = max(self.alpha[self.axes.index(a)] for a in axes)
+        return alpha if kind == "collective-permute" else (p - 1) * alpha
+
     def comm_time(self, comms) -> float:
         """Total seconds of a sequence of :class:`Comm`."""
         return sum(self.collective_time(c.kind, c.axes, c.nbytes) for c in comms)

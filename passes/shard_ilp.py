@@ -10,7 +10,12 @@ which keeps a GPT block at a few hundred ILP nodes.
 
 Objective (seconds): per strategy, compute divided by its split plus its collectives
 (alpha-beta per mesh axis, :mod:`meshshard.passes.shard_costs`); per edge, the
-resharding collectives.  Constraint: at up to 16 points of the program (those with the
+resharding collectives.  XLA's all-reduce combiner merges independent all-reduces of one
+replica group into one collective, so the all-reduces of equations no later
+all-reducing equation depends on (:func:`_combinable`: the data-parallel gradients,
+which feed only the elementwise update) pay their bandwidth per strategy and their
+latency once per (mesh axes, reduction, dtype) group: one variable ``y >= x`` of every
+strategy that joins the group, priced at the group's alpha.  Constraint: at up to 16 points of the program (those with the
 most live bytes when everything is replicated) the bytes one device holds of every
 live value (inputs live throughout) fit ``memory_budget``.  HiGHS
 (``scipy.optimize.milp``) solves it with a time limit; its gap is reported.  When it
@@ -140,6 +145,10 @@ class _Node:
     strategies: list[Strategy]
     cost: np.ndarray = None  # seconds per strategy
     shapes: tuple = ()  # (shape, dtype) per output
+    #: per strategy: the combiner groups its combinable all-reduces join (see _combinable)
+    groups: list = None
+    #: per strategy: latency seconds left out of ``cost`` (paid once per group instead)
+    saved: np.ndarray = None
 
 
 @dataclass
@@ -161,6 +170,8 @@ class _Problem:
     notes: list[str]
     scope: tuple = ()  # (jaxpr, equation indices, var ids): to recompute memory rows
     ties: list[tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=list)
+    #: combiner group (axes, reduction, dtype) -> seconds paid once when any member runs
+    combine: dict = field(default_factory=dict)
 
 
 def _flops(eqn) -> float:
@@ -251,6 +262,74 @@ def _input_node(v, vid: int, mesh: LogicalMesh) -> _Node:
     return _Node(-1, (vid,), strat, tie, ((shape, v.aval.dtype),))
 
 
+#: Reductions an all-reduce applies per primitive (XLA combines only equal reductions).
+_REDUCTION = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul"}
+
+
+def _combinable(jaxpr, idx, strat: Mapping[int, list[Strategy]]) -> set[int]:
+    """Equations whose all-reduces XLA's all-reduce combiner can merge into one per
+    replica group: no equation of the scope downstream of their outputs may all-reduce
+    (has a strategy with an all-reduce).  Their all-reduced values then feed only
+    all-reduce-free work (elementwise updates, reshapes, the outputs), so no all-reduce
+    of this set depends on another: they are independent, and XLA merges independent
+    all-reduces of one replica group and reduction (the data-parallel gradients of the
+    parameters: Adam's or SGD's update is elementwise)."""
+    may_reduce = {i: any(c.kind == "all-reduce" for st in strat.get(i, ()) for c in st.comms)
+                  for i in idx}  # fmt: skip
+    tainted: set = set()  # vars some all-reducing equation depends on downstream
+    out = set()
+    for i in reversed(idx):
+        eqn = jaxpr.eqns[i]
+        after = any(o in tainted for o in eqn.outvars if not is_dropvar(o))
+        if may_reduce[i] and not after:
+            out.add(i)
+        if may_reduce[i] or after:
+            tainted.update(v for v in eqn.invars if not is_literal(v))
+    return out
+
+
+def _combine_groups(eqn, strat, cost, mesh: LogicalMesh, factor: float, combine: dict):
+    """(per-strategy group keys, per-strategy latency left out of ``cost``) of a
+    combinable equation; ``cost`` loses the latency of each combinable all-reduce (times
+    ``factor``, its runs per step) and ``combine`` gains each group's once-paid latency."""
+    red = _REDUCTION.get(eqn.primitive.name, "add")
+    dtype = str(eqn.outvars[0].aval.dtype)
+    groups, saved = [], np.zeros(len(strat))
+    for j, s in enumerate(strat):
+        keys = []
+        for c in s.comms:
+            lat = mesh.latency(c.kind, c.axes) if c.kind == "all-reduce" and c.nbytes > 0 else 0
+            if lat <= 0:
+                continue
+            key = (c.axes, red, dtype)
+            keys.append(key)
+            saved[j] += factor * lat
+            combine[key] = max(combine.get(key, 0.0), factor * lat)
+        groups.append(tuple(dict.fromkeys(keys)))
+    return groups, cost - saved, saved
+
+
+def _keys(node: _Node, j: int) -> tuple:
+    """The combiner groups strategy ``j`` of ``node`` joins."""
+    return node.groups[j] if node.groups else ()
+
+
+def _group_seconds(problem: _Problem, choice) -> float:
+    """The once-paid latency of every combiner group some chosen strategy joins."""
+    active = {k for n, j in zip(problem.nodes, choice, strict=True) for k in _keys(n, j)}
+    return sum(problem.combine[k] for k in active)
+
+
+def _joining(problem: _Problem, node: _Node, active) -> np.ndarray:
+    """Per strategy of ``node``: the latency of the groups it would open (not ``active``)."""
+    return np.array(
+        [
+            sum(problem.combine[k] for k in _keys(node, j) if k not in active)
+            for j in range(len(node.strategies))
+        ]
+    )
+
+
 def _amortized(cost: np.ndarray, strat, mesh: LogicalMesh, factor: float) -> np.ndarray:
     """Strategy costs with their reduces counted ``factor`` times (run once per step)."""
     out = cost.copy()
@@ -271,6 +350,13 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
         source[ids[v]] = (len(nodes), 0)
         nodes.append(_input_node(v, ids[v], mesh))
     edges: list[_Edge] = []
+    strat_of = {
+        i: strategies(jaxpr.eqns[i], mesh)
+        for i in idx
+        if not (jaxpr.eqns[i].primitive.name in ALIAS_PRIMITIVES or _is_follower(jaxpr.eqns[i]))
+    }
+    combinable = _combinable(jaxpr, idx, strat_of)
+    combine: dict = {}
     for i in idx:
         eqn = jaxpr.eqns[i]
         name = eqn.primitive.name
@@ -298,7 +384,7 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
                         eqn.params["spec"], tuple(a.aval.shape), mesh, _pin_name(eqn, ids[o])
                     )
             continue
-        strat = strategies(eqn, mesh)
+        strat = strat_of[i]
         if strat[0].name == "replicated" and name not in ("iota",) and eqn.outvars:
             notes.append(f"{name} runs replicated (no sharding rule)")
         n = len(nodes)
@@ -307,9 +393,13 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
             (tuple(o.aval.shape), o.aval.dtype) for o in eqn.outvars if not is_dropvar(o)
         )
         cost = np.array([_strategy_cost(eqn, s, mesh) for s in strat])
-        if amortize and i in amortize:
-            cost = _amortized(cost, strat, mesh, amortize[i])
-        nodes.append(_Node(i, outs, strat, cost, shapes))
+        factor = amortize.get(i, 1.0) if amortize else 1.0
+        if factor != 1.0:
+            cost = _amortized(cost, strat, mesh, factor)
+        groups, saved = [()] * len(strat), np.zeros(len(strat))
+        if i in combinable:
+            groups, cost, saved = _combine_groups(eqn, strat, cost, mesh, factor, combine)
+        nodes.append(_Node(i, outs, strat, cost, shapes, groups, saved))
         k = 0
         for o in eqn.outvars:
             if not is_dropvar(o):
@@ -328,7 +418,7 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
                 f"produced by its equation on mesh {mesh}; pin a layout of its operand instead"
             )
         _restrict(nodes, edges, p, keep, mesh)
-    problem = _Problem(nodes, edges, source, [], notes, (jaxpr, idx, ids))
+    problem = _Problem(nodes, edges, source, [], notes, (jaxpr, idx, ids), combine=combine)
     _refresh_memory(problem, mesh)
     return problem
 
@@ -343,6 +433,9 @@ def _restrict(nodes, edges, p, keep, mesh) -> None:
     pos = [node.strategies.index(s) for s in keep]
     node.strategies = keep
     node.cost = node.cost[pos]
+    if node.groups is not None:
+        node.groups = [node.groups[j] for j in pos]
+        node.saved = node.saved[pos]
     for e in edges:
         if e.src == p:
             e.matrix = e.matrix[pos, :]
@@ -483,6 +576,13 @@ def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float
             ent = [(offsets[n1] + j, 1.0) for j, x in enumerate(lays1) if x == lay]
             ent += [(offsets[n2] + j, -1.0) for j, x in enumerate(lays2) if x == lay]
             row(ent, 0.0, 0.0)
+    for key, seconds in problem.combine.items():  # y_key >= x of every member strategy
+        y = nx + len(extra_c)
+        extra_c.append(seconds)
+        for n, node in enumerate(nodes):
+            members = [j for j in range(len(node.strategies)) if key in _keys(node, j)]
+            if members:  # one strategy per node: their sum is 0 or 1
+                row([(offsets[n] + j, 1.0) for j in members] + [(y, -1.0)], -np.inf, 0.0)
     if budget is not None:
         for mem in problem.mem_rows:
             row([(j, float(v)) for j, v in enumerate(mem) if v], -np.inf, float(budget))
@@ -524,14 +624,16 @@ def _greedy(problem: _Problem, preset: Mapping[int, int] | None = None) -> list[
     for n, j in (preset or {}).items():
         choice[n] = j
     into, out_of = _adjacency(problem)
+    active = {k for n, j in enumerate(choice) if j is not None for k in _keys(nodes[n], j)}
     for n, node in enumerate(nodes):
         if node.eqn < 0 or choice[n] is not None:
             continue
-        total = node.cost.copy()
+        total = node.cost + _joining(problem, node, active)
         for e in into.get(n, []):
             src = choice[e.src]
             total += e.matrix.min(axis=0) if src is None else e.matrix[src]
         choice[n] = int(np.argmin(total))
+        active.update(_keys(node, choice[n]))
     for n, node in enumerate(nodes):
         if choice[n] is None:
             total = node.cost.copy()
@@ -553,18 +655,28 @@ def _improve(problem: _Problem, choice: list[int], rounds: int = 4) -> list[int]
     into, out_of = _adjacency(problem)
     tied = {n for pair in problem.ties for n, _ in pair}
     choice = list(choice)
+    members: dict = {}  # combiner group -> how many nodes' choices join it
+    for n, j in enumerate(choice):
+        for k in _keys(nodes[n], j):
+            members[k] = members.get(k, 0) + 1
     for _ in range(rounds):
         changed = False
         for n, node in enumerate(nodes):
             if n in tied or len(node.strategies) == 1:
                 continue
-            total = node.cost.copy()
+            mine = _keys(node, choice[n])
+            active = {k for k, m in members.items() if m > (k in mine)}
+            total = node.cost + _joining(problem, node, active)
             for e in into.get(n, []):
                 total += e.matrix[choice[e.src]]
             for e in out_of.get(n, []):
                 total += e.matrix[:, choice[e.dst]]
             best = int(np.argmin(total))
             if total[best] < total[choice[n]] - 1e-15:
+                for k in mine:
+                    members[k] -= 1
+                for k in _keys(node, best):
+                    members[k] = members.get(k, 0) + 1
                 choice[n], changed = best, True
         if not changed:
             break
@@ -618,6 +730,7 @@ def _evaluate(problem: _Problem, choice, mesh: LogicalMesh):
     """(objective seconds, per-equation comms, peak bytes) of a choice."""
     nodes = problem.nodes
     objective = sum(float(n.cost[j]) for n, j in zip(nodes, choice, strict=True))
+    objective += _group_seconds(problem, choice)
     comms: list[tuple[int, Comm]] = []
     for n, j in zip(nodes, choice, strict=True):
         for cm in n.strategies[j].comms:
@@ -755,7 +868,9 @@ def estimate_stage_cost(
     problem = _build(jaxpr, mesh, eqns, {})
     choice = _greedy(problem)
     objective, comms, memory = _evaluate(problem, choice, mesh)
-    comm = mesh.comm_time(c for _, c in comms)
+    # combinable all-reduces pay their latency once per group, as the objective does
+    saved = sum(float(n.saved[j]) for n, j in zip(problem.nodes, choice, strict=True) if n.groups)
+    comm = mesh.comm_time(c for _, c in comms) - saved + _group_seconds(problem, choice)
     if memory_budget is None and cluster is not None:
         memory_budget = cluster.device_memory
     fits = memory_budget is None or memory <= memory_budget

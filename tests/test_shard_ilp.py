@@ -185,3 +185,63 @@ def test_amortized_reduces_make_data_parallel_cheaper():
     assert dots and full.status == once.status == "optimal"
     assert once.objective < full.objective
     assert any(c.kind == "all-reduce" for _, c in once.comms)  # the batch split's reduce
+
+
+def _four_gradients(x, w0, w1, w2, w3):
+    # four small, independent gradient-like contractions over the batch, each feeding
+    # only an elementwise update: data parallelism all-reduces each of them
+    ws = (w0, w1, w2, w3)
+    return tuple(w - 0.1 * jnp.einsum("bi,bj->ij", x, x * (k + 1.0)) for k, w in enumerate(ws))
+
+
+def test_combinable_gradient_all_reduces_pay_one_latency(monkeypatch):
+    import numpy as np
+
+    from meshshard.jaxpr_util import var_ids
+    from meshshard.passes import shard_ilp
+
+    closed = jax.make_jaxpr(_four_gradients)(jnp.ones((256, 16)), *[jnp.ones((16, 16))] * 4)
+    ids = var_ids(closed.jaxpr)
+    whole = {ids[v]: () for v in (*closed.jaxpr.invars[1:], *closed.jaxpr.outvars)}
+    sol = solve_stage(closed, MESH, CLUSTER, pins=whole)
+    assert sol.status == "optimal" and sol.specs[0] == ("device",)  # the batch splits
+    reduces = [c for _, c in sol.comms if c.kind == "all-reduce"]
+    assert len(reduces) == 4 and all(c.nbytes == 16 * 16 * 4 for c in reduces)
+    # priced as XLA's combiner runs them: the bandwidth of each, one latency in all
+    latency = MESH.latency("all-reduce", ("device",))
+    problem = shard_ilp._build(closed.jaxpr, MESH, None, {})
+    shard_ilp._apply_pins(problem, whole, closed.jaxpr, MESH)
+    assert list(problem.combine.values()) == [pytest.approx(latency)]
+    choice, _, res = shard_ilp._milp(problem, None, 10.0, 1e-9)
+    objective = shard_ilp._evaluate(problem, choice, MESH)[0]
+    assert res.fun == pytest.approx(objective, rel=1e-9)  # the ILP and _evaluate agree
+    assert objective == pytest.approx(sol.objective, rel=1e-6)
+    improved = shard_ilp._improve(problem, choice)  # local search prices it alike
+    assert shard_ilp._evaluate(problem, improved, MESH)[0] >= objective - 1e-15
+    split = [n for n in problem.nodes if n.groups and any(n.groups)]
+    assert len(split) == 4 and np.allclose([n.saved.max() for n in split], latency)
+    # one latency per all-reduce (no combiner) makes the same split dearer than the
+    # replicated plan: data parallelism wins only when priced combined
+    monkeypatch.setattr(shard_ilp, "_combinable", lambda *a: set())
+    alone = solve_stage(closed, MESH, CLUSTER, pins=whole)
+    assert alone.specs[0] == () and not [c for _, c in alone.comms if c.kind == "all-reduce"]
+    # the split plan priced one latency per all-reduce: dearer than the replicated one
+    assert sol.objective < alone.objective < sol.objective + 3 * latency
+
+
+def test_only_all_reduces_no_later_all_reduce_depends_on_combine():
+    # SGD on a 2-layer MLP: the weight gradients feed only the update (combinable); the
+    # forward contractions and the backward's dx feed later contractions (not)
+    from meshshard.passes import shard_ilp
+    from meshshard.passes.shard_rules import strategies
+
+    closed = jax.make_jaxpr(_sgd_step)(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.ones((512, 64)))
+    jaxpr = closed.jaxpr
+    idx = list(range(len(jaxpr.eqns)))
+    found = shard_ilp._combinable(
+        jaxpr, idx, {i: strategies(e, MESH) for i, e in enumerate(jaxpr.eqns)}
+    )
+    dots = [i for i in idx if jaxpr.eqns[i].primitive.name == "dot_general"]
+    weight_grads = [i for i in dots if jaxpr.eqns[i].outvars[0].aval.shape == (64, 64)]
+    assert len(dots) == 5 and len(weight_grads) == 2
+    assert set(weight_grads) <= found and not (set(dots) - set(weight_grads)) & found

@@ -212,18 +212,9 @@ def _kernel_specs(plan):
     "batch_size, hidden, parallel",
     [
         # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_data_parallel (a big
-        # batch and small layers: the batch is split, every weight whole).  Open: our
-        # sharding ILP splits the kernels instead (predicted comm 256 KiB of all-gathers
-        # and all-reduces per step, where data parallelism all-reduces 25 KiB of
-        # gradients); tests/peer/README.md
-        pytest.param(
-            256,
-            32,
-            "data",
-            marks=pytest.mark.xfail(
-                strict=True, reason="sharding ILP splits small kernels (tests/peer/README.md)"
-            ),
-        ),
+        # batch and small layers: the batch is split, every weight whole; the 12
+        # gradient all-reduces are priced as the one XLA's combiner makes of them)
+        (256, 32, "data"),
         # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_model_parallel (a small
         # batch and big layers: weights split, as Megatron does)
         (32, 256, "model"),
