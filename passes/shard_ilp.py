@@ -89,6 +89,8 @@ class ShardingSolution:
     ``fallback``: a heuristic plan (greedy, seeded greedy, with local search) replaced
     the solver's, which found none, or a worse one, in time; ``status`` says which.
     ``memory``: predicted peak bytes per device (at the sampled points).
+    ``comm_seconds``: the communication part of ``objective`` (combinable all-reduces
+    paying their latency once per combiner group, as the objective does).
     """
 
     specs: Mapping[int, Spec]
@@ -102,6 +104,7 @@ class ShardingSolution:
     memory: float = 0.0
     mesh: str = ""
     notes: tuple[str, ...] = field(default=())
+    comm_seconds: float = 0.0
 
     def comms_of(self, eqns: Sequence[int]) -> tuple[Comm, ...]:
         """Predicted collectives of a program made of equations ``eqns``: a value that
@@ -822,16 +825,25 @@ def _gap(objective: float, bound) -> float:
     return max(0.0, (objective - float(bound)) / objective)
 
 
+def _comm_seconds(problem: _Problem, choice, comms, mesh: LogicalMesh) -> float:
+    """Seconds of ``comms`` as the objective prices them: combinable all-reduces pay
+    their latency once per combiner group."""
+    saved = sum(float(n.saved[j]) for n, j in zip(problem.nodes, choice, strict=True) if n.groups)
+    return mesh.comm_time(c for _, c in comms) - saved + _group_seconds(problem, choice)
+
+
 def _solution(problem, choice, mesh, size, elapsed, gap, fallback, status) -> ShardingSolution:
     objective, comms, memory = _evaluate(problem, choice, mesh)
+    comm = _comm_seconds(problem, choice, comms, mesh)
     specs = {
         v: to_spec(problem.nodes[n].strategies[choice[n]].outs[k])
         for v, (n, k) in problem.source.items()
     }
     notes = tuple(sorted(set(problem.notes)))
     return ShardingSolution(
-        specs, objective, comms, size, elapsed, gap, fallback, status, memory, str(mesh), notes
-    )
+        specs, objective, comms, size, elapsed, gap, fallback, status, memory, str(mesh), notes,
+        comm,
+    )  # fmt: skip
 
 
 def _apply_pins(problem: _Problem, pins: Mapping[int, Spec], jaxpr, mesh) -> None:
@@ -868,9 +880,7 @@ def estimate_stage_cost(
     problem = _build(jaxpr, mesh, eqns, {})
     choice = _greedy(problem)
     objective, comms, memory = _evaluate(problem, choice, mesh)
-    # combinable all-reduces pay their latency once per group, as the objective does
-    saved = sum(float(n.saved[j]) for n, j in zip(problem.nodes, choice, strict=True) if n.groups)
-    comm = mesh.comm_time(c for _, c in comms) - saved + _group_seconds(problem, choice)
+    comm = _comm_seconds(problem, choice, comms, mesh)
     if memory_budget is None and cluster is not None:
         memory_budget = cluster.device_memory
     fits = memory_budget is None or memory <= memory_budget

@@ -272,7 +272,7 @@ class IlpCost(AnalyticCost):
             math.prod(v.aval.shape) * itemsize(v.aval.dtype) / self._split(sol, v, mesh)[0]
             for v in self._saved(eqns)
         )
-        comm = mesh.comm_time(c for _, c in sol.comms)
+        comm = sol.comm_seconds
         return LayerPlanCost(
             sol.objective, comm, tuple(sorted(grads.items())), state, acts * o.act_scale,
             sol.solve_time, sol.gap, sol.fallback,

@@ -209,6 +209,7 @@ def test_combinable_gradient_all_reduces_pay_one_latency(monkeypatch):
     assert len(reduces) == 4 and all(c.nbytes == 16 * 16 * 4 for c in reduces)
     # priced as XLA's combiner runs them: the bandwidth of each, one latency in all
     latency = MESH.latency("all-reduce", ("device",))
+    assert sol.comm_seconds == pytest.approx(MESH.comm_time(reduces) - 3 * latency)
     problem = shard_ilp._build(closed.jaxpr, MESH, None, {})
     shard_ilp._apply_pins(problem, whole, closed.jaxpr, MESH)
     assert list(problem.combine.values()) == [pytest.approx(latency)]
