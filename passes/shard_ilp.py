@@ -15,9 +15,10 @@ replica group into one collective, so the all-reduces of equations no later
 all-reducing equation depends on (:func:`_combinable`: the data-parallel gradients,
 which feed only the elementwise update) pay their bandwidth per strategy and their
 latency once per (mesh axes, reduction, dtype) group: one variable ``y >= x`` of every
-strategy that joins the group, priced at the group's alpha.  Constraint: at up to 16 points of the program (those with the
-most live bytes when everything is replicated) the bytes one device holds of every
-live value (inputs live throughout) fit ``memory_budget``.  HiGHS
+strategy that joins the group, priced at the group's alpha.  Constraint: at up to 16
+points of the program (those with the most live bytes when everything is replicated)
+the bytes one device holds of every live value (inputs live throughout) fit
+``memory_budget``.  HiGHS
 (``scipy.optimize.milp``) solves it with a time limit; its gap is reported.  When it
 finds no solution in time a greedy pass decides instead and the solution says so.
 
