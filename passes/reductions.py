@@ -184,11 +184,12 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
                     "one micro-batch cannot reproduce"
                 )
         name = em.primitive.name
-        if name in CUMULATIVE and _batch_axes(em, ef) & {em.params["axis"]}:
+        axis = _along_axis(em)
+        if axis is not None and axis in _batch_axes(em, ef):
             return (
-                f"it mixes examples: {name} runs along the batch dimension (axis "
-                f"{em.params['axis']}), so each row depends on the rows before it, which a "
-                "micro-batch does not hold (is the batch the leading axis of every batch leaf?)"
+                f"it mixes examples: {name} runs along the batch dimension (axis {axis}), so "
+                "each result reads other examples' values, which a micro-batch does not hold "
+                "(is the batch the leading axis of every batch leaf?)"
             )
         if name == "scan" and em.params["length"] != ef.params["length"] and _carries_xs(em):
             return (
@@ -200,8 +201,29 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
     return ""
 
 
-#: Running reductions along an axis: along the batch, each row reads the rows before it.
-CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+#: Operations along one axis whose every result reads the other rows on that axis:
+#: running reductions (each row reads the rows before it), sorts and top-k (each reads
+#: all of them).  The parameter naming the axis; top_k without one runs along the last.
+ALONG_AXIS = {
+    "cumsum": "axis",
+    "cumprod": "axis",
+    "cummax": "axis",
+    "cummin": "axis",
+    "cumlogsumexp": "axis",
+    "sort": "dimension",
+    "top_k": "axis",
+}
+
+
+def _along_axis(em) -> int | None:
+    """The axis equation ``em`` runs along, if it is one of :data:`ALONG_AXIS`."""
+    name = em.primitive.name
+    if name not in ALONG_AXIS:
+        return None
+    axis = em.params.get(ALONG_AXIS[name])
+    if axis is None:  # top_k before it took an axis: the last
+        axis = len(_shape(em.invars[0])) - 1
+    return axis % max(len(_shape(em.invars[0])), 1)
 
 
 def _batch_axes(em, ef) -> set:

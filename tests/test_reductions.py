@@ -215,6 +215,12 @@ def _penalty(params):
             lambda pred, y, p: jnp.mean(jnp.cumsum(pred - y, axis=0) ** 2),
             r"it mixes examples: cumsum runs along the batch dimension",
         ),
+        (  # the hardest half of the examples: a micro-batch ranks only its own
+            lambda pred, y, p: jnp.mean(
+                jax.lax.top_k(jnp.mean((pred - y) ** 2, 1), pred.shape[0] // 2)[0]
+            ),
+            r"it mixes examples: top_k runs along the batch dimension",
+        ),
     ],
     ids=[
         "sum_plus_penalty",
@@ -222,6 +228,7 @@ def _penalty(params):
         "mean_plus_sum",
         "in_batch_negatives",
         "cumsum_over_batch",
+        "hardest_half_top_k",
     ],
 )
 def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):
@@ -355,6 +362,10 @@ def _classify_loss(loss_fn, m=4):
             ),
             "",
         ),
+        # the hardest half of the examples (online hard example mining): a micro-batch
+        # ranks only its own
+        (lambda x: jnp.mean(jax.lax.top_k(jnp.mean(x, 1), x.shape[0] // 2)[0]), ""),
+        (lambda x: jnp.mean(jax.lax.sort(jnp.mean(x, 1))[x.shape[0] // 2 :]), ""),
         # a scan over the examples that carries nothing from one to the next: still a mean
         (lambda x: jnp.mean(jax.lax.map(lambda r: jnp.tanh(r) ** 2, x)), "mean"),
     ],
@@ -378,6 +389,8 @@ def _classify_loss(loss_fn, m=4):
         "batch-norm-fast-variance",
         "cumsum-over-batch",
         "scan-carry-over-batch",
+        "hardest-half-top-k",
+        "hardest-half-sort",
         "map-over-batch",
     ],
 )
