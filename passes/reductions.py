@@ -148,7 +148,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     bad = _nonlinear_after_reduction(micro, producers, var)
     if bad:
         return "", f"it applies {bad} to a value reduced over the batch"
-    mixed = _mixed_terms(micro, full, producers, m, dep, memo)
+    mixed = _mixed_terms(micro, full, producers, var, m, dep, memo)
     if mixed:
         return "", mixed
     if not kinds:
@@ -183,19 +183,97 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
                     f"{k} dimensions {list(_shape(a))} (e.g. in-batch similarities), which "
                     "one micro-batch cannot reproduce"
                 )
+        name = em.primitive.name
+        axis = _along_axis(em)
+        if axis is not None and axis in _batch_axes(em, ef):
+            return (
+                f"it mixes examples: {name} runs along the batch dimension (axis {axis}), so "
+                "each result reads other examples' values, which a micro-batch does not hold "
+                "(is the batch the leading axis of every batch leaf?)"
+            )
+        if name == "scan" and em.params["length"] != ef.params["length"] and _carries_xs(em):
+            return (
+                f"it mixes examples: a scan runs over the batch dimension ({em.params['length']}"
+                " rows per micro-batch) and carries state from one row to the next, which "
+                "restarts on every micro-batch (a time-major batch? the batch must be the "
+                "leading axis of every batch leaf)"
+            )
     return ""
 
 
-def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep, memo) -> str:
+#: Operations along one axis whose every result reads the other rows on that axis:
+#: running reductions (each row reads the rows before it), sorts and top-k (each reads
+#: all of them).  The parameter naming the axis; top_k without one runs along the last.
+ALONG_AXIS = {
+    "cumsum": "axis",
+    "cumprod": "axis",
+    "cummax": "axis",
+    "cummin": "axis",
+    "cumlogsumexp": "axis",
+    "sort": "dimension",
+    "top_k": "axis",
+}
+
+
+def _along_axis(em) -> int | None:
+    """The axis equation ``em`` runs along, if it is one of :data:`ALONG_AXIS`."""
+    name = em.primitive.name
+    if name not in ALONG_AXIS:
+        return None
+    axis = em.params.get(ALONG_AXIS[name])
+    if axis is None:  # top_k before it took an axis: the last
+        axis = len(_shape(em.invars[0])) - 1
+    return axis % max(len(_shape(em.invars[0])), 1)
+
+
+def _batch_axes(em, ef) -> set:
+    """The operand dimensions of ``em`` whose size changes with the batch."""
+    return {
+        d
+        for a, b in zip(em.invars, ef.invars, strict=True)
+        for d, (x, y) in enumerate(zip(_shape(a), _shape(b), strict=True))
+        if x != y
+    }
+
+
+def _carries_xs(em) -> bool:
+    """Whether scan equation ``em``'s carry after a step depends on the rows it scans
+    (conservatively: any input of an inner equation reaches all its outputs)."""
+    body = em.params["jaxpr"].jaxpr
+    n_consts, n_carry = em.params["num_consts"], em.params["num_carry"]
+    carry_in, carry_out = body.invars[n_consts : n_consts + n_carry], body.outvars[:n_carry]
+    dep = set(body.invars[n_consts + n_carry :])
+    changed = True
+    while changed:
+        changed = False
+        for e in body.eqns:
+            if any(not is_literal(v) and v in dep for v in e.invars):
+                new = [o for o in e.outvars if o not in dep]
+                dep.update(new)
+                changed |= bool(new)
+        for ci, co in zip(carry_in, carry_out, strict=True):
+            if not is_literal(co) and co in dep and ci not in dep:
+                dep.add(ci)
+                changed = True
+    return any(not is_literal(co) and co in dep for co in carry_out)
+
+
+def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, var, m: int, dep, memo) -> str:
     """Why a sum of terms in the value's tail combines no single way, or ''.
 
     Adding batch reductions is linear only when every term combines the same way: a
     mean plus anything the same on every micro-batch (a weight penalty) is a mean, and
     batch sums add to a sum, but a batch sum plus a constant counts the constant once
     per micro-batch, a mean plus a sum is neither, and two maxima do not add to the
-    maximum of the sums.  Each term is classified on its own (:func:`classify`)."""
+    maximum of the sums.  Each term is classified on its own (:func:`classify`).  Only
+    sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
+    norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
+    batch again, per micro-batch, not a term of the value."""
+    tail = _tail(producers, var)
     for em, _, ins, outs in producers:
         if ins or outs or em.primitive.name not in ("add", "sub", "add_any"):
+            continue
+        if id(em) not in tail:
             continue
         kinds = []
         for v in em.invars:
@@ -217,6 +295,26 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, m: int, dep, 
         if len(terms) > 1 and terms[0] in ("max", "min"):
             return f"it adds two batch {terms[0]}ima"
     return ""
+
+
+def _tail(producers, var) -> set:
+    """``id``s of the equations in ``var``'s tail: those it is computed by after its last
+    batch reductions, on values without a batch dimension."""
+    by_out = {o: p for p in producers for o in p[0].outvars}
+    tail, seen, stack = set(), set(), [var]
+    while stack:
+        v = stack.pop()
+        if is_literal(v) or v not in by_out:
+            continue
+        em, _, ins, outs = by_out[v]
+        k = list(em.outvars).index(v) if is_marker(em) else None  # see paired_producers
+        if (id(em), k) in seen:
+            continue
+        seen.add((id(em), k))
+        if not ins and not outs:
+            tail.add(id(em))
+            stack += [em.invars[k]] if k is not None else list(em.invars)
+    return tail
 
 
 def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=False) -> str:

@@ -214,7 +214,9 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         _micro_batch_shape(a, w, m) if b else a
         for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
     ]
-    micro, out_shape = (full, full_out) if m == 1 else _trace(fn, treedef, micro_abs)[:2]
+    micro, out_shape = (
+        (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
+    )
     draws = find_batch_draws(micro, full, m)
     reduce = resolve(
         *_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m), is_batch, m
@@ -248,6 +250,29 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         transposed=forward_only and transposed,
         out_key_impls=tuple(getattr(fn, "out_impls", ())),
     )
+
+
+def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
+    """The step traced at micro-batch shape, and its output shape.  The full batch traced
+    already, so a failure here comes from cutting the batch leaves: say so, and which."""
+    try:
+        return _trace(fn, treedef, micro_abs)[:2]
+    except MeshshardInputError:
+        raise
+    except Exception as e:
+        cut = [
+            f"{w} {a.shape[0]} -> {c.shape[0]}"
+            for w, a, c in zip(wheres, full_abs, micro_abs, strict=True)
+            if tuple(a.shape) != tuple(c.shape)
+        ]
+        raise MeshshardInputError(
+            f"the step traces with the full batch but not with micro-batches (each batch "
+            f"leaf cut to 1/{m} of its rows{': ' + ', '.join(cut[:6]) if cut else ''}"
+            f"{' ...' if len(cut) > 6 else ''}): {type(e).__name__}: {e}\nA leaf that is not "
+            "per-example (loss weights, a per-feature vector, a lookup table) belongs in a "
+            "non-batch argument, and code that assumes the full batch size must read it "
+            "from the arrays' shapes; or use num_micro_batches=1"
+        ) from e
 
 
 def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):

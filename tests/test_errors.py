@@ -193,3 +193,25 @@ def test_multi_host_mesh_on_the_threads_backend_names_a_one_host_mesh(setup, thr
         match=r"mesh0 spans 4 hosts \(shape \(4, 2\)\).*mesh_shape=\(1, 2\)",
     ):
         step(state, batch)
+
+
+def test_a_batch_leaf_that_is_not_per_example_is_named(setup):
+    """A per-feature vector in the batch dict traces at the full batch and fails at the
+    micro-batch: that was a bare JAX broadcasting error from inside the trace."""
+    _, batch, state = setup
+
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"] * batch["feature_w"])
+            return jnp.mean((pred - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    feature_w = jnp.linspace(0.5, 1.5, batch["x"].shape[1])  # 8 features, 16 rows
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"traces with the full batch but not with micro-batches .*"
+        r"args\[1\]\['feature_w'\] 8 -> 4.*Incompatible shapes(?s:.*)belongs in a non-batch",
+    ):
+        lower(step, DataParallel(num_micro_batches=2), state, {**batch, "feature_w": feature_w})

@@ -211,8 +211,25 @@ def _penalty(params):
             lambda pred, y, p: -jnp.mean(jnp.diagonal(jax.nn.log_softmax(pred @ pred.T))),
             r"it mixes examples: .* with the batch in 2 dimensions",
         ),
+        (  # a running sum over the examples: a micro-batch lacks the rows before it
+            lambda pred, y, p: jnp.mean(jnp.cumsum(pred - y, axis=0) ** 2),
+            r"it mixes examples: cumsum runs along the batch dimension",
+        ),
+        (  # the hardest half of the examples: a micro-batch ranks only its own
+            lambda pred, y, p: jnp.mean(
+                jax.lax.top_k(jnp.mean((pred - y) ** 2, 1), pred.shape[0] // 2)[0]
+            ),
+            r"it mixes examples: top_k runs along the batch dimension",
+        ),
     ],
-    ids=["sum_plus_penalty", "sum_plus_constant", "mean_plus_sum", "in_batch_negatives"],
+    ids=[
+        "sum_plus_penalty",
+        "sum_plus_constant",
+        "mean_plus_sum",
+        "in_batch_negatives",
+        "cumsum_over_batch",
+        "hardest_half_top_k",
+    ],
 )
 def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):
     """These took 'sum' or 'mean' from the kinds of reduction in the whole slice, and the
@@ -326,6 +343,31 @@ def _classify_loss(loss_fn, m=4):
             ),
             "mean",
         ),
+        # Flax BatchNorm's default (use_fast_variance): mean(x**2) - mean(x)**2 is a batch
+        # statistic used on the batch again, not a sum of the loss's terms (was refused:
+        # "it applies square to a value reduced over the batch")
+        (
+            lambda x: jnp.mean(
+                (x - x.mean(0))
+                * jax.lax.rsqrt(jnp.maximum(0.0, (x**2).mean(0) - x.mean(0) ** 2) + 1e-5)
+            ),
+            "mean",
+        ),
+        # running along the batch: each row reads earlier rows a micro-batch lacks (was a
+        # silent 'mean': a time-major batch, or a cumsum over examples)
+        (lambda x: jnp.mean(jax.lax.cumsum(x, axis=0) ** 2), ""),
+        (
+            lambda x: jnp.mean(
+                jax.lax.scan(lambda h, r: (0.5 * h + r, h), jnp.zeros(4), x)[1] ** 2
+            ),
+            "",
+        ),
+        # the hardest half of the examples (online hard example mining): a micro-batch
+        # ranks only its own
+        (lambda x: jnp.mean(jax.lax.top_k(jnp.mean(x, 1), x.shape[0] // 2)[0]), ""),
+        (lambda x: jnp.mean(jax.lax.sort(jnp.mean(x, 1))[x.shape[0] // 2 :]), ""),
+        # a scan over the examples that carries nothing from one to the next: still a mean
+        (lambda x: jnp.mean(jax.lax.map(lambda r: jnp.tanh(r) ** 2, x)), "mean"),
     ],
     ids=[
         "mean",
@@ -344,6 +386,12 @@ def _classify_loss(loss_fn, m=4):
         "index-picked-mean",
         "index-scattered-sum",
         "batch-norm",
+        "batch-norm-fast-variance",
+        "cumsum-over-batch",
+        "scan-carry-over-batch",
+        "hardest-half-top-k",
+        "hardest-half-sort",
+        "map-over-batch",
     ],
 )
 def test_classify(fn, want):
