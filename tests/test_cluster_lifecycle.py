@@ -98,6 +98,6 @@ def test_shutdown_leaves_no_processes_and_join_existing_cluster(tmp_path):
     script = tmp_path / "lifecycle.py"
     script.write_text(SCRIPT.format(root=root))
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=480
     )
     assert "LIFECYCLE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
