@@ -269,7 +269,7 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, var, m: int, 
     sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
     norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
     batch again, per micro-batch, not a term of the value."""
-    tail = _tail(producers, var)
+    tail = {id(em) for em in _tail(producers, var)[0]}
     for em, _, ins, outs in producers:
         if ins or outs or em.primitive.name not in ("add", "sub", "add_any"):
             continue
@@ -297,36 +297,11 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, var, m: int, 
     return ""
 
 
-def _tail(producers, var) -> set:
-    """``id``s of the equations in ``var``'s tail: those it is computed by after its last
-    batch reductions, on values without a batch dimension."""
+def _tail(producers, var) -> tuple[list, set]:
+    """``var``'s tail: the equations it is computed by after its last batch reductions,
+    on values without a batch dimension (unordered), and the outputs of those last
+    batch reductions."""
     by_out = {o: p for p in producers for o in p[0].outvars}
-    tail, seen, stack = set(), set(), [var]
-    while stack:
-        v = stack.pop()
-        if is_literal(v) or v not in by_out:
-            continue
-        em, _, ins, outs = by_out[v]
-        k = list(em.outvars).index(v) if is_marker(em) else None  # see paired_producers
-        if (id(em), k) in seen:
-            continue
-        seen.add((id(em), k))
-        if not ins and not outs:
-            tail.add(id(em))
-            stack += [em.invars[k]] if k is not None else list(em.invars)
-    return tail
-
-
-def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=False) -> str:
-    """The first non-linear primitive between the batch reductions ``var`` is made from
-    and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
-    last batch reduction, on values without a batch dimension.  A batch statistic used
-    on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
-    semantics, not a combination, and is left alone.  ``keep_order`` (for a maximum or
-    minimum): also the first step that may reverse order (``neg``, subtracting it, a
-    product or quotient with anything but a positive literal)."""
-    by_out = {o: p for p in producers for o in p[0].outvars}
-    pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
     tail, reduced, seen, stack = [], set(), set(), [var]
     while stack:
         v = stack.pop()
@@ -343,6 +318,19 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=Fa
             if all(e is not em for e in tail):
                 tail.append(em)
             stack += [em.invars[k]] if k is not None else list(em.invars)
+    return tail, reduced
+
+
+def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=False) -> str:
+    """The first non-linear primitive between the batch reductions ``var`` is made from
+    and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
+    last batch reduction, on values without a batch dimension.  A batch statistic used
+    on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
+    semantics, not a combination, and is left alone.  ``keep_order`` (for a maximum or
+    minimum): also the first step that may reverse order (``neg``, subtracting it, a
+    product or quotient with anything but a positive literal)."""
+    pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
+    tail, reduced = _tail(producers, var)
     for em in sorted(tail, key=lambda e: pos[id(e)]):
         which = [k for k, v in enumerate(em.invars) if not is_literal(v) and v in reduced]
         if not which:
