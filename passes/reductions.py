@@ -145,10 +145,11 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     mixed = _mixed_examples(micro, producers)
     if mixed:
         return "", mixed
-    bad = _nonlinear_after_reduction(micro, producers, var)
+    tail = _tail(producers, var)
+    bad = _nonlinear_after_reduction(micro, tail)
     if bad:
         return "", f"it applies {bad} to a value reduced over the batch"
-    mixed = _mixed_terms(micro, full, producers, var, m, dep, memo)
+    mixed = _mixed_terms(micro, full, producers, tail[0], m, dep, memo)
     if mixed:
         return "", mixed
     if not kinds:
@@ -157,7 +158,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return ("mean", "mean over the batch") if norms else ("sum", "sum over the batch")
     if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
         which = kinds.pop()[len("reduce_") :]
-        flip = _nonlinear_after_reduction(micro, producers, var, keep_order=True)
+        flip = _nonlinear_after_reduction(micro, tail, keep_order=True)
         if flip:  # -max(x) is the min of -x: a max over micro-batches would be wrong
             return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
         return which, "reduction over the batch"
@@ -258,7 +259,7 @@ def _carries_xs(em) -> bool:
     return any(not is_literal(co) and co in dep for co in carry_out)
 
 
-def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, var, m: int, dep, memo) -> str:
+def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int, dep, memo) -> str:
     """Why a sum of terms in the value's tail combines no single way, or ''.
 
     Adding batch reductions is linear only when every term combines the same way: a
@@ -268,8 +269,9 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, var, m: int, 
     maximum of the sums.  Each term is classified on its own (:func:`classify`).  Only
     sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
     norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
-    batch again, per micro-batch, not a term of the value."""
-    tail = {id(em) for em in _tail(producers, var)[0]}
+    batch again, per micro-batch, not a term of the value.  ``tail``: the value's tail
+    equations (:func:`_tail`)."""
+    tail = {id(em) for em in tail}
     for em, _, ins, outs in producers:
         if ins or outs or em.primitive.name not in ("add", "sub", "add_any"):
             continue
@@ -321,16 +323,17 @@ def _tail(producers, var) -> tuple[list, set]:
     return tail, reduced
 
 
-def _nonlinear_after_reduction(micro: ClosedJaxpr, producers, var, keep_order=False) -> str:
+def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> str:
     """The first non-linear primitive between the batch reductions ``var`` is made from
     and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
     last batch reduction, on values without a batch dimension.  A batch statistic used
     on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
     semantics, not a combination, and is left alone.  ``keep_order`` (for a maximum or
     minimum): also the first step that may reverse order (``neg``, subtracting it, a
-    product or quotient with anything but a positive literal)."""
+    product or quotient with anything but a positive literal).  ``tail``: the value's
+    tail and its last reductions' outputs (:func:`_tail`)."""
     pos = {id(e): i for i, e in enumerate(micro.jaxpr.eqns)}
-    tail, reduced = _tail(producers, var)
+    tail, reduced = tail[0], set(tail[1])
     for em in sorted(tail, key=lambda e: pos[id(e)]):
         which = [k for k, v in enumerate(em.invars) if not is_literal(v) and v in reduced]
         if not which:
