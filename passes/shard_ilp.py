@@ -91,7 +91,9 @@ class ShardingSolution:
     the solver's, which found none, or a worse one, in time; ``status`` says which.
     ``memory``: predicted peak bytes per device (at the sampled points).
     ``comm_seconds``: the communication part of ``objective`` (combinable all-reduces
-    paying their latency once per combiner group, as the objective does).
+    paying their latency once per combiner group, as the objective does).  Exact for a
+    solve without ``amortize``; with it (``passes/shard_plan.py``) the collectives count
+    once each while the objective weights the amortized reduces, so the two differ.
     """
 
     specs: Mapping[int, Spec]
