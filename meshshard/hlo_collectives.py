@@ -350,7 +350,7 @@ def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
         stored_shapes,
     )
 
-    shape = next(m.shape for m in plan.meshes if m.id == mesh_id)
+    shape = next(m.axis_shape for m in plan.meshes if m.id == mesh_id)
     mesh = make_mesh(devices, shape)
     by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
     out = {}

@@ -58,6 +58,25 @@ def _check_shape(shape, what: str) -> tuple[int, int]:
     return (int(shape[0]), int(shape[1]))
 
 
+def check_view(view, shape: tuple[int, int] | None, what: str) -> tuple[int, int] | None:
+    """``view`` as a logical ``(a, b)`` shape of the physical ``shape`` (None: the shape
+    itself), or an error naming ``what`` and the views that would fit."""
+    if view is None:
+        return None
+    view = _check_shape(view, what)
+    if shape is None:
+        return view
+    h, d = shape
+    if view[0] * view[1] != h * d or d % view[1]:
+        fits = [(h * d // b, b) for b in range(1, d + 1) if d % b == 0]
+        raise MeshshardInputError(
+            f"{what}={view} is not a logical view of the {h}x{d} mesh: its device axis must "
+            f"divide the {d} devices per host and the sizes must multiply to {h * d}; "
+            f"views that fit: {fits}"
+        )
+    return None if view == shape else view
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """One mesh runs the whole step, the batch sharded over all its devices.
@@ -87,16 +106,34 @@ class ShardParallel(DataParallel):
         mesh_shape: (hosts, devices per host); None takes the whole cluster.
         num_micro_batches: gradient-accumulation micro-batches per step (default 1).
         sharding: ``"auto"`` (default), or a fixed mode as in ``PipeshardParallel``.
+        logical_shape: the ``(a, b)`` axis sizes the shardings see on the mesh's devices
+            (Alpa's logical mesh): ``mesh_shape=(1, 4), logical_shape=(2, 2)`` runs one
+            host's 4 devices as a 2 x 2 mesh, so a value can be split 2 ways over each
+            axis (data parallel on one, tensor parallel on the other).  ``b`` divides the
+            devices per host (the ``device`` axis stays inside a host).  None: the mesh's
+            own shape.
 
     >>> ShardParallel((2, 2))
     ShardParallel(mesh_shape=(2, 2), num_micro_batches=1, sharding='auto')
+    >>> ShardParallel((1, 4), logical_shape=(2, 2))
+    ShardParallel(mesh_shape=(1, 4), num_micro_batches=1, sharding='auto', logical_shape=(2, 2))
     """
 
     sharding: str = "auto"
+    logical_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_sharding(self.sharding, "ShardParallel")
+        view = check_view(self.logical_shape, self.mesh_shape, "ShardParallel.logical_shape")
+        object.__setattr__(self, "logical_shape", view)
+
+    def __repr__(self) -> str:
+        view = "" if self.logical_shape is None else f", logical_shape={self.logical_shape!r}"
+        return (
+            f"ShardParallel(mesh_shape={self.mesh_shape!r}, num_micro_batches="
+            f"{self.num_micro_batches!r}, sharding={self.sharding!r}{view})"
+        )
 
 
 def _check_sharding(mode, owner: str) -> None:
@@ -152,6 +189,11 @@ class PipeshardParallel:
             (:mod:`meshshard.passes.replicas`).
         comm_chunk_bytes: with ``comm_schedule`` ``"allreduce"``, the size of the chunks a
             replicas' gradient all-reduce is cut into (default 4 MiB).
+        logical_shapes: one logical ``(a, b)`` view (or None) per stage mesh, as
+            ``ShardParallel.logical_shape``: e.g. ``stages=[(1, 4), (1, 4)],
+            logical_shapes=[(2, 2), None]`` shards stage 0 over a 2 x 2 view of its host's
+            4 devices (useful with ``sharding="auto"``).  With ``stages="auto"`` and
+            ``sharding="auto"`` the stage DP chooses each stage's view itself.
     """
 
     num_micro_batches: int
@@ -167,6 +209,7 @@ class PipeshardParallel:
     comm_schedule: frozenset[str] = field(default=frozenset(), repr=False)
     data_parallel: int = field(default=1, repr=False)
     comm_chunk_bytes: int = field(default=4 << 20, repr=False)
+    logical_shapes: tuple[tuple[int, int] | None, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
@@ -237,12 +280,44 @@ class PipeshardParallel:
                 f"PipeshardParallel.resharding={self.resharding!r} is not one of {RESHARDING_STRATEGIES}"
             )
         _check_virtual_stages(self.virtual_stages, self.schedule)
+        object.__setattr__(self, "logical_shapes", self._checked_views())
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
             raise MeshshardInputError(
                 f"PipeshardParallel.num_stages must be a positive int, got {self.num_stages!r}"
             )
+
+    def _checked_views(self) -> tuple | None:
+        """``logical_shapes`` normalised (an entry equal to its mesh's shape -> None), or
+        a clear error when it is not one view per stage mesh."""
+        views = self.logical_shapes
+        if views is None:
+            return None
+        if self.stages == "auto":
+            raise MeshshardInputError(
+                "PipeshardParallel(stages='auto', logical_shapes=...): the stage DP chooses "
+                "each stage's mesh; with sharding='auto' it chooses their logical views "
+                "too. Drop logical_shapes or list the stages' mesh shapes"
+            )
+        if not isinstance(views, tuple | list) or not views:
+            raise MeshshardInputError(
+                f"PipeshardParallel.logical_shapes={views!r}: pass one (a, b) view or None "
+                "per stage mesh"
+            )
+        shapes = self.stages if isinstance(self.stages, tuple) else (None,) * len(views)
+        if len(shapes) != len(views) or (
+            self.stages == "uniform" and self.num_stages not in (None, len(views))
+        ):
+            raise MeshshardInputError(
+                f"PipeshardParallel.logical_shapes has {len(views)} entries for "
+                f"{len(shapes) if isinstance(self.stages, tuple) else self.num_stages} stage "
+                "meshes; pass one view (or None) per stage"
+            )
+        return tuple(
+            check_view(v, s, f"PipeshardParallel.logical_shapes[{i}]")
+            for i, (v, s) in enumerate(zip(views, shapes, strict=True))
+        )
 
     def __repr__(self) -> str:
         # fields added later show only when set, so existing plans print as before
@@ -255,6 +330,7 @@ class PipeshardParallel:
             "comm_schedule": frozenset(),
             "data_parallel": 1,
             "comm_chunk_bytes": 4 << 20,
+            "logical_shapes": None,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
 from meshshard.instructions import WorkerStream
 from meshshard.plan_json import PlanFormatError, decode, encode
 from meshshard.refs import (
@@ -72,12 +73,35 @@ def _shape_str(dtype: str, shape: tuple[int, ...]) -> str:
 class MeshSpec:
     """A block of ``shape[0]`` hosts x ``shape[1]`` devices that runs one stage.
 
-    ``hosts`` are cluster host indices; host ``h`` is run by worker ``w{h}``.
+    ``hosts`` are cluster host indices; host ``h`` is run by worker ``w{h}``.  ``view``
+    (None: the physical shape) is the logical ``(host, device)`` axis sizes the mesh's
+    shardings name: the same devices, listed host-major, laid out as ``view`` (Alpa's
+    logical mesh), e.g. one host's ``(1, 4)`` devices seen as 2 x 2.  The ``device`` axis
+    never crosses a host (``view[1]`` divides ``shape[1]``).
     """
 
     id: int
     shape: tuple[int, int]
     hosts: tuple[int, ...]
+    view: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        v = self.view
+        if v is None:
+            return
+        if len(v) != 2 or v[0] * v[1] != self.shape[0] * self.shape[1] or self.shape[1] % v[1]:
+            raise MeshshardInputError(
+                f"mesh{self.id}: logical shape {tuple(v)} is not a view of its "
+                f"{self.shape[0]}x{self.shape[1]} devices; pass (a, b) with a * b = "
+                f"{self.shape[0] * self.shape[1]} and b dividing {self.shape[1]} (the device "
+                "axis stays inside a host)"
+            )
+
+    @property
+    def axis_shape(self) -> tuple[int, int]:
+        """Sizes of the mesh axes ``("host", "device")`` that shardings name (the view's,
+        else the physical shape)."""
+        return self.view or self.shape
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -90,8 +114,10 @@ class MeshSpec:
 
     def __str__(self) -> str:
         hosts = ",".join(f"w{h}" for h in self.hosts)
+        view = f"  viewed as {self.view[0]}x{self.view[1]}" if self.view else ""
         return (
-            f"mesh{self.id}  {self.shape[0]}x{self.shape[1]}  workers [{hosts}]  axes {MESH_AXES}"
+            f"mesh{self.id}  {self.shape[0]}x{self.shape[1]}{view}  workers [{hosts}]  "
+            f"axes {MESH_AXES}"
         )
 
 

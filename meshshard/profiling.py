@@ -45,7 +45,7 @@ def profile_key(plan: Plan, program: str, cores: int = 0) -> str:
     parts = (
         plan.fingerprint,
         program,
-        str(mesh.shape),
+        str(mesh.shape) + (f" as {mesh.view}" if mesh.view else ""),
         str(plan.num_micro_batches),
         ",".join(map(str, spec.eqns)),
         jax.__version__,

@@ -101,7 +101,7 @@ class ReshardingProblem:
 
     def dst_tile(self, device: DeviceRef) -> Index:
         """The block destination device ``device`` must end up holding."""
-        blocks = device_blocks(self.dst.shape, self.dst_spec, self.shape)
+        blocks = device_blocks(self.dst.axis_shape, self.dst_spec, self.shape)
         return blocks[self.dst.hosts.index(device[0]) * self.dst.shape[1] + device[1]]
 
     def __str__(self) -> str:
@@ -128,10 +128,10 @@ def resharding_problem(
     """Cut the array into the slices each destination device needs and find their holders."""
     shape = tuple(shape)
     src_tiles: dict[Index, list[DeviceRef]] = {}
-    for dev, idx in zip(_devices(src), device_blocks(src.shape, src_spec, shape), strict=True):
+    for dev, idx in zip(_devices(src), device_blocks(src.axis_shape, src_spec, shape), strict=True):
         src_tiles.setdefault(idx, []).append(dev)
     dst_tiles: dict[Index, list[DeviceRef]] = {}
-    for dev, idx in zip(_devices(dst), device_blocks(dst.shape, dst_spec, shape), strict=True):
+    for dev, idx in zip(_devices(dst), device_blocks(dst.axis_shape, dst_spec, shape), strict=True):
         dst_tiles.setdefault(idx, []).append(dev)
     needs = []
     for d_idx, receivers in dst_tiles.items():

@@ -84,9 +84,9 @@ def _mesh_problems(state: CompileState) -> list[str]:
     for i, m in enumerate(state.meshes):
         if m.id != i:
             problems.append(f"mesh{m.id} sits at position {i}")
-        if (m.hosts, m.shape) in views and _interleaved(state.method):
+        if (m.hosts, m.shape, m.view) in views and _interleaved(state.method):
             continue
-        views.add((m.hosts, m.shape))
+        views.add((m.hosts, m.shape, m.view))
         if set(m.hosts) & seen:
             problems.append(f"mesh{m.id} shares hosts {sorted(set(m.hosts) & seen)}")
         seen |= set(m.hosts)

@@ -9,9 +9,17 @@ several meshes per host, and the plan is made for that worker view.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
+from meshshard.methods import (
+    DataParallel,
+    FollowParallel,
+    Method,
+    PipeshardParallel,
+    check_view,
+)
 from meshshard.passes.stage_graph import group_layers
 from meshshard.plan import MeshSpec
 
@@ -51,8 +59,10 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
     on (split into workers when meshes share hosts) and the DP's plan.
 
     The DP chooses among Alpa's submeshes ``(1, 1), (1, 2), ..., (1, D), (h, D)`` (or the
-    method's ``submeshes``) with the data-parallel view; meshes that share a host run as
-    host-actors of their own (:func:`place_meshes`).
+    method's ``submeshes``); meshes that share a host run as host-actors of their own
+    (:func:`place_meshes`).  With ``sharding="auto"`` it also chooses each submesh's
+    logical ``(dp, tp)`` view, which the stage's mesh takes (the sharding ILP then solves
+    on that view); otherwise every mesh is data parallel.
     """
     from meshshard.passes.stage_cost import AnalyticCost
     from meshshard.passes.stage_dp import stage_dp
@@ -60,15 +70,43 @@ def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple
 
     stats, measured = measured_stats(stats, cluster, method.stage_times)
     cost = AnalyticCost(stats, cluster)
+    views = "all" if method.sharding == "auto" else "data_parallel"
     plan = stage_dp(
         cost,
         method.num_micro_batches,
         choices=method.submeshes or submesh_choices(cluster),
-        views="data_parallel",
+        views=views,
     )
     groups = tuple(tuple(range(st.lo, st.hi)) for st in plan.stages)
     meshes, workers = place_meshes([st.submesh for st in plan.stages], cluster)
+    if views == "all":
+        chosen = [tuple(st.logical[:2]) for st in plan.stages]
+        meshes = with_views(meshes, chosen, "the stage DP's logical views")
     return groups, meshes, workers, plan, measured
+
+
+def method_views(method: Method) -> tuple | None:
+    """The logical view the method asks for on each stage mesh (None: none asked)."""
+    if isinstance(method, PipeshardParallel):
+        return method.logical_shapes
+    view = getattr(method, "logical_shape", None)
+    return None if view is None else (view,)
+
+
+def with_views(meshes: tuple[MeshSpec, ...], views, what: str) -> tuple[MeshSpec, ...]:
+    """``meshes`` with logical view ``views[i]`` on the ``i``-th (None: keep the physical
+    shape), checked against each mesh's real shape; ``what`` names the argument."""
+    if views is None:
+        return meshes
+    if len(views) != len(meshes):
+        raise MeshshardInputError(
+            f"{what} lists {len(views)} views for the plan's {len(meshes)} meshes; pass one "
+            "(or None) per mesh"
+        )
+    return tuple(
+        replace(m, view=check_view(v, m.shape, f"{what}[{i}]" if len(meshes) > 1 else what))
+        for i, (m, v) in enumerate(zip(meshes, views, strict=True))
+    )
 
 
 def follow_layout(method: FollowParallel, num_layers: int):

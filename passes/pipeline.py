@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
-from meshshard.methods import DataParallel, Method, sharding_mode
+from meshshard.methods import DataParallel, Method, PipeshardParallel, sharding_mode
 from meshshard.passes.annotate import annotate_costs
 from meshshard.passes.apply_programs import plan_reductions
 from meshshard.passes.checks import run_passes
@@ -23,7 +23,13 @@ from meshshard.passes.forward_only import (
     is_forward_only,
     slice_forward,
 )
-from meshshard.passes.meshes import auto_layout, place_meshes, stage_layout
+from meshshard.passes.meshes import (
+    auto_layout,
+    method_views,
+    place_meshes,
+    stage_layout,
+    with_views,
+)
 from meshshard.passes.reductions import accumulator_reductions, reduction_notes
 from meshshard.passes.replicas import replicate_stages
 from meshshard.passes.schedules import check_runnable, make_schedule
@@ -92,6 +98,11 @@ def _layout(st: CompileState) -> CompileState:
         replicated, view = place_meshes(shapes, cluster)
         if view.worker_blocks:  # replica j's meshes follow on workers + j * H
             meshes, workers = replicated[: len(meshes)], view
+    views = method_views(st.method)
+    if views is not None:
+        what = "PipeshardParallel.logical_shapes"
+        what = what if isinstance(st.method, PipeshardParallel) else "ShardParallel.logical_shape"
+        meshes = with_views(meshes, views, what)
     # meshes that share hosts are planned on the worker view (uniform stages never do)
     cluster = workers if workers.worker_blocks != cluster.worker_blocks else st.cluster
     v = getattr(st.method, "virtual_stages", 1)

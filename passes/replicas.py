@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from meshshard.errors import MeshshardInputError
 from meshshard.instructions import Collective, Instruction, Load, Recv, Run, Send, Wait
-from meshshard.plan import ExtremeKeys, MeshSpec, Plan, TransferSpec
+from meshshard.plan import ExtremeKeys, Plan, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
 __all__ = ["replicate_stages"]
@@ -197,7 +197,7 @@ def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = 
             ins = _with_allreduce([rn.ins(x) for x in st.instructions], group, gathered)
             streams.append(replace(st, worker=rn.w(st.worker), instructions=tuple(ins)))
         meshes += [
-            MeshSpec(m.id + rn.L * rn.j, m.shape, tuple(map(rn.w, m.hosts))) for m in plan.meshes
+            replace(m, id=m.id + rn.L * rn.j, hosts=tuple(map(rn.w, m.hosts))) for m in plan.meshes
         ]
         programs += [
             replace(

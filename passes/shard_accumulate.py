@@ -72,7 +72,7 @@ def _splitters(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, specs: Map
     solver's and ``contract`` keeps only the batch split (dim 0 of a value with a
     micro-batch's rows): local accumulation holds data-parallel partial sums; a
     contraction over a tensor-parallel split stays as the solver priced it."""
-    size = dict(zip(MESH_AXES, mesh.shape, strict=True))
+    size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
     rows = _batch_rows(traced, graph)
     if specs:
 

@@ -31,10 +31,10 @@ activation rather than all-reduce a few bytes, which XLA's partitioner then did 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshshard.cluster import ClusterSpec
-from meshshard.plan import MESH_AXES
+from meshshard.plan import MESH_AXES, MeshSpec
 
 __all__ = ["LogicalMesh", "Comm"]
 
@@ -95,6 +95,23 @@ class LogicalMesh:
             peak_flops=cluster.flops_for(dtype),
             memory_bandwidth=cluster.memory_bandwidth,
         )
+
+    @staticmethod
+    def of_mesh(mesh: MeshSpec, cluster: ClusterSpec, dtype: str = "float32") -> LogicalMesh:
+        """The axes a plan's ``mesh`` shards over (its logical view, else its shape), each
+        priced by the fabric it crosses: the host axis of a mesh inside one host (a view
+        such as ``(1, 4)`` seen as 2 x 2) is the intra-host fabric, not the NICs.
+
+        >>> from meshshard.cluster import ClusterSpec
+        >>> from meshshard.plan import MeshSpec
+        >>> m = LogicalMesh.of_mesh(MeshSpec(0, (1, 4), (0,), view=(2, 2)), ClusterSpec())
+        >>> m.shape, m.alpha[0] == m.alpha[1], m.beta[0] == m.beta[1]
+        ((2, 2), True, True)
+        """
+        lm = LogicalMesh.of(mesh.axis_shape, cluster, dtype)
+        if len(mesh.hosts) > 1:
+            return lm
+        return replace(lm, alpha=(lm.alpha[1],) * 2, beta=(lm.beta[1],) * 2)
 
     @property
     def num_devices(self) -> int:

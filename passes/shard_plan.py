@@ -201,7 +201,7 @@ def infer_shardings(
         if not eqns:
             continue
         eqns = tuple(sorted(eqns | markers))  # markers carry specs across programs
-        lmesh = LogicalMesh.of(mesh.shape, cluster)
+        lmesh = LogicalMesh.of_mesh(mesh, cluster)
         read = {ids[v] for i in eqns for v in jaxpr.eqns[i].invars if not is_literal(v)}
         pins = _mode_pins(traced, graph, mesh, lmesh, mode, read)
         seeds = (("data-parallel", _data_parallel_seed(traced, mesh, read)),)

@@ -15,6 +15,8 @@ interleaved grid (:func:`meshshard.passes.schedules.interleaved_one_f_one_b`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meshshard.errors import MeshshardInputError
 from meshshard.passes.stage_graph import group_layers
 from meshshard.plan import MeshSpec
@@ -38,5 +40,5 @@ def virtual_layout(
             f"pipeline layers, the step has {num_layers}; mark more boundaries or lower "
             "virtual_stages"
         )
-    logical = tuple(MeshSpec(L, meshes[L % S].shape, meshes[L % S].hosts) for L in range(S * v))
+    logical = tuple(replace(meshes[L % S], id=L) for L in range(S * v))
     return group_layers(num_layers, S * v), logical

@@ -66,7 +66,7 @@ def _specs_for(plan: Plan, group: BufferRef, mesh_id: int) -> tuple[Spec, ...]:
         return (t.tensor.spec if t.src_mesh == mesh_id else t.dst_spec,)
     if group.kind is BufferKind.REDUCTION:
         return ((),)
-    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].shape, strict=True))
+    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].axis_shape, strict=True))
     return tuple(t.stored(axis_size)[1] for t in plan.buffer(group).tensors)
 
 
@@ -74,7 +74,7 @@ def stored_shapes(plan: Plan, group: BufferRef, mesh_id: int) -> tuple:
     """Shape of each array of ``group`` as held on the mesh (None: the traced shape)."""
     if group.kind in (BufferKind.TRANSFER, BufferKind.REDUCTION):
         return (None,)
-    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].shape, strict=True))
+    axis_size = dict(zip(MESH_AXES, plan.meshes[mesh_id].axis_shape, strict=True))
     return tuple(t.stored(axis_size)[0] for t in plan.buffer(group).tensors)
 
 

@@ -32,7 +32,7 @@ def expected_tiles(full: np.ndarray, plan: Plan, worker: int) -> Tiles:
 
 
 def _tiles_of(full, mesh, spec, worker) -> Tiles:
-    blocks = device_blocks(mesh.shape, spec, full.shape)
+    blocks = device_blocks(mesh.axis_shape, spec, full.shape)
     h = mesh.hosts.index(worker)
     out = {}
     for d in range(mesh.shape[1]):
@@ -59,7 +59,7 @@ class TileBlocks:
 
     def assemble(self, t: TransferSpec, parts) -> Tiles:
         mesh = self.plan.meshes[t.dst_mesh]
-        blocks = device_blocks(mesh.shape, t.dst_spec, t.tensor.shape)
+        blocks = device_blocks(mesh.axis_shape, t.dst_spec, t.tensor.shape)
         h = mesh.hosts.index(self.worker)
         dtype = np.dtype(t.tensor.dtype)
         out: Tiles = {}

@@ -131,11 +131,13 @@ class Worker:
                 "run the same jax/flax versions and the same code as the driver"
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
-        self.mesh = make_mesh(self.devices, mesh_spec.shape)
+        self.mesh = make_mesh(self.devices, mesh_spec.axis_shape)
         self._shardings: dict = {}  # spec -> NamedSharding on self.mesh
         # interleaved 1F1B: logical meshes that view this same mesh run here too
         views = {
-            m.id for m in plan.meshes if (m.hosts, m.shape) == (mesh_spec.hosts, mesh_spec.shape)
+            m.id
+            for m in plan.meshes
+            if (m.hosts, m.shape, m.view) == (mesh_spec.hosts, mesh_spec.shape, mesh_spec.view)
         }
         programs = {}
         for mesh_id in sorted(views):

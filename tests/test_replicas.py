@@ -276,6 +276,16 @@ def test_chunked_admitted_allreduce_is_bit_identical(threads_cluster):
 # --- the topology-aware comm thread on its own -----------------------------------------
 
 
+def _eventually(pred, timeout: float = 30.0) -> bool:
+    """``pred()`` became true within ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 class Held:
     """A handle whose ``wait()`` blocks until ``release`` is set."""
 
@@ -293,11 +303,12 @@ def test_admission_holds_bulk_behind_higher_priority_on_its_links():
     q = CommQueue("adm", table)
     on_wire = threading.Event()
     q.submit(30_000, lambda: Held(on_wire), links=("h0.nic0.out",))  # a p2p in flight
-    time.sleep(0.05)
+    assert _eventually(lambda: q.issued == [0])
     bulk = q.submit(10, lambda: Held(threading.Event()), links=("h0.nic0.out",))
     other = q.submit(10, lambda: Held(threading.Event()), links=("h1.nic0.out",))
-    time.sleep(0.05)
-    assert other.done and not bulk.done and q.refused > 0  # held, the other link is free
+    # polled, not slept: under load the comm thread may take a while to get there
+    assert _eventually(lambda: other.done and q.refused > 0)
+    assert not bulk.done  # held: the p2p is still on its link; the other link is free
     on_wire.set()
     bulk.result()
     assert q.issued == [0, 2, 1]

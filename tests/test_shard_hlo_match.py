@@ -30,6 +30,11 @@ METHODS = {
         meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto"),
         ClusterSpec(num_hosts=2, devices_per_host=2),
     ),
+    # one host's 4 devices as a 2 x 2 logical mesh: collectives over either axis
+    "shard14_as_2x2": (
+        meshshard.ShardParallel((1, 4), logical_shape=(2, 2)),
+        ClusterSpec(num_hosts=1, devices_per_host=4),
+    ),
 }
 
 
@@ -49,7 +54,8 @@ def _plan(model_name, method, cluster):
 
 @pytest.mark.parametrize(
     "model, how",
-    [(m, h) for m in ("mlp", "gpt") for h in ("shard14", "pipe_auto")] + [("mlp_dp", "pipe_auto")],
+    [(m, h) for m in ("mlp", "gpt") for h in ("shard14", "pipe_auto")]
+    + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2")],
 )
 def test_compiled_collectives_match_the_prediction(model, how):
     method, cluster = METHODS[how]

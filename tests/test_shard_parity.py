@@ -60,16 +60,25 @@ def test_gpt_under_pipeshard_auto_sharding_matches_single_device(sharded_threads
 @pytest.mark.ray
 def test_pipeshard_auto_sharding_on_meshes_across_two_host_actors(ray_cluster):
     """Two (2, 2) stages on the Ray cluster, each mesh spanning two host-actors, planned
-    with the fabric's collective costs so the ILP splits values (not all-replicated)."""
+    with the fabric's collective costs so the ILP splits values (not all-replicated).
+    The first mesh runs as a logical 4 x 1 view: its host axis spans both host-actors'
+    devices (the jax.distributed mesh laid out as the view)."""
     spec = ray_cluster.spec
     with_fabric_costs(ray_cluster)
     try:
-        method = PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2)], sharding="auto")
+        method = PipeshardParallel(
+            num_micro_batches=2,
+            stages=[(2, 2), (2, 2)],
+            sharding="auto",
+            logical_shapes=[(4, 1), None],
+        )
         step = check_parity("mlp_wide", method, steps=2)
     finally:
         ray_cluster.spec = spec
     assert [m.hosts for m in step.plan.meshes] == [(0, 1), (2, 3)]
-    assert sum("sharding ILP on host=2xdevice=2" in n for n in step.plan.notes) == 2
+    assert [m.view for m in step.plan.meshes] == [(4, 1), None]
+    assert sum("sharding ILP on host=4xdevice=1" in n for n in step.plan.notes) == 1
+    assert sum("sharding ILP on host=2xdevice=2" in n for n in step.plan.notes) == 1
     assert _sharded(step.plan), "\n".join(step.plan.notes)
 
 

@@ -34,7 +34,7 @@ __all__ = ["check_messages", "source_tiles", "destination_tiles"]
 def source_tiles(problem: ReshardingProblem) -> dict[DeviceRef, Index]:
     """The block each source device holds."""
     mesh = problem.src
-    blocks = device_blocks(mesh.shape, problem.src_spec, problem.shape)
+    blocks = device_blocks(mesh.axis_shape, problem.src_spec, problem.shape)
     return {
         (h, d): blocks[i * mesh.shape[1] + d]
         for i, h in enumerate(mesh.hosts)
@@ -45,7 +45,7 @@ def source_tiles(problem: ReshardingProblem) -> dict[DeviceRef, Index]:
 def destination_tiles(problem: ReshardingProblem) -> dict[DeviceRef, Index]:
     """The block each destination device must end up holding."""
     mesh = problem.dst
-    blocks = device_blocks(mesh.shape, problem.dst_spec, problem.shape)
+    blocks = device_blocks(mesh.axis_shape, problem.dst_spec, problem.shape)
     return {
         (h, d): blocks[i * mesh.shape[1] + d]
         for i, h in enumerate(mesh.hosts)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
 from meshshard.instructions import Run, WorkerStream
@@ -59,7 +60,7 @@ def resharding_sim_plan(
 ) -> tuple[Plan, dict[str, float]]:
     """The one-transfer plan that runs ``messages`` (module docstring) and its program times."""
     src, dst = problem.src, problem.dst
-    meshes = [MeshSpec(0, src.shape, src.hosts), MeshSpec(1, dst.shape, dst.hosts)]
+    meshes = [replace(src, id=0), replace(dst, id=1)]
     programs, times = [], {}
     by_host: dict[int, list[LocalGather]] = {}
     for g in gathers:

@@ -44,7 +44,7 @@ from meshshard.instructions import (
     WorkerStream,
 )
 from meshshard.passes.comm_schedule import SparseGrad
-from meshshard.plan import BufferSpec, MeshSpec, Plan, ProgramSpec, TensorSpec, TransferSpec
+from meshshard.plan import BufferSpec, Plan, ProgramSpec, TensorSpec, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
 __all__ = ["replicate", "sparse_grads"]
@@ -174,7 +174,7 @@ def replicate(
             grads = _grad_refs(r, bucket, emb, B)
             streams.append(_stream(st, rm, grads, group, S, plan.num_micro_batches, versions))
         for m in plan.meshes:
-            meshes.append(MeshSpec(m.id + S * j, m.shape, (m.hosts[0] + S * j,)))
+            meshes.append(replace(m, id=m.id + S * j, hosts=(m.hosts[0] + S * j,)))
         for p in plan.programs:
             programs.append(_program(p, rm, _grad_refs(p.mesh, bucket, emb, B)))
         buffers += [replace(b, name=rm.buf(b.name), mesh=b.mesh + S * j) for b in plan.buffers]

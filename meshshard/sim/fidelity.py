@@ -278,7 +278,7 @@ def work_devices(plan: Plan, program: ProgramSpec) -> int:
     """How many ways ``program``'s work is split: the most shards any of its input arrays
     is cut into on its mesh.  A micro-batch too small to split over a (2, 2) mesh runs
     whole, replicated, on each of its 4 devices: its FLOPs are not divided by 4."""
-    sizes = dict(zip(MESH_AXES, _mesh(plan, program.mesh).shape, strict=True))
+    sizes = dict(zip(MESH_AXES, _mesh(plan, program.mesh).axis_shape, strict=True))
     best = 1
     for t in input_tensors(plan, program):
         n = 1

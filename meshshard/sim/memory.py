@@ -46,7 +46,7 @@ def category(buffer: BufferRef) -> str:
 def _shards(spec: Spec, mesh: MeshSpec | None) -> int:
     if mesh is None:
         return 1
-    size = {"host": mesh.shape[0], "device": mesh.shape[1]}
+    size = dict(zip(("host", "device"), mesh.axis_shape, strict=True))
     n = 1
     for entry in spec:
         if entry is None:
