@@ -25,7 +25,7 @@ from meshshard.jaxpr_util import is_literal, var_ids
 from meshshard.passes.shard_accumulate import accumulable_eqns
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import ALIAS_PRIMITIVES, ShardingSolution, solve_stage
-from meshshard.passes.shard_rules import layouts, to_spec
+from meshshard.passes.shard_rules import ELEMENTWISE, is_elementwise_call, layouts, to_spec
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes
 from meshshard.passes.stage_graph import StageGraph
 from meshshard.passes.trace import TracedStep
@@ -108,12 +108,40 @@ def _split_spec(shape, lmesh: LogicalMesh) -> Spec:
 
 
 def _read_by_gradients(traced: TracedStep, graph: StageGraph) -> set:
-    """Vars read by a forward or backward program (the rest of the state is the update's)."""
+    """Vars read by a forward or backward program (the rest of the state is the update's).
+
+    A step differentiated with ``jax.grad`` has no update program: there, a state leaf
+    whose every use downstream is elementwise (Adam's ``mu`` and ``nu``: scaled, added
+    to the gradient, divided into the update) is the update's too, where a parameter
+    always reaches a contraction or a reduction (the loss)."""
     fwd = set()
     for p in graph.programs:
         if p.name.phase in (Phase.FORWARD, Phase.BACKWARD):
             fwd.update(v for i in p.eqns for v in traced.jaxpr.eqns[i].invars if not is_literal(v))
+    if not any(p.name.phase is Phase.APPLY for p in graph.programs):
+        fwd -= elementwise_only_inputs(traced.jaxpr)
     return fwd
+
+
+def elementwise_only_inputs(jaxpr) -> set:
+    """Input vars of ``jaxpr`` from which only elementwise equations lead to the outputs
+    (no contraction, reduction, reshape or gather on any path): values combined with
+    others position by position, as an optimizer's moment estimates are.
+
+    >>> import jax, jax.numpy as jnp
+    >>> f = lambda w, m, x: (jnp.sum(x @ w), 0.9 * m + jnp.sum(x @ w))
+    >>> j = jax.make_jaxpr(f)(jnp.ones((2, 2)), jnp.ones((2,)), jnp.ones((3, 2))).jaxpr
+    >>> [j.invars.index(v) for v in elementwise_only_inputs(j)]
+    [1]
+    """
+    tainted = set()  # vars from which a non-elementwise equation is reached
+    for eqn in reversed(jaxpr.eqns):
+        keeps = eqn.primitive.name in ELEMENTWISE or is_elementwise_call(eqn)
+        if eqn.primitive.name == "broadcast_in_dim":
+            keeps = not eqn.invars[0].aval.shape  # a scalar spread position by position
+        if not keeps or any(o in tainted for o in eqn.outvars):
+            tainted.update(v for v in eqn.invars if not is_literal(v))
+    return {v for v in jaxpr.invars if v not in tainted}
 
 
 #: Plan notes that start so are also logged as a warning at compile time.
@@ -125,9 +153,10 @@ def zero_notes(traced: TracedStep, graph: StageGraph, mode: str) -> list[str]:
 
     ZeRO-2 splits the optimizer state, which it tells from the parameters by what the
     gradient programs read.  A step that differentiates with ``jax.grad`` has no
-    marked gradients, so its update is not planned apart and every state leaf counts
-    as read by them: nothing is split (the numbers are unchanged), which a user asking
-    for ZeRO-2 does not expect without being told.
+    marked gradients, so its update is not planned apart; there only state with
+    elementwise uses alone counts as the update's (:func:`_read_by_gradients`).  When
+    none does (LAMB's moments reach a norm) nothing is split (the numbers are
+    unchanged), which a user asking for ZeRO-2 does not expect without being told.
     """
     if mode != "zero2":
         return []
