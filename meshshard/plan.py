@@ -210,6 +210,8 @@ class ProgramSpec:
     ``flops``/``bytes_accessed`` come from a cost analysis when one was run.
     ``constraints``: (var id, spec) of values inside the program that inferred sharding
     fixes (``with_sharding_constraint``); empty under plain data parallelism.
+    ``operand_constraints``: (equation index, operand position, spec) of operands the
+    inferred plan reshards just before an equation reads them (pinned there too).
     References may be given as their tokens (``"s0.F"``, ``"P0"``).
     """
 
@@ -223,6 +225,7 @@ class ProgramSpec:
     constraints: tuple[tuple[int, Spec], ...] = ()
     #: values the program holds as per-device partial sums (gradient accumulation)
     unreduced: tuple[Unreduced, ...] = ()
+    operand_constraints: tuple[tuple[int, int, Spec], ...] = ()
 
     def __post_init__(self) -> None:
         _set(self, "name", ProgramRef.of(self.name))
@@ -233,6 +236,8 @@ class ProgramSpec:
         cost = f"  {self.flops:.3g} flop" if self.flops is not None else ""
         if self.constraints:
             cost += f"  {len(self.constraints)} sharding constraints"
+        if self.operand_constraints:
+            cost += f"  {len(self.operand_constraints)} operand reshards"
         if self.unreduced:
             cost += f"  {len(self.unreduced)} unreduced"
         return (

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 import numpy as np
+from jax.lax import with_sharding_constraint
 
 from meshshard.accumulate import combine, finish
 from meshshard.jaxpr_util import (
@@ -39,6 +40,7 @@ def program_function(
     constrain: Callable | None = None,
     constrained: Sequence[int] = (),
     unreduced: Local | None = None,
+    operand_constraints: Mapping[int, Mapping[int, object]] | None = None,
 ) -> Callable:
     """``fn(*flat_inputs) -> tuple(flat_outputs)`` evaluating the given equations.
 
@@ -51,6 +53,8 @@ def program_function(
     to each value of ``constrained`` as it is computed (the runtime passes
     ``with_sharding_constraint`` with the plan's inferred spec).  ``unreduced`` holds
     gradient contributions as per-device partial sums (see :class:`Local`).
+    ``operand_constraints`` (equation index -> operand position -> sharding) pins an
+    operand just before that equation reads it, where the inferred plan reshards it.
     """
     jaxpr = traced.jaxpr
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
@@ -78,6 +82,12 @@ def program_function(
 
     ids = var_ids(jaxpr)
     pinned = {by_id[i] for i in constrained} if constrain is not None else set()
+    # local position in ``eqns`` -> {operand position: sharding}
+    operand_pins = {
+        k: operand_constraints[i]
+        for k, i in enumerate(eqn_indices)
+        if operand_constraints and i in operand_constraints
+    }
 
     loc = unreduced or Local()
 
@@ -86,9 +96,13 @@ def program_function(
             eqn, env, held, loc.values, ids, loc.axis_size, loc.shard
         ):
             return True
-        if not any(o in pinned for o in eqn.outvars):
+        at = operand_pins.get(i)
+        if not at and not any(o in pinned for o in eqn.outvars):
             return False
-        outs = bind_eqn(eqn, [read_var(env, v) for v in eqn.invars])
+        args = [read_var(env, v) for v in eqn.invars]
+        for pos, sh in (at or {}).items():
+            args[pos] = with_sharding_constraint(args[pos], sh)
+        outs = bind_eqn(eqn, args)
         for o, x in zip(eqn.outvars, outs, strict=True):
             if not is_dropvar(o):
                 env[o] = constrain(ids[o], x) if o in pinned else x
@@ -111,7 +125,7 @@ def program_function(
                 else:
                     acc_in[v] = x
         hook = (lambda i, e, env: pin(i, e, env, held)) if loc.values else pin
-        eval_eqns(eqns, env, on_eqn=hook if pinned or loc.values else None)
+        eval_eqns(eqns, env, on_eqn=hook if pinned or loc.values or operand_pins else None)
         outs = []
         for is_acc, vs in out_groups:
             for v in vs:

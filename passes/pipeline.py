@@ -37,6 +37,7 @@ from meshshard.passes.shard_accumulate import accumulation_comms, local_accumula
 from meshshard.passes.shard_plan import (
     infer_shardings,
     program_constraints,
+    program_operand_constraints,
     sharding_notes,
     spec_lookup,
     zero_notes,
@@ -195,6 +196,7 @@ def _assemble(st: CompileState) -> CompileState:
             inputs=tuple(g.ref for g in p.inputs),
             outputs=tuple(g.ref for g in p.outputs),
             constraints=program_constraints(st.traced, st.shardings or (), p.stage, p.eqns),
+            operand_constraints=program_operand_constraints(st.shardings or (), p.stage, p.eqns),
             unreduced=(st.unreduced or {}).get(p.name, ()),
         )
         for p in graph.programs

@@ -108,6 +108,9 @@ class ShardingSolution:
     mesh: str = ""
     notes: tuple[str, ...] = field(default=())
     comm_seconds: float = 0.0
+    #: (equation index, operand position, spec): an operand the chosen strategy reads in
+    #: another layout than its producer's, resharded just before that equation
+    operand_specs: tuple[tuple[int, int, Spec], ...] = ()
 
     def comms_of(self, eqns: Sequence[int]) -> tuple[Comm, ...]:
         """Predicted collectives of a program made of equations ``eqns``: a value that
@@ -845,8 +848,21 @@ def _solution(problem, choice, mesh, size, elapsed, gap, fallback, status) -> Sh
     notes = tuple(sorted(set(problem.notes)))
     return ShardingSolution(
         specs, objective, comms, size, elapsed, gap, fallback, status, memory, str(mesh), notes,
-        comm,
+        comm, _operand_specs(problem, choice),
     )  # fmt: skip
+
+
+def _operand_specs(problem: _Problem, choice) -> tuple[tuple[int, int, Spec], ...]:
+    """(equation, operand position, spec) of every resharding edge of ``choice``: where
+    the plan prices a reshard of an operand, the program pins it there, so XLA reshards
+    that operand (it may otherwise keep the operand and reshard the result instead)."""
+    nodes, out = problem.nodes, []
+    for e in problem.edges:
+        src = nodes[e.src].strategies[choice[e.src]].outs[e.src_out]
+        dst = nodes[e.dst].strategies[choice[e.dst]].ins[e.dst_in]
+        if dst is not None and src != dst and nodes[e.dst].eqn >= 0:
+            out.append((nodes[e.dst].eqn, e.dst_in, to_spec(dst)))
+    return tuple(sorted(set(out)))
 
 
 def _apply_pins(problem: _Problem, pins: Mapping[int, Spec], jaxpr, mesh) -> None:

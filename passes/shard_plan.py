@@ -272,6 +272,18 @@ def program_constraints(
     return tuple(out)
 
 
+def program_operand_constraints(
+    shardings: tuple[MeshSharding, ...], mesh: int, eqns
+) -> tuple[tuple[int, int, Spec], ...]:
+    """(equation, operand position, spec) of the operands the mesh's solution reshards
+    before the program's equations read them (the runtime pins them there)."""
+    sol = next((s.solution for s in shardings if s.mesh == mesh), None)
+    if sol is None:
+        return ()
+    keep = set(eqns)
+    return tuple(c for c in sol.operand_specs if c[0] in keep)
+
+
 def _fmt_comm(comms) -> str:
     if not comms:
         return "no collectives"

@@ -463,6 +463,19 @@ def strategies(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return got or _replicated(eqn, mesh)
 
 
+def _nested_elsewhere(src: Layout, dst: Layout, mesh) -> bool:
+    """Every device's destination block lies inside one source block (each dim cut
+    into a multiple of its source parts), though not always its own: XLA slices each
+    block out where it lies and moves it with one collective-permute."""
+    own = True
+    for d in range(len(dst)):
+        a, b = tuple(src[d]) if d < len(src) else (), tuple(dst[d])
+        if mesh.size(b) % mesh.size(a):
+            return False
+        own = own and b[: len(a)] == a
+    return not own
+
+
 def reshard_comms(
     shape: Sequence[int], dtype, src: Layout, dst: Layout, mesh: LogicalMesh
 ) -> tuple[Comm, ...]:
@@ -471,6 +484,32 @@ def reshard_comms(
     Per mesh axis: kept on the same dim, nothing; dropped, an all-gather; newly added,
     a local slice (free); moved to another dim, an all-to-all.  Bytes follow the
     simulator convention, on the tensor as held just before that axis is handled.
+    A dim split over several axes keeps its blocks in place only if the axes that stay
+    on it are the major ones, in order: XLA first moves the shards to their new devices
+    with a collective-permute otherwise (a dim over ``(host, device)`` gathered over
+    ``host`` alone leaves blocks that ``device`` no longer indexes in place), of the
+    smaller of the source and destination blocks (it slices first, or gathers after).
+
+    >>> from meshshard.passes.shard_costs import LogicalMesh
+    >>> from meshshard.cluster import ClusterSpec
+    >>> m = LogicalMesh.of((2, 2), ClusterSpec())
+    >>> [str(c) for c in reshard_comms((8, 4), "float32", (("host", "device"), ()), (("device",), ()), m)]
+    ['collective-permute[host,device] 32 B', 'all-gather[host] 64 B']
+    >>> [str(c) for c in reshard_comms((8, 4), "float32", (("host", "device"), ()), (("host",), ()), m)]
+    ['all-gather[device] 64 B']
+
+    A dim both gathered over one axis and moved to another dim over another is
+    gathered whole (XLA's "involuntary full rematerialization"), then sliced:
+
+    >>> [str(c) for c in reshard_comms((8, 4), "float32", (("host", "device"), ()), ((), ("device",)), m)]
+    ['all-gather[host,device] 128 B']
+
+    When every destination block lies inside one source block (each dim cut into a
+    multiple of its source parts) but not the device's own, XLA slices the blocks where
+    they lie and permutes them, rather than gathering and slicing again.
+
+    >>> [str(c) for c in reshard_comms((8, 4), "float32", (("device",), ()), (("host",), ()), m)]
+    ['collective-permute[host,device] 64 B']
     """
     if src == dst:
         return ()
@@ -482,6 +521,19 @@ def reshard_comms(
         a for a in mesh.axes if a in where_src and a in where_dst and where_src[a] != where_dst[a]
     )
     out = []
+    for axes in src:
+        if any(a in gather for a in axes) and any(a in move for a in axes):
+            # a dim both gathered and moved: XLA gathers the whole tensor and slices it
+            # ("involuntary full rematerialization")
+            return (Comm("all-gather", tuple(a for a in mesh.axes if a in where_src), full),)
+    if _nested_elsewhere(src, dst, mesh):  # slice where each block lies, move it once
+        axes = tuple(a for a in mesh.axes if where_src.get(a) != where_dst.get(a))
+        return (Comm("collective-permute", axes, full / shards(dst, mesh)),)
+    for d, axes in enumerate(src):
+        stay = tuple(a for a in axes if where_dst.get(a) == d)
+        if stay and (tuple(axes[: len(stay)]) != stay or tuple(dst[d][: len(stay)]) != stay):
+            finer = max(shards(src, mesh), shards(dst, mesh))  # it moves the smaller blocks
+            out.append(Comm("collective-permute", tuple(axes), full / finer))
     if move:
         out.append(Comm("all-to-all", move, full / shards(src, mesh)))
     if gather:

@@ -97,6 +97,7 @@ def build_programs(
             constrain=_constrainer(mesh, dict(spec.constraints)),
             constrained=tuple(v for v, _ in spec.constraints),
             unreduced=_local(plan, spec, mesh),
+            operand_constraints=_operand_pins(mesh, spec.operand_constraints),
         )
         in_sh = tuple(sharding(mesh, s) for g in spec.inputs for s in _specs_for(plan, g, mesh_id))
         out_sh = tuple(
@@ -124,6 +125,14 @@ def _constrainer(mesh: Mesh, specs: dict) -> Callable | None:
     if not specs:
         return None
     return lambda var, x: jax.lax.with_sharding_constraint(x, sharding(mesh, specs[var]))
+
+
+def _operand_pins(mesh: Mesh, pins) -> dict:
+    """equation index -> {operand position: NamedSharding} of the plan's operand reshards."""
+    out: dict = {}
+    for eqn, pos, spec in pins:
+        out.setdefault(eqn, {})[pos] = sharding(mesh, spec)
+    return out
 
 
 def _local(plan: Plan, spec, mesh: Mesh) -> Local | None:

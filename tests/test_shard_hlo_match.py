@@ -30,6 +30,8 @@ METHODS = {
         meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], sharding="auto"),
         ClusterSpec(num_hosts=2, devices_per_host=2),
     ),
+    # two hosts of two devices: the host axis priced on the NICs
+    "shard22": (meshshard.ShardParallel((2, 2)), ClusterSpec(num_hosts=2, devices_per_host=2)),
     # one host's 4 devices as a 2 x 2 logical mesh: collectives over either axis
     "shard14_as_2x2": (
         meshshard.ShardParallel((1, 4), logical_shape=(2, 2)),
@@ -55,7 +57,8 @@ def _plan(model_name, method, cluster):
 @pytest.mark.parametrize(
     "model, how",
     [(m, h) for m in ("mlp", "gpt") for h in ("shard14", "pipe_auto")]
-    + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2")],
+    + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2"), ("gpt", "shard14_as_2x2")]
+    + [("gpt", "shard22")],
 )
 def test_compiled_collectives_match_the_prediction(model, how):
     method, cluster = METHODS[how]
