@@ -121,6 +121,7 @@ def pytest_collection_modifyitems(config, items):
     the other worker takes the rest.  Ray tests marked ``own_cluster`` (a subprocess with
     its own Ray cluster) form a second group, so they can run beside the shared one.
     """
+    _group_hosts_first(items)
     for item in items:
         if item.get_closest_marker("ray") is not None:
             # a test that starts its own Ray cluster in a subprocess needs no shared one
@@ -128,3 +129,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ray-own" if own else "ray"))
         elif item.get_closest_marker("slow") is None:
             item.add_marker("fast")
+
+
+def _jax_groups(item) -> int:
+    marker = item.get_closest_marker("jax_groups")
+    return marker.args[0] if marker is not None else 0
+
+
+def _group_hosts_first(items) -> None:
+    """Run the shared cluster's tests whose meshes span hosts first, those with the most
+    such meshes first (marker ``jax_groups(n)``), the others after, each kind in collection order.
+
+    A host-actor joins at most one multi-host JAX group, before its first JAX use: an
+    actor that ran a one-host mesh restarts to join one, and one in a group restarts to
+    run one-host meshes (``RayCluster.prepare``).  In file order the shared cluster's
+    tests restarted actors ten times (each restart costs the new actors' imports and a
+    new transfer group, 8-18 s); this order needs two.  The same tests, the same checks:
+    only the order of the shared cluster's tests changes, and the sort is stable (each
+    xdist worker collects the same order)."""
+    shared = [
+        i
+        for i, item in enumerate(items)
+        if item.get_closest_marker("ray") is not None
+        and item.get_closest_marker("own_cluster") is None
+    ]
+    ordered = sorted((items[i] for i in shared), key=lambda item: -_jax_groups(item))
+    for i, item in zip(shared, ordered, strict=True):
+        items[i] = item

@@ -681,24 +681,29 @@ class RayCluster:
 
 def _ray_init(address) -> None:
     """``ray.init`` with the actors' import path; Ray's notices and the actors' output
-    reach this terminal only with ``MESHSHARD_VERBOSE=1``."""
+    reach this terminal only with ``MESHSHARD_VERBOSE=1``.
+
+    The actors import meshshard from this process's ``sys.path``.  An embedded instance
+    (``address=None``) gets it as ``PYTHONPATH`` in the environment its daemons start
+    with, which the workers they spawn inherit; a joined cluster's workers get it in a
+    ``runtime_env``.  A runtime_env makes Ray start every worker through
+    ``setup_worker.py``, a second Python that imports Ray only to exec the worker (about
+    a second of CPU per host-actor start and restart), and leaves unused the idle
+    workers it prestarted without one."""
     import ray
 
-    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
-    kwargs = dict(
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-        runtime_env={"env_vars": env},
-    )
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False)
     if address is None:
         kwargs["num_cpus"] = max(os.cpu_count() or 1, 1)
+    else:
+        kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": path}}
     quiet = logging.getLogger("ray._private.authentication")
     level = quiet.level
     if not verbose():
         quiet.setLevel(logging.ERROR)  # "Token authentication is enabled ..." notices
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _environ(PYTHONPATH=path if address is None else None):
             if not verbose():  # Ray starts its processes with fork+exec: harmless here
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
             # address=None: always our own embedded instance, never another process's
@@ -706,6 +711,22 @@ def _ray_init(address) -> None:
             ray.init(address=address or "local", **kwargs)
     finally:
         quiet.setLevel(level)
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """Set the environment variables in ``values`` that are not ``None`` for the block,
+    then put back what was there."""
+    before = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    os.environ.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _wait_exit(pids, timeout_s: float = 10.0) -> None:

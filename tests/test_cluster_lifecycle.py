@@ -42,10 +42,25 @@ SCRIPT = textwrap.dedent(
     import psutil, time
     from meshshard import MeshshardRuntimeError
 
+    # a module only the driver's sys.path finds: Ray's workers must import it too
+    probe_dir = {probe!r}
+    os.makedirs(probe_dir, exist_ok=True)
+    with open(os.path.join(probe_dir, "lifecycle_probe.py"), "w") as f:
+        f.write("VALUE = 42\\n")
+    sys.path.insert(0, probe_dir)
+    probe = ray.remote(lambda: __import__("lifecycle_probe").VALUE)
+    env_before = os.environ.get("PYTHONPATH")
+
     # 1) the embedded local cluster: actors are real processes, gone after shutdown;
-    #    init() while running reuses it; old steps and arrays fail clearly afterwards
+    #    init() while running reuses it; old steps and arrays fail clearly afterwards.
+    #    Its workers get the driver's sys.path from the environment its daemons
+    #    inherit, not from a runtime_env (which starts each worker through a second
+    #    Python); the driver's own environment is as it was
     cluster = meshshard.init(num_hosts=2, devices_per_host=1)
     assert meshshard.init() is cluster
+    assert os.environ.get("PYTHONPATH") == env_before
+    assert not ray.get_runtime_context().runtime_env, ray.get_runtime_context().runtime_env
+    assert ray.get(probe.remote()) == 42
     pids = ray.get([a.ping.remote() for a in cluster._actors])
     assert len(set(pids)) == 2 and os.getpid() not in pids
     m = mlp.MLP(num_layers=2); b = mlp.make_batch(8); st = mlp.make_state(m, b["x"])
@@ -74,6 +89,7 @@ SCRIPT = textwrap.dedent(
     c.wait_for_nodes()
     ms = meshshard.init(address=c.address, devices_per_host=2)
     assert ms.spec.num_hosts == 2 and ms.spec.devices_per_host == 2
+    assert ray.get(probe.remote()) == 42  # a joined cluster's workers: by runtime_env
     nodes = ray.get([a.ping.remote() for a in ms._actors])
     m = mlp.MLP(num_layers=2); b = mlp.make_batch(8); st = mlp.make_state(m, b["x"])
     step = meshshard.parallelize(mlp.train_step, method=meshshard.PipeshardParallel(
@@ -96,7 +112,7 @@ def test_shutdown_leaves_no_processes_and_join_existing_cluster(tmp_path):
 
     root = str(pathlib.Path(__file__).resolve().parent.parent)
     script = tmp_path / "lifecycle.py"
-    script.write_text(SCRIPT.format(root=root))
+    script.write_text(SCRIPT.format(root=root, probe=str(tmp_path / "probe")))
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=480
     )

@@ -10,6 +10,7 @@ from tests.test_cross_stage import OPTIMIZERS, check, mlp_setup
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.jax_groups(2)
 @pytest.mark.parametrize("opt", ["clip_adamw", "multisteps"])
 def test_update_across_two_host_meshes(ray_cluster, opt):
     """Two stages, each a 2-host x 2-device mesh: a mesh's two workers contribute its

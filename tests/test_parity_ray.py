@@ -9,6 +9,7 @@ from tests.parity import check_parity
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.jax_groups(2)
 def test_mlp_two_stages_on_two_host_meshes(ray_cluster):
     """Each stage is a 2-host x 2-device mesh: one SPMD program across two actors."""
     step = check_parity("mlp", PipeshardParallel(num_micro_batches=4, stages=[(2, 2), (2, 2)]))
@@ -24,6 +25,7 @@ def test_mlp_four_stages_gpipe(ray_cluster):
     check_parity("mlp", PipeshardParallel(num_micro_batches=4, stages="uniform", schedule="gpipe"))
 
 
+@pytest.mark.jax_groups(1)
 def test_data_parallel_on_four_devices(ray_cluster):
     """A (2, 2) mesh over two host-actors: gradients all-reduced across processes (the
     GPT under the same plan runs on threads)."""
@@ -31,6 +33,7 @@ def test_data_parallel_on_four_devices(ray_cluster):
     assert step.plan.meshes[0].num_devices == 4
 
 
+@pytest.mark.jax_groups(1)
 @pytest.mark.parametrize(
     "strategy", ["broadcast", "broadcast_nolb"]
 )  # every strategy keeps parity on threads (test_parity_threads); here the real broadcasts

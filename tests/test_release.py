@@ -67,7 +67,11 @@ def test_closed_releaser_drops_later_calls_and_flush_returns():
 EXIT_WITH_LIVE_STEP = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # 8 devices; and the test session's fast-compile flags (conftest.py), which the
+    # exit path does not depend on: the first run compiled 20 s with XLA's defaults
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
     import meshshard
     from examples import mlp
     from meshshard import PipeshardParallel

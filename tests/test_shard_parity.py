@@ -43,6 +43,7 @@ def test_pipeshard_auto_sharding_matches_single_device(sharded_threads_cluster):
     assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh
 
 
+@pytest.mark.jax_groups(1)
 @pytest.mark.ray
 def test_shard_parallel_mesh_across_two_host_actors(ray_cluster):
     step = check_parity("mlp_wide", ShardParallel((2, 2)), steps=2)
@@ -57,6 +58,7 @@ def test_gpt_under_pipeshard_auto_sharding_matches_single_device(sharded_threads
     assert sum("sharding ILP" in n for n in step.plan.notes) == 2  # one ILP per mesh
 
 
+@pytest.mark.jax_groups(2)
 @pytest.mark.ray
 def test_pipeshard_auto_sharding_on_meshes_across_two_host_actors(ray_cluster):
     """Two (2, 2) stages on the Ray cluster, each mesh spanning two host-actors, planned

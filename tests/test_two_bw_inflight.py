@@ -48,7 +48,11 @@ def test_a_closed_comm_queue_refuses_new_ops():
 EXIT_WITH_STEP_IN_FLIGHT = textwrap.dedent(
     """
     import atexit, os, threading, time
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # 8 devices; and the test session's fast-compile flags (conftest.py), which the
+    # exit path does not depend on: the first run compiled 20 s with XLA's defaults
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
     import meshshard
     from examples import mlp
     from meshshard import PipeshardParallel
