@@ -19,7 +19,10 @@ batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contractio
   added to a summed loss would count once per micro-batch), a mean plus a sum, two
   maxima: not inferred (a mean plus a constant is a mean);
 * a value that pairs examples with one another (in-batch similarities ``z @ z.T``, the
-  batch in two dimensions): not inferred, since a micro-batch sees only its own examples.
+  batch in two dimensions): not inferred, since a micro-batch sees only its own examples;
+* an order statistic over the batch (a sort or top-k along it: ``jnp.median``, a
+  quantile, the k largest losses): not inferred; as the loss it is refused with a fix
+  that declares no reduction (the micro-batches' medians do not combine into the batch's).
 
 A loss that is a maximum or minimum over the batch is refused: the micro-batches'
 gradients do not combine into its gradient.  A value's slice follows a boundary marker
@@ -131,6 +134,9 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     kinds, norms = set(), 0
     producers = list(paired_producers(micro, full, var))
+    ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
+    if ranked:
+        return "", ranked
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
@@ -235,6 +241,61 @@ def _batch_axes(em, ef) -> set:
         for d, (x, y) in enumerate(zip(_shape(a), _shape(b), strict=True))
         if x != y
     }
+
+
+#: Operations that rank values along one axis; along the batch, an order statistic.
+RANKING = frozenset({"sort", "top_k"})
+
+
+def _ranks_the_batch(em, ef) -> bool:
+    """Whether equation ``em`` (``ef`` in the full-batch trace) sorts or ranks values
+    along the batch dimension."""
+    if em.primitive.name not in RANKING or em.primitive is not ef.primitive:
+        return False
+    pairs = zip(em.invars, ef.invars, strict=True)
+    if any(len(_shape(a)) != len(_shape(b)) for a, b in pairs):
+        return False
+    return _along_axis(em) in _batch_axes(em, ef)
+
+
+def _order_statistic_why(em) -> str:
+    """Why a value ranked by ``em`` along the batch combines no way over micro-batches."""
+    return (
+        f"it mixes examples: {em.primitive.name} runs along the batch dimension (axis "
+        f"{_along_axis(em)}) of a per-example value: an order statistic over the batch (a "
+        "sort, median, quantile or top-k, e.g. jnp.median(l), jnp.sort(l)[-k:], "
+        "jax.lax.top_k(l, k)) ranks each example against the whole batch, so it cannot be "
+        "computed per micro-batch and combined (the median of the micro-batches' medians "
+        "is not the batch's)"
+    )
+
+
+def _ranked_producer(producers) -> str:
+    """:func:`_order_statistic_why` of the first of ``producers`` (paired, as from
+    :func:`paired_producers`) that ranks the batch, or ''."""
+    for em, ef, ins, _ in producers:
+        if ins and _ranks_the_batch(em, ef):
+            return _order_statistic_why(em)
+    return ""
+
+
+def order_statistic(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> str:
+    """Why ``var`` is an order statistic over the batch (it is computed from a sort or
+    top-k along the batch dimension), or ''.  Traces that do not pair up equation by
+    equation pair their sorts and top-ks in order: ``jnp.sort(l)[-4:]`` on a micro-batch
+    of 4 examples slices nothing, so the two traces differ by that slice."""
+    if same_program(micro, full):
+        return _ranked_producer(paired_producers(micro, full, var))
+    mj, fj = micro.jaxpr, full.jaxpr
+    ranked = [(i, e) for i, e in enumerate(mj.eqns) if e.primitive.name in RANKING]
+    ranked_full = [e for e in fj.eqns if e.primitive.name in RANKING]
+    if len(ranked) != len(ranked_full):
+        return ""
+    in_slice = {i for i, _ in _slice(mj, var)}
+    for (i, em), ef in zip(ranked, ranked_full, strict=True):
+        if i in in_slice and _ranks_the_batch(em, ef):
+            return _order_statistic_why(em)
+    return ""
 
 
 def _carries_xs(em) -> bool:
@@ -381,26 +442,34 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
     ``ins``/``outs``: whether its inputs / outputs change shape with the batch size.
     The two traces match equation by equation, which is what lets a value's reduction
     over the batch be read off its producers."""
-    mj, fj = micro.jaxpr, full.jaxpr
-    producer = {v: i for i, e in enumerate(mj.eqns) for v in e.outvars}
+    fj = full.jaxpr
+    for i, em in _slice(micro.jaxpr, var):
+        ef = fj.eqns[i]
+        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
+        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+        yield em, ef, ins, outs
+
+
+def _slice(jaxpr, var):
+    """Every equation of ``jaxpr`` that ``var`` depends on, as ``(index, eqn)``, once each
+    (a boundary marker once per position it carries ``var``'s slice through)."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     seen, stack = set(), [var]
     while stack:
         v = stack.pop()
         if is_literal(v) or v not in producer:
             continue
         i = producer[v]
-        em, ef = mj.eqns[i], fj.eqns[i]
+        e = jaxpr.eqns[i]
         # a boundary marker is the identity per position and carries unrelated values
         # too: follow only the traced value's own input, or every value crossing the
         # same boundary would join this one's slice
-        k = list(em.outvars).index(v) if is_marker(em) else None
+        k = list(e.outvars).index(v) if is_marker(e) else None
         if (i, k) in seen:
             continue
         seen.add((i, k))
-        stack += [em.invars[k]] if k is not None else list(em.invars)
-        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
-        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
-        yield em, ef, ins, outs
+        stack += [e.invars[k]] if k is not None else list(e.invars)
+        yield i, e
 
 
 def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
@@ -442,6 +511,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             red, source = "mean", "one micro-batch" if m == 1 else "constant"
         elif not red and not same_program(micro, full):
             if label == "loss":
+                _refuse_an_order_statistic(micro, full, v)
                 # A guessed mean would average the gradients of a summed loss (or sum
                 # those of a mean): wrong numbers, so refuse as for an unclassifiable loss.
                 raise MeshshardInputError(
@@ -465,6 +535,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                 )
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
             if not red and label == "loss":
+                _refuse_an_order_statistic(micro, full, v)
                 raise MeshshardInputError(
                     f"meshshard cannot tell how the loss combines over micro-batches: {why}; "
                     "make the loss a mean or a sum over the batch (with a masked mean, divide "
@@ -486,6 +557,20 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             loss = red
         out.append((label, red, source))
     return tuple(out)
+
+
+def _refuse_an_order_statistic(micro: ClosedJaxpr, full: ClosedJaxpr, loss) -> None:
+    """Raise MeshshardInputError if ``loss`` is an order statistic over the batch (a
+    median, a quantile, the k largest per-example losses): declaring its reduction would
+    combine the micro-batches' own statistics, which differ from the batch's."""
+    why = order_statistic(micro, full, loss)
+    if why:
+        raise MeshshardInputError(
+            f"meshshard cannot tell how the loss combines over micro-batches: {why}; compute "
+            "it with num_micro_batches=1, or outside the step, or use a mean or a sum over "
+            "the batch as the loss (declaring loss_reduce='mean' or 'sum' would combine the "
+            "micro-batches' own order statistics, not the batch's)"
+        )
 
 
 def set_reductions(closed: ClosedJaxpr, reduce: tuple) -> ClosedJaxpr:

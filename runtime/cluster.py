@@ -171,8 +171,43 @@ def verbose() -> bool:
     return os.environ.get("MESHSHARD_VERBOSE", "") not in ("", "0")
 
 
+#: Threads clusters made and not closed yet (weak: a dropped one is not kept alive).
+_OPEN_THREADS: weakref.WeakSet = weakref.WeakSet()
+_THREADS_LOCK = threading.Lock()
+_threads_hooked = False
+
+
+def _close_open_threads_clusters() -> None:
+    """Close every threads cluster still open at interpreter exit (one made with
+    ``ThreadsCluster(...)`` and used through :func:`use_cluster`, never closed): its
+    steps still running would be inside XLA while the interpreter finalizes, which
+    aborts the process (exit code 134, ``terminate called after throwing ...``)."""
+    for cluster in list(_OPEN_THREADS):
+        try:
+            cluster.close()
+        except Exception as exc:  # exiting anyway
+            log.debug("meshshard: closing %s at exit: %s", cluster.spec.name, exc)
+
+
+def _close_at_exit(cluster) -> None:
+    """Have :func:`_close_open_threads_clusters` close ``cluster`` at exit unless it was
+    closed before.  Its hook is registered after the helper threads' (and so after JAX's):
+    it runs before them, and waits for the steps in flight while they still have their
+    comm threads (see :func:`meshshard.runtime.overlap.hook_exit`)."""
+    global _threads_hooked
+    from meshshard.runtime.overlap import hook_exit
+
+    hook_exit()
+    with _THREADS_LOCK:
+        _OPEN_THREADS.add(cluster)
+        if not _threads_hooked:
+            atexit.register(_close_open_threads_clusters)
+            _threads_hooked = True
+
+
 class ThreadsCluster:
-    """Workers as threads in this process (see ``runtime.local``)."""
+    """Workers as threads in this process (see ``runtime.local``).  Closed at interpreter
+    exit if it is still open (:meth:`close` is idempotent)."""
 
     def __init__(self, num_hosts: int, devices_per_host: int):
         self.spec = ClusterSpec(
@@ -189,6 +224,7 @@ class ThreadsCluster:
         self.closed = False
         #: steps started and maybe still running (pipelined 2BW steps return early)
         self.inflight: weakref.WeakSet = weakref.WeakSet()
+        _close_at_exit(self)
 
     def stores_for(self, blocks: tuple) -> dict[int, dict]:
         """The per-worker stores of plans whose meshes share hosts as host-actor
@@ -225,7 +261,11 @@ class ThreadsCluster:
         process) as long as they make progress, give up on them once they made none for
         :data:`CLOSE_WAIT_S` (their waiting receives fail at once; at most
         :data:`CANCEL_WAIT_S` more for their threads to end), then drop every kept
-        array."""
+        array.  Runs at interpreter exit for a cluster not closed before; a second call
+        does nothing."""
+        _OPEN_THREADS.discard(self)
+        if self.closed:
+            return
         self.closed = True
         steps = list(self.inflight)
         _wait_while_progressing(steps, CLOSE_WAIT_S)

@@ -6,6 +6,7 @@ equal ``jax.jit`` of the unmodified step.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -252,6 +253,73 @@ def test_a_max_loss_is_refused():
     par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
     with pytest.raises(MeshshardInputError, match=r"the loss is a maximum over the batch"):
         par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
+def _per_example(pred, y):
+    return jnp.mean((pred - y) ** 2, axis=1)
+
+
+@pytest.mark.parametrize(
+    "make_loss,m,op",
+    [
+        # the median's index arithmetic was blamed ("sub by a literal that changes with
+        # the batch size")
+        (lambda pred, y, p: jnp.median(_per_example(pred, y)), 2, "sort"),
+        (lambda pred, y, p: jnp.median(_per_example(pred, y)), 4, "sort"),
+        (lambda pred, y, p: jnp.quantile(_per_example(pred, y), 0.9), 2, "sort"),
+        # the 4 largest of 4 examples per micro-batch slice nothing: the traces differed,
+        # and the refusal blamed code that branches on the batch size
+        (lambda pred, y, p: jnp.sum(jnp.sort(_per_example(pred, y))[-4:]), 4, "sort"),
+        (lambda pred, y, p: jnp.mean(jnp.sort(_per_example(pred, y))[-4:]), 2, "sort"),
+        # a fixed k: was "it applies reduce_sum to a value reduced over the batch"
+        (lambda pred, y, p: jnp.mean(jax.lax.top_k(_per_example(pred, y), 4)[0]), 2, "top_k"),
+    ],
+    ids=["median", "median-m4", "quantile", "sort-top4-m4", "sort-top4", "top_k-4"],
+)
+def test_an_order_statistic_loss_is_refused_naming_it_and_the_fix(make_loss, m, op):
+    state = sgd_state(BATCHES[0]["x"])
+    par = meshshard.parallelize(
+        _loss_step(make_loss), method=PipeshardParallel(num_micro_batches=m)
+    )
+    with pytest.raises(MeshshardInputError) as info:
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+    msg = str(info.value)
+    assert re.search(
+        rf"cannot tell how the loss combines over micro-batches: it mixes examples: {op} "
+        r"runs along the batch dimension \(axis 0\) of a per-example value: an order "
+        r"statistic over the batch \(a sort, median, quantile or top-k.*\) ranks each "
+        r"example against the whole batch, so it cannot be computed per micro-batch and "
+        r"combined",
+        msg,
+    ), msg
+    assert re.search(
+        r"compute it with num_micro_batches=1, or outside the step, or use a mean", msg
+    )
+    for misleading in ("literal that changes", "branches or loops", "value reduced over"):
+        assert misleading not in msg
+
+
+def test_an_order_statistic_aux_value_takes_the_default_and_says_why():
+    state = sgd_state(BATCHES[0]["x"])
+
+    def step(state, batch):
+        def loss_fn(params):
+            err = _per_example(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+            return jnp.mean(err), {"median": jnp.median(err)}
+
+        (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), aux
+
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    notes = par.lower(state, BATCHES[0], cluster=CLUSTER).notes
+    assert any(
+        n.startswith(
+            "aux['median']: mean over 2 micro-batches (default: it mixes examples: "
+            "sort runs along the batch dimension (axis 0) of a per-example value: "
+            "an order statistic over the batch"
+        )
+        for n in notes
+    ), notes
 
 
 def test_a_negated_batch_max_is_not_combined_as_a_max():

@@ -91,3 +91,81 @@ EXIT_WITH_LIVE_STEP = textwrap.dedent(
 def test_exit_with_a_live_replicated_step_does_not_abort():
     root = __file__.rsplit("/tests/", 1)[0]
     assert_exits_cleanly(EXIT_WITH_LIVE_STEP, "loss True", runs=3, cwd=root)
+
+
+#: A script that makes a threads cluster with ``use_cluster`` and never closes it, its
+#: last pipelined (2BW) step still in flight: the step is held until the exit hooks have
+#: begun (then 20 ms more), so its worker threads run XLA programs while the interpreter
+#: exits unless something waits for them.  A hook registered first (run last) says how
+#: the step ended.  Before the cluster closed itself at exit: "running", and exit code
+#: 134 (``terminate called after throwing an instance of ''``) in 5 runs of 20.
+EXIT_WITH_UNCLOSED_THREADS_CLUSTER = textwrap.dedent(
+    """
+    import atexit, os, threading, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    handles = []
+
+    def report():
+        h = handles[0]
+        how = "running" if h.running else "failed" if h.errors else "finished"
+        print("in flight at exit:", how, *h.errors.values(), flush=True)
+
+    atexit.register(report)  # the last exit hook
+    import meshshard
+    from examples import mlp
+    from meshshard import PipeshardParallel
+    from meshshard.runtime import interpreter
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    exiting, ready, hold = threading.Event(), threading.Semaphore(0), []
+    step_init = interpreter._Step.__init__
+
+    def held_until_exit(self, *args, **kwargs):
+        step_init(self, *args, **kwargs)
+        if self.seq is not None and hold:
+            ready.release()
+            exiting.wait(60)
+            time.sleep(0.02)
+
+    interpreter._Step.__init__ = held_until_exit
+    batch = mlp.make_batch(batch_size=8)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, schedule="2bw")
+    with use_cluster(ThreadsCluster(4, 2)):
+        step = meshshard.parallelize(mlp.train_step, method=method)
+        state, _ = step(mlp.make_state(mlp.MLP(num_layers=4), batch["x"]), batch)
+        state, _ = step(state, batch)
+        step.executable.settle()
+        hold.append(True)
+        state, _ = step(state, batch)  # pipelined: in flight until the exit hooks begin
+        handles.append(step.executable._inflight[-1].handle)
+        for _ in range(2):
+            ready.acquire(timeout=60)
+    atexit.register(exiting.set)  # the first exit hook
+    print("stepped", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_exit_with_an_unclosed_threads_cluster_waits_for_its_step_and_does_not_abort():
+    root = __file__.rsplit("/tests/", 1)[0]
+    assert_exits_cleanly(
+        EXIT_WITH_UNCLOSED_THREADS_CLUSTER,
+        "stepped\nin flight at exit: finished",
+        runs=3,
+        cwd=root,
+    )
+
+
+@pytest.mark.fast
+def test_a_threads_cluster_closes_once_and_is_forgotten_by_the_exit_hook():
+    from meshshard.runtime import cluster as cluster_mod
+
+    cl = cluster_mod.ThreadsCluster(1, 1)
+    assert cl in cluster_mod._OPEN_THREADS
+    cl.stores[0] = {1: "kept"}
+    cl.close()
+    assert cl.closed and cl not in cluster_mod._OPEN_THREADS and cl.stores[0] == {}
+    cl.stores[0][2] = "after"
+    cl.close()  # a second close (as at exit) does nothing
+    assert cl.stores[0] == {2: "after"}
