@@ -9,6 +9,7 @@ import meshshard
 from examples import gpt, mlp
 from meshshard.cluster import ClusterSpec
 from meshshard.hlo_collectives import bytes_by_kind, program_collectives
+from meshshard.passes import shard_plan
 from meshshard.passes.checks import run_passes
 from meshshard.passes.pipeline import PASSES
 from meshshard.passes.state import CompileState
@@ -40,6 +41,10 @@ METHODS = {
 }
 
 
+#: methods whose mesh has two axes of size > 1
+TWO_D = ("shard22", "shard14_as_2x2")
+
+
 def _plan(model_name, method, cluster):
     module, model, batch = MODELS[model_name]()
     x = batch["x" if model_name.startswith("mlp") else "inputs"]
@@ -60,8 +65,12 @@ def _plan(model_name, method, cluster):
     + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2"), ("gpt", "shard14_as_2x2")]
     + [("gpt", "shard22")],
 )
-def test_compiled_collectives_match_the_prediction(model, how):
+def test_compiled_collectives_match_the_prediction(model, how, monkeypatch):
     method, cluster = METHODS[how]
+    if how in TWO_D:
+        # the GPT's 2-D ILP (~360k variables) stops at the time limit whatever it is:
+        # the check is of the kept plan's collectives against XLA's, so keep it short
+        monkeypatch.setattr(shard_plan, "TIME_LIMIT", 5.0)
     traced, st = _plan(model, method, cluster)
     plan, devices = st.plan, jax.devices()
     predicted_any = False
