@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from meshshard.errors import MeshshardInputError
+from meshshard.plan import is_view
 
 SCHEDULES = ("1f1b", "gpipe", "eager_1f1b", "interleaved_1f1b", "zb_h1", "2bw")
 #: How values are sharded inside each mesh (``passes/shard_plan.py``).
@@ -67,7 +68,7 @@ def check_view(view, shape: tuple[int, int] | None, what: str) -> tuple[int, int
     if shape is None:
         return view
     h, d = shape
-    if view[0] * view[1] != h * d or d % view[1]:
+    if not is_view(view, shape):
         fits = [(h * d // b, b) for b in range(1, d + 1) if d % b == 0]
         raise MeshshardInputError(
             f"{what}={view} is not a logical view of the {h}x{d} mesh: its device axis must "

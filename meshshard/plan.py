@@ -69,6 +69,12 @@ def _shape_str(dtype: str, shape: tuple[int, ...]) -> str:
     return f"{dtype_str(dtype)}[{','.join(map(str, shape))}]"
 
 
+def is_view(view, shape: tuple[int, int]) -> bool:
+    """Whether ``view`` is a logical ``(a, b)`` layout of a ``shape = (hosts, devices)``
+    mesh's devices: the same count, the device axis inside a host (``b`` divides them)."""
+    return len(view) == 2 and view[0] * view[1] == shape[0] * shape[1] and shape[1] % view[1] == 0
+
+
 @dataclass(frozen=True)
 class MeshSpec:
     """A block of ``shape[0]`` hosts x ``shape[1]`` devices that runs one stage.
@@ -89,7 +95,7 @@ class MeshSpec:
         v = self.view
         if v is None:
             return
-        if len(v) != 2 or v[0] * v[1] != self.shape[0] * self.shape[1] or self.shape[1] % v[1]:
+        if not is_view(v, self.shape):
             raise MeshshardInputError(
                 f"mesh{self.id}: logical shape {tuple(v)} is not a view of its "
                 f"{self.shape[0]}x{self.shape[1]} devices; pass (a, b) with a * b = "

@@ -468,8 +468,8 @@ def _nested_elsewhere(src: Layout, dst: Layout, mesh) -> bool:
     into a multiple of its source parts), though not always its own: XLA slices each
     block out where it lies and moves it with one collective-permute."""
     own = True
-    for d in range(len(dst)):
-        a, b = tuple(src[d]) if d < len(src) else (), tuple(dst[d])
+    for a, b in zip(src, dst, strict=True):
+        a, b = tuple(a), tuple(b)
         if mesh.size(b) % mesh.size(a):
             return False
         own = own and b[: len(a)] == a
