@@ -1,26 +1,35 @@
 """Simulator fidelity: predicted vs measured step time of GPT pipelines on the local Ray cluster.
 
-    python benchmarks/fidelity.py [--steps 15] [--json OUT.json] [--trace OUT_trace.json]
+    python benchmarks/fidelity.py [--steps 15] [--rounds 5] [--json OUT.json]
+                                  [--trace OUT_trace.json] [--save OUT.pkl]
 
-For every plan, in one run: the median of ``--steps`` timed steps (after two warm-up
-calls) and three traced steps (host overheads, the side-by-side trace).  Plans of the
-*calibration* set (model A, 2 stages) are also profiled (every RUN waits for its
-outputs: program times on the real mesh, 5 steps).  Then, with the cluster shut down:
+For every plan, in one run: the median of ``--steps`` timed steps, one recorded step per
+round (host overheads, the side-by-side trace) and one profiled step per round (every
+RUN waits for its outputs: program times on the real mesh).  Plans that share a mesh
+layout are compiled together and measured in ``--rounds`` interleaved rounds (each
+round: one untimed step after the switch, then the timed, recorded and profiled ones),
+so a drift of the machine's speed reaches every plan alike.  Only the *calibration* set
+(models A and C, d_model 64 and 128, on 2 stages; ``--cal-models A`` for A alone) has
+its profiles used for prediction.  Then, with the cluster shut down:
 
 - fit the host overheads (runtime per instruction, driver per step) and a calibrated
   roofline (launch + FLOPs + bytes + collectives read from each program's compiled HLO)
   on the calibration set only;
 - predict every plan with the simulator: calibration plans from their profiled program
-  times, *held-out* plans (model B: other sizes, 4 stages) from the calibrated roofline
-  alone, never profiled;
+  times, *held-out* plans (model B: d_model 96 and twice the layers, a size no
+  calibration plan has; 4 stages, and (2,2) meshes) from the calibrated roofline alone;
 - two host models side by side: ``in-situ`` (profiled times as measured, cores not
   modelled) and ``cores`` (profiles with the slow-down from sharing cores removed, the
   simulator sharing ``os.cpu_count()`` cores, as the local clusters declare; or, with
   ``--fit-cores``, the count that fits the calibration set best); plus the uncalibrated
   ``local`` roofline;
-- an ``oracle`` column: every plan from its own profiled program times (held-out plans
-  are profiled too, after their timed steps, for this column only), which splits a
-  held-out miss into the calibrated roofline's part and the host model's part.
+- ``oracle`` and ``oracle cores`` columns: every plan from its own profiled program
+  times, as measured and made isolated (held-out plans are profiled too, in their
+  rounds, for these columns only), which split a held-out miss into the calibrated
+  roofline's part and the host model's part.
+- the schedule ranking: Kendall's tau, and the pairs of schedules whose timed steps
+  the measurement separates (Mann-Whitney, p < 0.05) with how many the prediction
+  orders alike (the others swap between runs of this machine).
 
 Also the recording overhead (steps with and without ``trace=``, interleaved blocks on
 the first plan) and one Perfetto file with the measured and the predicted timeline of
@@ -30,6 +39,7 @@ one plan as two process groups.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import pickle
@@ -51,6 +61,7 @@ from meshshard import DataParallel, PipeshardParallel  # noqa: E402
 MODELS = {
     "A": dict(model=dict(d_model=64, num_layers=4, max_len=32), batch=16),
     "B": dict(model=dict(d_model=96, num_layers=8, max_len=32), batch=24),
+    "C": dict(model=dict(d_model=128, num_layers=4, max_len=32), batch=32),
 }
 
 
@@ -61,16 +72,19 @@ def _pipe(m, stages, schedule, virtual=1):
 
 
 S2, S2W, S4 = [(1, 2)] * 2, [(2, 2)] * 2, [(1, 2)] * 4
-#: (name, set, model, method).  Calibration set "cal" = model A on 2 stages (and data
-#: parallel); held-out = model B (other size) on 4 stages, never profiled.  Every
-#: schedule that exists, M in {2, 4, 8}, meshes (1,2) and (2,2).  (2,2) meshes last:
-#: they regroup the actors.
+#: (name, set, model, method).  Calibration set "cal" = models A and C (d_model 64 and
+#: 128) on 2 stages (and data parallel); held-out = model B (d_model 96, twice the
+#: layers: a size between, never profiled for prediction) on 4 stages and on (2,2)
+#: meshes.  Every schedule that exists, M in {2, 4, 8}, meshes (1,2) and (2,2).  (2,2)
+#: meshes last: they regroup the actors.
 PLANS = [
     ("A 2x(1,2) 1f1b M=2", "cal", "A", _pipe(2, S2, "1f1b")),
     ("A 2x(1,2) gpipe M=4", "cal", "A", _pipe(4, S2, "gpipe")),
     ("A 2x(1,2) 1f1b M=8", "cal", "A", _pipe(8, S2, "1f1b")),
     ("A 2x(1,2) eager_1f1b M=4", "cal", "A", _pipe(4, S2, "eager_1f1b")),
     ("A dp (1,2)", "cal", "A", DataParallel(mesh_shape=(1, 2))),
+    ("C 2x(1,2) 1f1b M=4", "cal", "C", _pipe(4, S2, "1f1b")),
+    ("C 2x(1,2) gpipe M=8", "cal", "C", _pipe(8, S2, "gpipe")),
     ("B 4x(1,2) gpipe M=4", "held-out", "B", _pipe(4, S4, "gpipe")),
     ("B 4x(1,2) 1f1b M=4", "held-out", "B", _pipe(4, S4, "1f1b")),
     ("B 4x(1,2) eager_1f1b M=4", "held-out", "B", _pipe(4, S4, "eager_1f1b")),
@@ -80,11 +94,12 @@ PLANS = [
     ("B 4x(1,2) 1f1b M=8", "held-out", "B", _pipe(8, S4, "1f1b")),
     ("B 4x(1,2) gpipe M=2", "held-out", "B", _pipe(2, S4, "gpipe")),
     ("A 2x(2,2) 1f1b M=4", "cal", "A", _pipe(4, S2W, "1f1b")),
+    ("C 2x(2,2) 1f1b M=4", "cal", "C", _pipe(4, S2W, "1f1b")),
     ("B 2x(2,2) gpipe M=4", "held-out", "B", _pipe(4, S2W, "gpipe")),
     ("B dp (2,2)", "held-out", "B", DataParallel(mesh_shape=(2, 2))),
 ]
 #: --quick: one plan of each kind the fit needs, and a held-out plan of each mesh.
-QUICK = [0, 1, 4, 5, 6, 13, 14]
+QUICK = [0, 1, 4, 5, 7, 8, 15, 17]
 #: The schedules ranked against each other (same model, stages and M).
 RANKED = [n for n, *_ in PLANS if n.startswith("B 4x(1,2)") and n.endswith("M=4")]
 
@@ -129,46 +144,79 @@ def _inner(step, state, batch):
     return two_bw.steady, (two_bw.stash, state, batch)
 
 
-def measure_plan(name, kind, model_key, method, args, tmp):
-    """Measure one plan; profile it too if it is in the calibration set."""
-    from meshshard.passes.trace import trace_step
-    from meshshard.profiling import program_collectives
-    from meshshard.runtime.trace_record import TraceLog
-    from meshshard.sim.fidelity import isolated_program_times, opcode_overheads, program_times
+def _layout(method):
+    """The mesh shapes a plan's method asks for: plans with the same set share the
+    host-actors as they are, so they can be held compiled at once and interleaved."""
+    stages = getattr(method, "stages", None)
+    shapes = stages if isinstance(stages, (list, tuple)) else [method.mesh_shape]
+    return frozenset(tuple(s) for s in shapes)
 
+
+def compile_plan(name, kind, model_key, method):
+    """Compile one plan (three untimed calls: 2BW compiles its steady variant at call 2)."""
     state, batch = _setup(model_key)
     step = meshshard.parallelize(gpt.train_step, method=method)
     t0 = time.perf_counter()
-    state, _ = _timed(step, state, batch, 3)  # 2BW compiles its steady variant at call 2
-    compile_s = time.perf_counter() - t0
-    load = os.getloadavg()[0]
-    state, times = _timed(step, state, batch, args.steps)
-    rec = dict(name=name, set=kind, compile_s=compile_s, times=times)
-    rec["loadavg"] = (load, os.getloadavg()[0])
-    inner, inner_args = _inner(step, state, batch)
-    if args.overhead_plan == name:
-        rec["traced_s"], rec["untraced_s"] = _overhead(inner, state, batch, f"{tmp}/ovh.json")
-    inner.record(f"{tmp}/m.json")
     state, _ = _timed(step, state, batch, 3)
+    live = dict(name=name, kind=kind, step=step, state=state, batch=batch)
+    live["rec"] = dict(name=name, set=kind, compile_s=time.perf_counter() - t0, times=[])
+    live["rec"]["model"] = model_key
+    live["rec"]["round_medians"] = []
+    live["load"] = [os.getloadavg()[0]]
+    return live
+
+
+def measure_round(live, n):
+    """One round of one plan: a step after the switch from the previous plan (untimed),
+    ``n`` timed steps, one recorded step (host overheads) and one profiled step (every
+    RUN waits for its outputs: program times).  A 2BW step is settled after its round,
+    so its trailing work does not run into the next plan's."""
+    from meshshard.runtime.trace_record import TraceLog
+
+    step, batch, rec = live["step"], live["batch"], live["rec"]
+    live["state"], _ = _timed(step, live["state"], batch, 1)
+    live["state"], times = _timed(step, live["state"], batch, n)
+    rec["times"] += times
+    rec["round_medians"].append(statistics.median(times))
+    inner, _ = _inner(step, live["state"], batch)
     exe = inner.executable
-    rec["measured_steps"] = list(exe.trace_log.steps)
-    inner.record(None)
+    live.setdefault("measured", TraceLog(os.devnull, keep=100))
+    live.setdefault("profile", TraceLog(os.devnull, keep=100))
+    for log, sync in ((live["measured"], False), (live["profile"], True)):
+        exe.record(log, sync=sync)
+        live["state"], _ = _timed(step, live["state"], batch, 1)
+        exe.record(None)
+    if getattr(step, "_two_bw", None) is not None:
+        step._two_bw.settle()
+    live["load"].append(os.getloadavg()[0])
+
+
+def finish_plan(live, args, tmp):
+    """The plan's record from its rounds, then released: the recorded and profiled steps,
+    the recording overhead (on ``--overhead-plan``), the collectives of its programs."""
+    from meshshard.passes.trace import trace_step
+    from meshshard.profiling import program_collectives
+    from meshshard.sim.fidelity import isolated_program_times, opcode_overheads, program_times
+
+    step, state, batch, rec = live["step"], live["state"], live["batch"], live["rec"]
+    rec["loadavg"] = (min(live["load"]), max(live["load"]))
     inner, inner_args = _inner(step, state, batch)
+    if args.overhead_plan == rec["name"]:
+        rec["traced_s"], rec["untraced_s"] = _overhead(inner, state, batch, f"{tmp}/ovh.json")
+    exe = inner.executable
+    rec["measured_steps"] = list(live["measured"].steps)
     plan = inner.lower(*inner_args)  # the same plan, with each program's cost analysis
     assert [str(p.name) for p in plan.programs] == [str(p.name) for p in exe.plan.programs]
     # what step.profile() does, keeping the log for the isolated times; a held-out
     # plan's profile is kept apart ("oracle") and used by the oracle variant only
-    log = TraceLog(os.devnull, keep=5)
-    exe.record(log, sync=True)
-    _timed(step, state, batch, 5)
-    exe.record(None)
-    if kind == "cal":
-        rec["profiled"] = program_times(log.steps)
-        rec["opcodes"] = opcode_overheads(log.steps)
-        rec["isolated"] = isolated_program_times(log.steps, plan, os.cpu_count() or 1)
-        rec["profile_steps"] = list(log.steps)  # to redo the isolation for other core counts
+    profile = live["profile"].steps
+    rec["profile_steps"] = list(profile)  # to redo the isolation for other core counts
+    if rec["set"] == "cal":
+        rec["profiled"] = program_times(profile)
+        rec["opcodes"] = opcode_overheads(profile)
+        rec["isolated"] = isolated_program_times(profile, plan, os.cpu_count() or 1)
     else:
-        rec["oracle"] = program_times(log.steps)
+        rec["oracle"] = program_times(profile)
     fn, abstract, batch_argnums = exe._compile_args
     traced = trace_step(
         fn, abstract, batch_argnums=batch_argnums, num_micro_batches=plan.num_micro_batches
@@ -202,12 +250,13 @@ def isolated_for(records, cores: int) -> list:
     older pickles, keep the times isolated for the measuring machine's count)."""
     from meshshard.sim.fidelity import isolated_program_times
 
-    return [
-        {**r, "isolated": isolated_program_times(r["profile_steps"], r["plan"], cores)}
-        if "profile_steps" in r
-        else r
-        for r in records
-    ]
+    out = []
+    for r in records:
+        if "profile_steps" in r:
+            iso = isolated_program_times(r["profile_steps"], r["plan"], cores)
+            r = {**r, "isolated" if r["set"] == "cal" else "oracle_isolated": iso}
+        out.append(r)
+    return out
 
 
 def fit(records, cluster):
@@ -255,7 +304,7 @@ def _host(cluster, overheads, plan):
     return replace(cluster, opcode_overheads=ops, dispatch_overhead=dispatch)
 
 
-VARIANTS = ("in-situ", "cores", "local roofline", "oracle")
+VARIANTS = ("in-situ", "cores", "local roofline", "oracle", "oracle cores")
 
 
 def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
@@ -276,6 +325,14 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
         times = rec.get(key) or fits[variant].program_times(plan, coll)
         out[variant] = simulate(plan, replace(host, host_cores=n), program_times=times)
         out[variant] = out[variant].iteration_time
+    if "oracle cores" in variants:  # own profile, made isolated, cores shared
+        times = rec.get("isolated") or rec.get("oracle_isolated")
+        n = cores or os.cpu_count()
+        out["oracle cores"] = (
+            simulate(plan, replace(host, host_cores=n), program_times=times).iteration_time
+            if times
+            else float("nan")
+        )
     if "oracle" in variants:  # every plan from its own profile: the host model's error
         times = rec.get("profiled") or rec.get("oracle")
         out["oracle"] = (
@@ -360,53 +417,95 @@ def report(records, preds, variant, stat=statistics.median):
 
 
 def measure_all(plans, args, tmp):
-    """Measure every plan on a fresh local Ray cluster (shut down after); with
-    ``--save``, the records so far are pickled after each plan."""
+    """Measure every plan on a fresh local Ray cluster (shut down after).  Plans that
+    share a mesh layout are compiled together and measured in ``--rounds`` interleaved
+    rounds, so a drift of this VM's speed during the run spreads over all of them
+    instead of landing on whichever plan ran then; with ``--save``, the records so far
+    are pickled after each layout group."""
     meshshard.init()
     records = []
     try:
-        for name, kind, model_key, method in plans:
-            t0 = time.perf_counter()
-            try:
-                records.append(measure_plan(name, kind, model_key, method, args, tmp))
-            except Exception as e:  # one broken plan must not lose the others
-                print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
-                continue
-            r = records[-1]
+        groups = [list(g) for _, g in itertools.groupby(plans, key=lambda p: _layout(p[3]))]
+        per_round = -(-args.steps // args.rounds)
+        for group in groups:
+            live = []
+            for name, kind, model_key, method in group:
+                try:
+                    live.append(compile_plan(name, kind, model_key, method))
+                except Exception as e:  # one broken plan must not lose the others
+                    print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
+            for i in range(args.rounds):
+                t0 = time.perf_counter()
+                for x in live:
+                    measure_round(x, per_round)
+                print(
+                    f"round {i + 1}/{args.rounds} of {len(live)} plans in "
+                    f"{time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
+            for x in live:
+                r = finish_plan(x, args, tmp)
+                x.clear()  # drop its state before the next group regroups the actors
+                records.append(r)
+                rounds = ", ".join(f"{m * 1e3:.0f}" for m in r["round_medians"])
+                print(
+                    f"measured {r['name']}: median {statistics.median(r['times']) * 1e3:.1f} ms"
+                    f" (rounds {rounds}), load {r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}",
+                    flush=True,
+                )
             if args.save:
                 with open(args.save, "wb") as f:
                     pickle.dump(records, f)
-            print(
-                f"measured {name} in {time.perf_counter() - t0:.0f} s: median "
-                f"{statistics.median(r['times']) * 1e3:.1f} ms, load {r['loadavg']}",
-                flush=True,
-            )
     finally:
         meshshard.shutdown()
     return records
 
 
-def ranking(records, preds, variant):
-    """The RANKED schedules fastest first, measured and predicted, and Kendall's tau."""
-    from scipy.stats import kendalltau
+def ranking(records, preds, variant, alpha=0.05):
+    """The RANKED schedules fastest first, measured and predicted; Kendall's tau; and the
+    pairs the measurement separates (their timed steps differ by a two-sided
+    Mann-Whitney test at ``alpha``) with how many of them the prediction orders alike.
+    Schedules whose steps the measurement cannot tell apart have no measured order for
+    a prediction to match (they swap between runs on this machine)."""
+    from scipy.stats import kendalltau, mannwhitneyu
 
     rows = [
-        (r["name"], statistics.median(r["times"]), p[variant])
+        (r["name"], r["times"], p[variant])
         for r, p in zip(records, preds, strict=True)
         if r["name"] in RANKED
     ]
     if len(rows) < 2:
         return None
     short = {n: n.split()[2] for n, _, _ in rows}
-    measured = [short[n] for n, _, _ in sorted(rows, key=lambda x: x[1])]
+    med = {n: statistics.median(t) for n, t, _ in rows}
+    measured = [short[n] for n, _, _ in sorted(rows, key=lambda x: med[x[0]])]
     predicted = [short[n] for n, _, _ in sorted(rows, key=lambda x: x[2])]
-    tau = kendalltau([m for _, m, _ in rows], [p for _, _, p in rows]).statistic
-    return dict(measured=measured, predicted=predicted, tau=float(tau))
+    tau = kendalltau([med[n] for n, _, _ in rows], [p for _, _, p in rows]).statistic
+    separated, agree = [], 0
+    for i, (a, ta, pa) in enumerate(rows):
+        for b, tb, pb in rows[i + 1 :]:
+            if mannwhitneyu(ta, tb).pvalue < alpha:
+                faster, slower = (a, b) if med[a] < med[b] else (b, a)
+                separated.append(f"{short[faster]} < {short[slower]}")
+                agree += (pa < pb) == (med[a] < med[b])
+    return dict(
+        measured=measured,
+        predicted=predicted,
+        tau=float(tau),
+        separated_pairs=separated,
+        separated_agree=agree,
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds the timed steps are split into (1: each plan's steps in one block)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default="fidelity_trace.json")
     ap.add_argument("--save", default=None, help="pickle the measurements here")
@@ -415,6 +514,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
     ap.add_argument("--select", default=None, help="comma-separated plan indices to run")
     ap.add_argument("--overhead-plan", default=PLANS[1][0])
+    ap.add_argument(
+        "--cal-models",
+        default="A,C",
+        help="models whose calibration plans the fit uses (the others are left out of "
+        "the report too): 'A' is the one-size calibration of earlier runs",
+    )
     ap.add_argument(
         "--fit-cores",
         action="store_true",
@@ -435,6 +540,10 @@ def main(argv=None) -> int:
             records = pickle.load(f)
     else:
         records = measure_all(plans, args, tmp)
+    cal_models = set(args.cal_models.split(","))
+    records = [
+        r for r in records if r["set"] != "cal" or r.get("model", r["name"][0]) in cal_models
+    ]
     cluster = replace(meshshard.ClusterSpec.preset("local"), num_hosts=4)
     if args.fit_cores:
         cores, records, overheads, fits = fit_cores(records, cluster)
@@ -491,6 +600,11 @@ def _print(records, preds, overheads, fits):
             print(f"ranking ({v}): measured {rank['measured']}")
             print(
                 f"{'':>{len(v) + 11}}predicted {rank['predicted']} (Kendall tau {rank['tau']:.2f})"
+            )
+            print(
+                f"{'':>{len(v) + 11}}pairs the measurement separates (Mann-Whitney p < 0.05): "
+                f"{rank['separated_agree']} of {len(rank['separated_pairs'])} ordered alike "
+                f"{rank['separated_pairs']}"
             )
     for r in records:
         if "traced_s" in r:

@@ -15,9 +15,17 @@ runs, in one run of this script:
   per stage, one CPU device each).
 
 Pipeline efficiency = reference step time / pipelined step time, each framework against
-its own single-process run (medians over ``--steps`` timed steps after warm-up).  Every
-torch process uses one intra-op thread; a stage's XLA program runs on its actor's one
-device.  The machine has few cores, so efficiencies are far below the ideal
+its own single-process run (medians over ``--steps`` timed steps after warm-up).  Each
+framework has two references, and efficiency is printed against both:
+
+- **every core** (the headline figure): ``jax.jit`` as it runs by default (XLA:CPU runs
+  its ops on a pool of one thread per core) and torch with ``os.cpu_count()`` intra-op
+  threads: the same core budget the pipelines get;
+- **one core** (in brackets): ``jax.jit`` in a process pinned to one core, torch with one
+  intra-op thread (what runs before 2026-12-04 used for torch alone).
+
+Every torch pipeline rank uses one intra-op thread; a stage's XLA program runs on its
+actor's one device.  The machine has few cores, so efficiencies are far below the ideal
 M / (M + S - 1): the point is the side-by-side ratio.
 """
 
@@ -86,13 +94,33 @@ def _timed(step, steps: int, warmup: int, barrier=lambda: None) -> tuple[list[fl
     return times, first
 
 
-def _torch_single(steps: int, warmup: int, micro_batches: int, out) -> None:
-    """One process: the whole batch forward, backward and Adam step."""
+def _jax_single_pinned(steps: int, warmup: int, out) -> None:
+    """``jax.jit`` of the whole step in a fresh process pinned to one core (XLA:CPU sizes
+    its thread pool from the affinity mask): the one-core reference."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    import jax
+
+    from examples import gpt
+
+    model = gpt.GPT(**MODEL)
+    holder = {"s": gpt.make_state(model, make_batch(0)["inputs"])}
+    ref_step = jax.jit(gpt.train_step)
+
+    def jit_step(i):
+        holder["s"], loss = ref_step(holder["s"], make_batch(i))
+        return float(loss)
+
+    out.put(_timed(jit_step, steps, warmup))
+
+
+def _torch_single(steps: int, warmup: int, micro_batches: int, out, threads: int = 1) -> None:
+    """One process: the whole batch forward, backward and Adam step, on ``threads``
+    intra-op threads."""
     import torch
 
     from benchmarks.torch_gpt import build_gpt, loss_fn
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     model = build_gpt(**MODEL)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
 
@@ -153,26 +181,34 @@ def _torch_rank(rank, world, name, steps, warmup, micro_batches, port, out) -> N
 
 
 def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list[dict]:
-    """The torch reference and every torch schedule at every stage count."""
+    """The torch references and every torch schedule at every stage count.
+
+    Two references: one intra-op thread (what each pipeline rank gets) and every core
+    of the machine (what ``jax.jit``'s reference uses: XLA:CPU runs its ops on a pool
+    of one thread per core).  Efficiency is against the second, the same core budget
+    as meshshard's reference; ``efficiency_1core`` against the first."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    p = ctx.Process(target=_torch_single, args=(steps, warmup, micro_batches, out))
-    p.start()
-    ref_times, ref_loss = out.get()
-    p.join()
-    ref = statistics.median(ref_times)
-    rows = [
-        dict(
-            framework="torch",
-            schedule="single process",
-            stages=1,
-            step_s=ref,
-            loss0=ref_loss,
-            load=round(os.getloadavg()[0], 1),
+    refs, rows = {}, []
+    for threads in sorted({1, os.cpu_count() or 1}):
+        p = ctx.Process(target=_torch_single, args=(steps, warmup, micro_batches, out, threads))
+        p.start()
+        ref_times, ref_loss = out.get()
+        p.join()
+        refs[threads] = statistics.median(ref_times)
+        rows.append(
+            dict(
+                framework="torch",
+                schedule=f"single process, {threads} thread{'s' * (threads > 1)}",
+                stages=1,
+                step_s=refs[threads],
+                loss0=ref_loss,
+                load=round(os.getloadavg()[0], 1),
+            )
         )
-    ]
+    ref, ref1 = refs[max(refs)], refs[1]
     for world in stage_counts:
         for name, (per, _) in TORCH_SCHEDULES.items():
             if MODEL["num_layers"] % (world * per):
@@ -208,6 +244,7 @@ def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list
                     stages=world,
                     step_s=med,
                     efficiency=ref / med,
+                    efficiency_1core=ref1 / med,
                     loss0=loss,
                     load=round(os.getloadavg()[0], 1),
                 )
@@ -222,6 +259,19 @@ def _meshshard_method(schedule: str, stages: int, micro_batches: int):
     if schedule == "interleaved_1f1b":
         kw["virtual_stages"] = 2
     return meshshard.PipeshardParallel(**kw)
+
+
+def _pinned_reference(steps: int, warmup: int) -> float:
+    """Median step of :func:`_jax_single_pinned`, run in a spawned process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    p = ctx.Process(target=_jax_single_pinned, args=(steps, warmup, out))
+    p.start()
+    times, _ = out.get()
+    p.join()
+    return statistics.median(times)
 
 
 def run_meshshard(
@@ -259,13 +309,24 @@ def run_meshshard(
         rows = [
             dict(
                 framework="meshshard",
-                schedule="jax.jit single process",
+                schedule=f"jax.jit single process, {os.cpu_count()} cores",
                 stages=1,
                 step_s=ref,
                 loss0=loss,
                 load=round(os.getloadavg()[0], 1),
             )
         ]
+        ref1 = _pinned_reference(steps, warmup)
+        rows.append(
+            dict(
+                framework="meshshard",
+                schedule="jax.jit single process, 1 core",
+                stages=1,
+                step_s=ref1,
+                loss0=loss,
+                load=round(os.getloadavg()[0], 1),
+            )
+        )
         for stages in stage_counts:
             for schedule in schedules:
                 if schedule == "interleaved_1f1b" and MODEL["num_layers"] % (2 * stages):
@@ -298,6 +359,7 @@ def run_meshshard(
                         stages=stages,
                         step_s=med,
                         efficiency=ref / med,
+                        efficiency_1core=ref1 / med,
                         loss0=loss,
                         load=round(os.getloadavg()[0], 1),
                     )
@@ -309,7 +371,7 @@ def run_meshshard(
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"{'framework':<10} {'schedule':<30} {'S':>2} {'step ms':>9} {'efficiency':>10} "
+        f"{'framework':<10} {'schedule':<30} {'S':>2} {'step ms':>9} {'efficiency (1 core)':>21} "
         f"{'loss step 1':>11} {'load':>5}"
     )
     for r in rows:
@@ -319,10 +381,12 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['skipped']}"
             )
             continue
-        eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "1 (ref)"
+        eff = f"{r['efficiency']:.3f}" if "efficiency" in r else "ref"
+        if "efficiency_1core" in r:
+            eff += f" ({r['efficiency_1core']:.3f})"
         print(
             f"{r['framework']:<10} {r['schedule']:<30} {r['stages']:>2} "
-            f"{r['step_s'] * 1e3:>9.1f} {eff:>10} {r['loss0']:>11.4f} {r.get('load', 0):>5}"
+            f"{r['step_s'] * 1e3:>9.1f} {eff:>21} {r['loss0']:>11.4f} {r.get('load', 0):>5}"
         )
 
 
