@@ -318,25 +318,26 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
         out["local roofline"] = simulate(plan, replace(cluster, host_cores=0)).iteration_time
     host = _host(cluster, overheads, plan)
     coll = _collective_s(rec, cluster)
-    table = (("in-situ", "profiled", 0), ("cores", "isolated", cores or os.cpu_count()))
-    for variant, key, n in table:
+    n = cores or os.cpu_count()
+    # (variant, program times from the first of these record keys, cores shared, whether
+    # the calibrated roofline stands in when the record has none).  The oracles take each
+    # plan's own profile (held-out plans' under their own keys): the host model's error.
+    table = (
+        ("in-situ", ("profiled",), 0, True),
+        ("cores", ("isolated",), n, True),
+        ("oracle", ("profiled", "oracle"), 0, False),
+        ("oracle cores", ("isolated", "oracle_isolated"), n, False),
+    )
+    for variant, keys, shared, fitted in table:
         if variant not in variants:
             continue
-        times = rec.get(key) or fits[variant].program_times(plan, coll)
-        out[variant] = simulate(plan, replace(host, host_cores=n), program_times=times)
-        out[variant] = out[variant].iteration_time
-    if "oracle cores" in variants:  # own profile, made isolated, cores shared
-        times = rec.get("isolated") or rec.get("oracle_isolated")
-        n = cores or os.cpu_count()
-        out["oracle cores"] = (
-            simulate(plan, replace(host, host_cores=n), program_times=times).iteration_time
+        times = next((rec[k] for k in keys if rec.get(k)), None)
+        if times is None and fitted:
+            times = fits[variant].program_times(plan, coll)
+        out[variant] = (
+            simulate(plan, replace(host, host_cores=shared), program_times=times).iteration_time
             if times
             else float("nan")
-        )
-    if "oracle" in variants:  # every plan from its own profile: the host model's error
-        times = rec.get("profiled") or rec.get("oracle")
-        out["oracle"] = (
-            simulate(plan, host, program_times=times).iteration_time if times else float("nan")
         )
     return out
 

@@ -94,26 +94,31 @@ def _timed(step, steps: int, warmup: int, barrier=lambda: None) -> tuple[list[fl
     return times, first
 
 
-def _jax_single_pinned(steps: int, warmup: int, out) -> None:
-    """``jax.jit`` of the whole step in a fresh process pinned to one core (XLA:CPU sizes
-    its thread pool from the affinity mask): the one-core reference."""
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+def _jax_single(steps: int, warmup: int) -> tuple[list[float], float]:
+    """``jax.jit`` of the whole step in this process: meshshard's reference (step times,
+    first loss)."""
     import jax
 
     from examples import gpt
 
-    model = gpt.GPT(**MODEL)
-    holder = {"s": gpt.make_state(model, make_batch(0)["inputs"])}
+    holder = {"s": gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])}
     ref_step = jax.jit(gpt.train_step)
 
     def jit_step(i):
         holder["s"], loss = ref_step(holder["s"], make_batch(i))
         return float(loss)
 
-    out.put(_timed(jit_step, steps, warmup))
+    return _timed(jit_step, steps, warmup)
 
 
-def _torch_single(steps: int, warmup: int, micro_batches: int, out, threads: int = 1) -> None:
+def _jax_single_pinned(steps: int, warmup: int, out) -> None:
+    """:func:`_jax_single` in a fresh process pinned to one core (XLA:CPU sizes its
+    thread pool from the affinity mask): the one-core reference."""
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    out.put(_jax_single(steps, warmup))
+
+
+def _torch_single(steps: int, warmup: int, micro_batches: int, threads: int, out) -> None:
     """One process: the whole batch forward, backward and Adam step, on ``threads``
     intra-op threads."""
     import torch
@@ -193,10 +198,7 @@ def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list
     out = ctx.SimpleQueue()
     refs, rows = {}, []
     for threads in sorted({1, os.cpu_count() or 1}):
-        p = ctx.Process(target=_torch_single, args=(steps, warmup, micro_batches, out, threads))
-        p.start()
-        ref_times, ref_loss = out.get()
-        p.join()
+        ref_times, ref_loss = _spawned(_torch_single, steps, warmup, micro_batches, threads)
         refs[threads] = statistics.median(ref_times)
         rows.append(
             dict(
@@ -261,17 +263,18 @@ def _meshshard_method(schedule: str, stages: int, micro_batches: int):
     return meshshard.PipeshardParallel(**kw)
 
 
-def _pinned_reference(steps: int, warmup: int) -> float:
-    """Median step of :func:`_jax_single_pinned`, run in a spawned process."""
+def _spawned(target, *args):
+    """What ``target(*args, out)`` puts on ``out``, run in a fresh spawned process (a
+    reference alone in its process: its own threads, or pinned to a core)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    p = ctx.Process(target=_jax_single_pinned, args=(steps, warmup, out))
+    p = ctx.Process(target=target, args=(*args, out))
     p.start()
-    times, _ = out.get()
+    result = out.get()
     p.join()
-    return statistics.median(times)
+    return result
 
 
 def run_meshshard(
@@ -286,8 +289,6 @@ def run_meshshard(
 
     meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
     try:
-        import jax
-
         from examples import gpt
 
         assert all(
@@ -295,16 +296,9 @@ def run_meshshard(
             for i in range(3)
             for k in ("inputs", "targets")
         )
-        model = gpt.GPT(**MODEL)
-        state0 = gpt.make_state(model, make_batch(0)["inputs"])
-        ref_step = jax.jit(gpt.train_step)
-        holder = {"s": state0}
-
-        def jit_step(i):
-            holder["s"], loss = ref_step(holder["s"], make_batch(i))
-            return float(loss)
-
-        times, loss = _timed(jit_step, steps, warmup)
+        state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
+        holder: dict = {}
+        times, loss = _jax_single(steps, warmup)
         ref = statistics.median(times)
         rows = [
             dict(
@@ -316,7 +310,7 @@ def run_meshshard(
                 load=round(os.getloadavg()[0], 1),
             )
         ]
-        ref1 = _pinned_reference(steps, warmup)
+        ref1 = statistics.median(_spawned(_jax_single_pinned, steps, warmup)[0])
         rows.append(
             dict(
                 framework="meshshard",
