@@ -42,6 +42,8 @@ class Releaser:
         self._busy = threading.Lock()  # held while a call runs
         self._closed = False
         self._seq = itertools.count()
+        self._waiting: list = []  # heap of (deadline, seq, fn); touched under _busy only
+        self._orphans: list = []  # calls the thread held when closed: never dropped by it
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` soon on the releaser thread; safe to call from ``__del__``."""
@@ -84,42 +86,67 @@ class Releaser:
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop running calls, after the one in progress (if any) ends; later calls are
-        dropped.  Runs at interpreter exit before JAX's own exit hook, which frees the
-        backends: a call that drops device arrays after that aborts the process."""
+        dropped, and so are the delayed calls still waiting, here and now.  Runs at
+        interpreter exit before JAX's own exit hook, which frees the backends: a call
+        (or a waiting call's closure) that drops device arrays after that aborts the
+        process, so the releaser thread must hold no reference once this returns."""
         idle = self._busy.acquire(timeout=timeout)
         self._closed = True
-        if idle:
-            self._busy.release()
-        else:
+        if not idle:
             log.warning("meshshard: a cleanup call still runs at exit; exiting anyway")
+            return
+        try:
+            pending = self._waiting
+            self._waiting = []
+            while True:
+                try:
+                    pending.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            pending.clear()  # dropped on this thread, while JAX is alive
+        finally:
+            self._busy.release()
 
     def _run(self) -> None:
-        waiting: list = []  # heap of (deadline, seq, fn)
+        item = None
         while True:
-            timeout = max(0.0, waiting[0][0] - time.monotonic()) if waiting else None
+            with self._busy:  # every reference to a call is dropped under the lock
+                if item is not None:
+                    if self._closed:  # taken off the queue as close() drained it
+                        self._orphans.append(item)  # dropped by the main thread's teardown
+                    else:
+                        heapq.heappush(self._waiting, item)
+                    item = None
+                if self._closed:
+                    return
+                self._run_due()
+                waiting = self._waiting
+                timeout = max(0.0, waiting[0][0] - time.monotonic()) if waiting else None
             try:
                 item = self._queue.get(timeout=timeout)
             except queue.Empty:
                 item = None
-            if item is not None and item[0] == float("-inf"):  # flush: everything now
-                while waiting:
-                    self._run_one(heapq.heappop(waiting)[2])
-                self._run_one(item[2])
-                continue
-            if item is not None:
-                heapq.heappush(waiting, item)
-            now = time.monotonic()
-            while waiting and waiting[0][0] <= now:
-                self._run_one(heapq.heappop(waiting)[2])
+
+    def _run_due(self) -> None:
+        """Run the calls whose time has come (a flush marker, deadline minus infinity,
+        brings every waiting call forward)."""
+        waiting = self._waiting
+        if any(d == float("-inf") for d, _, _ in waiting):
+            waiting[:] = [(float("-inf"), s, fn) for _, s, fn in waiting]
+            heapq.heapify(waiting)
+        now = time.monotonic()
+        while waiting and waiting[0][0] <= now and not self._closed:
+            fn = heapq.heappop(waiting)[2]
+            self._run_one(fn)
+            fn = None
 
     def _run_one(self, fn: Callable[[], None]) -> None:
-        with self._busy:
-            if self._closed or sys.is_finalizing():
-                return
-            try:
-                fn()
-            except Exception as exc:  # the cluster may be gone: nothing left to free
-                log.debug("meshshard: cleanup skipped: %s", exc)
+        if self._closed or sys.is_finalizing():
+            return
+        try:
+            fn()
+        except Exception as exc:  # the cluster may be gone: nothing left to free
+            log.debug("meshshard: cleanup skipped: %s", exc)
 
 
 #: The driver process's releaser.

@@ -61,6 +61,38 @@ def test_closed_releaser_drops_later_calls_and_flush_returns():
     assert done == [1]
 
 
+@pytest.mark.fast
+def test_close_drops_waiting_delayed_calls_on_the_closing_thread():
+    # A delayed call (the executables' batched frees, 0.1 s) still waiting at exit held
+    # its step; the releaser thread dropped it once its deadline passed, after JAX's exit
+    # hook, and the process aborted in about one run of three.  close() drops it itself.
+    import threading
+    import time
+    import weakref
+
+    from meshshard.runtime.release import Releaser
+
+    dropped_on, called = [], []
+
+    class Holder:
+        def free(self):
+            called.append(1)
+
+        def __del__(self):
+            dropped_on.append(threading.current_thread().name)
+
+    rel = Releaser()
+    holder = Holder()
+    alive = weakref.ref(holder)
+    rel.call_later(0.2, holder.free)
+    del holder
+    time.sleep(0.05)  # the thread has taken it off the queue and waits for its deadline
+    rel.close()
+    assert alive() is None and dropped_on == [threading.current_thread().name]
+    time.sleep(0.3)
+    assert called == []
+
+
 #: A script that keeps a data-parallel replicated step (its comm and prefetch threads
 #: alive) to its end.  It exited with 134 (``terminate called ...``) in about three runs
 #: of four until the helper threads were stopped before JAX's exit hook.
