@@ -491,9 +491,12 @@ class _Step:
         if rec is not None:  # the span is the program's run, not its wait for inputs
             rec.start[i] = clock_ns()
         t0 = time.perf_counter_ns() if self.tl is not None else 0
+        sync = self.interp._sync
+        cpu0 = time.process_time_ns() if sync else 0
         outs = self.interp.programs[ins.program](inputs)
-        if self.interp._sync:
+        if sync:  # profiling: the span is the run; its CPU time says how many cores it kept busy
             jax.block_until_ready(outs)
+            rec.cpu[i] = max(1, time.process_time_ns() - cpu0)
         for name, val in zip(ins.outputs, outs, strict=True):
             self.buffers[name] = val
         if self.tl is not None:

@@ -61,9 +61,11 @@ clock_ns: Callable[[], int] = time.perf_counter_ns
 
 
 class Recorder:
-    """Per-instruction stamps of one step of one worker (``perf_counter_ns``; 0 = none)."""
+    """Per-instruction stamps of one step of one worker (``perf_counter_ns``; 0 = none),
+    and, when RUNs wait for their outputs (profiling), the process CPU nanoseconds each
+    RUN took (``cpu``; 0 = not measured)."""
 
-    __slots__ = ("n", "start", "end", "done", "current")
+    __slots__ = ("n", "start", "end", "done", "cpu", "current")
 
     def __init__(self, n: int):
         self.n = n
@@ -74,12 +76,16 @@ class Recorder:
         self.start = [0] * self.n
         self.end = [0] * self.n
         self.done = [0] * self.n
+        self.cpu = [0] * self.n
         self.current = 0
 
     def snapshot(self, worker: int, finish: int = 0) -> WorkerTrace:
         """The recorded step as an immutable :class:`WorkerTrace` (``finish``: when the
         worker's step call returned, 0 = unknown)."""
-        return WorkerTrace(worker, tuple(self.start), tuple(self.end), tuple(self.done), finish)
+        cpu = tuple(self.cpu) if any(self.cpu) else ()
+        return WorkerTrace(
+            worker, tuple(self.start), tuple(self.end), tuple(self.done), finish, cpu
+        )
 
 
 class _TimedHandle:
@@ -146,6 +152,7 @@ class WorkerTrace:
     end: tuple[int, ...]
     done: tuple[int, ...]
     finish: int = 0
+    cpu: tuple[int, ...] = ()  # process CPU ns per RUN when profiled (sync); () = none
 
     @property
     def busy_ns(self) -> int:

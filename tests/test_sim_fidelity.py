@@ -78,6 +78,7 @@ def check_recorded_interleaving(step, args) -> None:
         if not found[0] or attempt == 1:
             break
     disagreements, exe_plan, cluster, times, measured, margin, simulated = found
+    _assert_cpu_per_run(log.steps)
     assert disagreements == [], [
         (k, "simulated", simulated[k], "measured", measured[k])
         for pair in disagreements
@@ -94,6 +95,18 @@ def check_recorded_interleaving(step, args) -> None:
         (int(s.track[1:]), s.name): (s.start, s.end) for s in wrong.spans if s.category == "run"
     }
     assert order_disagreements(spans, measured, margin)
+
+
+def _assert_cpu_per_run(steps) -> None:
+    """A profiled (sync) recording holds a CPU time for every RUN, and for nothing else."""
+    from meshshard.instructions import Run
+
+    for streams, step in steps:
+        by_worker = {s.worker: s for s in streams}
+        for wt in step.workers:
+            kinds = [isinstance(i, Run) for i in by_worker[wt.worker].instructions]
+            assert any(kinds) and len(wt.cpu) == len(kinds)
+            assert all((c > 0) == run for c, run in zip(wt.cpu, kinds, strict=True))
 
 
 def _recorded_order_check(exe, log):
@@ -216,3 +229,55 @@ def test_isolated_times_remove_the_sharing_of_cores_between_workers():
     assert alone == pytest.approx({**recorded, "m0.apply": 2e-3, "m1.apply": 2e-3})
     # with 4 cores nothing was shared
     assert isolated_program_times(steps, plan, cores=4) == pytest.approx(recorded)
+
+
+def test_measured_core_demands_replace_one_core_per_device():
+    from meshshard.sim import SimOptions
+
+    plan = _plan(mesh_shape=(1, 2))
+    cluster = replace(plan.cluster, host_cores=2)
+
+    def iteration(demand):
+        opts = SimOptions(core_demands=tuple((str(p.name), demand) for p in plan.programs))
+        return simulate(plan, cluster, program_times=TIMES, options=opts).iteration_time
+
+    # one busy core per program: the two stages fit the 2 cores, as with no sharing
+    assert iteration(1.0) == pytest.approx(_iteration(plan), rel=1e-9)
+    assert iteration(2.0) == pytest.approx(_iteration(plan, host_cores=2), rel=1e-9)
+    assert iteration(1.0) < iteration(1.5) < iteration(2.0)
+
+
+def test_program_demands_are_cpu_time_over_the_time_alone():
+    """A run alone for 2 ms that used 3 ms of CPU kept 1.5 cores busy; one that used more
+    than its devices allow is held to them; two overlapping programs that used 3 ms of
+    CPU each in 4 ms did not fill 2 cores, so neither slowed the other: one core each."""
+    from meshshard.instructions import Run
+    from meshshard.runtime.trace_record import StepTrace, WorkerTrace
+    from meshshard.sim.fidelity import isolated_program_times, program_demands
+
+    plan = synthetic_pipeline(2, 1, schedule="gpipe", mesh_shape=(1, 2))
+    ms = 1_000_000
+    spans = {  # (start, end, CPU) in ms; s1.F recorded no CPU time
+        "s0.F": (0, 2, 3), "s1.F": (2, 4, 0), "s1.B": (4, 8, 10), "s0.B": (8, 10, 2),
+        "m0.apply": (10, 14, 3), "m1.apply": (10, 14, 3),
+    }  # fmt: skip
+    workers = []
+    for stream in plan.streams:
+        start, end, cpu = [], [], []
+        for ins in stream.instructions:
+            s, e, c = spans[str(ins.program)] if isinstance(ins, Run) else (0, 0, 0)
+            run = isinstance(ins, Run)
+            start.append(1_000 * ms + s * ms if run else 0)
+            end.append(1_000 * ms + e * ms if run else 0)
+            cpu.append(c * ms)
+        zeros = (0,) * len(start)
+        workers.append(WorkerTrace(stream.worker, tuple(start), tuple(end), zeros, 0, tuple(cpu)))
+    steps = [(plan.streams, StepTrace((("workers", 0, 2_000 * ms),), tuple(workers)))]
+    demands = program_demands(steps, plan, cores=2)
+    assert demands == pytest.approx(
+        {"s0.F": 1.5, "s1.B": 2.0, "s0.B": 1.0, "m0.apply": 1.0, "m1.apply": 1.0}
+    )
+    # with those demands the overlapping applies did not slow each other down
+    alone = isolated_program_times(steps, plan, cores=2, demands=demands)
+    assert alone["m0.apply"] == pytest.approx(4e-3)
+    assert isolated_program_times(steps, plan, cores=2)["m0.apply"] == pytest.approx(2e-3)

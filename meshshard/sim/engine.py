@@ -97,6 +97,10 @@ class SimOptions:
         admission: topology-aware admission (TriRace): a flow starts only when no flow
             of higher instruction priority is on one of its links
             (:func:`meshshard.admission.admit`), else it waits for them.
+        core_demands: ``(("s0.F", 1.6), ...)``: the cores a program keeps busy while it
+            runs, where hosts share cores (``ClusterSpec.host_cores``), measured from
+            its CPU time (:func:`meshshard.sim.fidelity.program_demands`); a program
+            not named keeps one per device of its mesh on a host.
     """
 
     overlap: bool = True
@@ -106,6 +110,7 @@ class SimOptions:
     max_chunks: int = 1024
     record: bool = True
     admission: bool = False
+    core_demands: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,7 @@ class _Engine:
             if unknown:
                 self.notes.append(f"program_times for unknown programs ignored: {unknown}")
         self.devices_of_mesh = {m.id: m.shape[1] for m in plan.meshes}
+        self.core_demands = dict(options.core_demands)
         self.cores = (
             CorePool(self, cluster.host_cores, self._complete) if cluster.host_cores else None
         )
@@ -541,9 +547,13 @@ class _Engine:
         else:
             self._complete(op)
 
-    def _demand(self, op: _Op) -> int:
-        """Cores ``op`` keeps busy: a program one per device of its mesh on a host."""
+    def _demand(self, op: _Op) -> float:
+        """Cores ``op`` keeps busy: a program its measured demand, else one per device of
+        its mesh on a host; host work one."""
         if isinstance(op.ins, Run):
+            measured = self.core_demands.get(str(op.ins.program))
+            if measured is not None:
+                return measured
             return self.devices_of_mesh[self.mesh_of_program[op.ins.program]]
         return 1
 

@@ -37,6 +37,8 @@ from meshshard.sim.costs import input_tensors
 __all__ = [
     "program_times",
     "isolated_program_times",
+    "program_demands",
+    "devices_per_host",
     "opcode_overheads",
     "dispatch_overhead",
     "fit_dispatch",
@@ -47,15 +49,24 @@ __all__ = [
 ]
 
 
-def _runs(steps) -> Iterable[tuple[int, int, Run, float, float]]:
-    """(step, worker, RUN, start, end) in seconds on the driver clock."""
+def _runs(steps, cpu: bool = False) -> Iterable[tuple]:
+    """(step, worker, RUN, start, end) in seconds on the driver clock; with ``cpu``, also
+    the run's process CPU seconds (0.0 where none was recorded)."""
     for n, (streams, step) in enumerate(steps):
         by_worker = {s.worker: s for s in streams}
         for wt in step.workers:
             shift = step.offset(wt.worker)
+            stamps = getattr(wt, "cpu", ())  # traces pickled before CPU times have none
             for i, ins in enumerate(by_worker[wt.worker].instructions):
                 if isinstance(ins, Run) and wt.start[i]:
-                    yield n, wt.worker, ins, (wt.start[i] - shift) / 1e9, (wt.end[i] - shift) / 1e9
+                    row = (
+                        n,
+                        wt.worker,
+                        ins,
+                        (wt.start[i] - shift) / 1e9,
+                        (wt.end[i] - shift) / 1e9,
+                    )
+                    yield (*row, stamps[i] / 1e9 if stamps else 0.0) if cpu else row
 
 
 def program_times(steps) -> dict[str, float]:
@@ -67,20 +78,69 @@ def program_times(steps) -> dict[str, float]:
     return {p: statistics.median(v) for p, v in sorted(spans.items())}
 
 
-def isolated_program_times(steps, plan: Plan, cores: int) -> dict[str, float]:
+def isolated_program_times(
+    steps, plan: Plan, cores: int, demands: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """Like :func:`program_times`, with each span's work counted at the speed it would
     have had alone: ``integral of min(1, cores / demand(t)) dt`` over the span, where
-    ``demand(t)`` is the cores every program running at ``t`` keeps busy (its mesh's
-    devices per host), from the aligned spans of all workers of the same step."""
-    devices = {p.name: _mesh(plan, p.mesh).shape[1] for p in plan.programs}
+    ``demand(t)`` is the cores every program running at ``t`` keeps busy (``demands``,
+    e.g. :func:`program_demands`; else its mesh's devices per host), from the aligned
+    spans of all workers of the same step."""
     runs = list(_runs(steps))
-    by_step: dict[int, list[tuple[float, float, int]]] = {}
-    for n, _, ins, s, e in runs:
-        by_step.setdefault(n, []).append((s, e, devices[ins.program]))
+    by_step = _demand_spans(runs, _demands_or_devices(plan, demands))
     work: dict[str, list[float]] = {}
     for n, _, ins, s, e in runs:
         work.setdefault(str(ins.program), []).append(_work(s, e, by_step[n], cores))
     return {p: statistics.median(v) for p, v in sorted(work.items())}
+
+
+def devices_per_host(plan: Plan) -> dict[str, int]:
+    """Each program's mesh devices on one host: the threads XLA:CPU runs it on there."""
+    return {str(p.name): _mesh(plan, p.mesh).shape[1] for p in plan.programs}
+
+
+def _demands_or_devices(plan: Plan, demands: Mapping[str, float] | None) -> dict[str, float]:
+    out: dict[str, float] = dict(devices_per_host(plan))
+    out.update(demands or {})
+    return out
+
+
+def _demand_spans(runs, demand: Mapping[str, float]) -> dict[int, list]:
+    by_step: dict[int, list[tuple[float, float, float]]] = {}
+    for n, _, ins, s, e, *_ in runs:
+        by_step.setdefault(n, []).append((s, e, demand[str(ins.program)]))
+    return by_step
+
+
+def program_demands(steps, plan: Plan, cores: int, rounds: int = 4) -> dict[str, float]:
+    """Cores each program keeps busy while it runs, from profiled steps whose RUNs
+    recorded their process CPU time (``record(sync=True)``): CPU seconds over the
+    seconds the run would have taken alone (:func:`isolated_program_times`'s integral),
+    the median over its runs, between 1 and its mesh's devices per host.
+
+    A program's devices each run a thread, but the threads are not always busy: a
+    micro-batch replicated over two devices runs about 1.3x as long as on one device
+    alone, yet two such programs together take the time of four one-device runs
+    (``benchmarks/core_contention.py``), so charging it two full cores over-predicts
+    any sharing.  The isolation depends on the demands and the demands on it: a few
+    rounds of both from devices per host.  Programs without a CPU time are left out."""
+    runs = [r for r in _runs(steps, cpu=True) if r[5] > 0]
+    devices = devices_per_host(plan)
+    demand: dict[str, float] = dict(devices)
+    out: dict[str, float] = {}
+    for _ in range(rounds):
+        by_step = _demand_spans(runs, demand)
+        samples: dict[str, list[float]] = {}
+        for n, _, ins, s, e, cpu in runs:
+            alone = _work(s, e, by_step[n], cores)
+            if alone > 0:
+                samples.setdefault(str(ins.program), []).append(cpu / alone)
+        out = {
+            p: min(float(devices[p]), max(1.0, statistics.median(v)))
+            for p, v in sorted(samples.items())
+        }
+        demand = {**devices, **out}
+    return out
 
 
 def _work(start: float, end: float, spans, cores: int) -> float:
