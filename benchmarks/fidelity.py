@@ -97,6 +97,9 @@ PLANS = [
     ("C 2x(2,2) 1f1b M=4", "cal", "C", _pipe(4, S2W, "1f1b")),
     ("B 2x(2,2) gpipe M=4", "held-out", "B", _pipe(4, S2W, "gpipe")),
     ("B dp (2,2)", "held-out", "B", DataParallel(mesh_shape=(2, 2))),
+    # replicated: 2 rows per micro-batch over 4 devices, each computes all of it (the
+    # regime of the held-out B 2x(2,2) gpipe and B 4x(1,2) M=8, which over-predicted)
+    ("A 2x(2,2) gpipe M=8", "cal", "A", _pipe(8, S2W, "gpipe")),
 ]
 #: --quick: one plan of each kind the fit needs, and a held-out plan of each mesh.
 QUICK = [0, 1, 4, 5, 7, 8, 15, 17]
@@ -245,17 +248,61 @@ def _collective_s(rec, cluster):
 
 
 def isolated_for(records, cores: int) -> list:
-    """``records`` with each calibration plan's isolated program times redone for
-    ``cores`` shared cores, from its kept profile steps (records without them, as in
-    older pickles, keep the times isolated for the measuring machine's count)."""
-    from meshshard.sim.fidelity import isolated_program_times
+    """``records`` with each plan's isolated program times redone for ``cores`` shared
+    cores from its kept profile steps (records without them, as in older pickles, keep
+    the times isolated for the measuring machine's count): with one core per device
+    (``isolated``), and with the cores each program kept busy by its CPU time
+    (``demands``, ``isolated_cpu``; empty for profiles recorded before CPU times).  A
+    held-out plan's are kept under ``oracle_`` keys (oracle variants only)."""
+    from meshshard.sim.fidelity import isolated_program_times, program_demands
 
     out = []
     for r in records:
         if "profile_steps" in r:
-            iso = isolated_program_times(r["profile_steps"], r["plan"], cores)
-            r = {**r, "isolated" if r["set"] == "cal" else "oracle_isolated": iso}
+            steps, plan = r["profile_steps"], r["plan"]
+            demands = program_demands(steps, plan, cores)
+            pre = "" if r["set"] == "cal" else "oracle_"
+            r = {
+                **r,
+                f"{pre}isolated": isolated_program_times(steps, plan, cores),
+                f"{pre}demands": demands,
+                f"{pre}isolated_cpu": isolated_program_times(steps, plan, cores, demands),
+            }
         out.append(r)
+    return out
+
+
+def demand_class(plan, program) -> tuple:
+    """What a program's core demand is predicted from for an unprofiled plan: its
+    devices per host, whether its work is split over them or replicated, and whether
+    it is an optimizer update."""
+    from meshshard.sim.fidelity import devices_per_host, work_devices
+
+    return (
+        devices_per_host(plan)[str(program.name)],
+        work_devices(plan, program) > 1,
+        str(program.name).endswith("apply"),
+    )
+
+
+def fit_demands(cal) -> dict:
+    """Median measured demand of the calibration programs of each :func:`demand_class`."""
+    samples: dict[tuple, list[float]] = {}
+    for r in cal:
+        for p in r["plan"].programs:
+            d = r.get("demands", {}).get(str(p.name))
+            if d is not None:
+                samples.setdefault(demand_class(r["plan"], p), []).append(d)
+    return {k: statistics.median(v) for k, v in sorted(samples.items())}
+
+
+def predicted_demands(plan, classes) -> dict[str, float]:
+    """Each program's demand from its class's calibrated median (none: one per device)."""
+    out = {}
+    for p in plan.programs:
+        d = classes.get(demand_class(plan, p))
+        if d is not None:
+            out[str(p.name)] = d
     return out
 
 
@@ -279,9 +326,15 @@ def fit(records, cluster):
     ]
     opcodes["ZEROS"] = statistics.median(per_tensor) if per_tensor else 0.0  # per tensor
     dispatch = [(len(r["plan"].workers), dispatch_overhead(r["measured_steps"])) for r in cal]
-    overheads = (opcodes, fit_dispatch(dispatch))
+    overheads = (opcodes, fit_dispatch(dispatch), fit_demands(cal))
     fits = {}
-    for variant, key in (("in-situ", "profiled"), ("cores", "isolated")):
+    for variant, key in (
+        ("in-situ", "profiled"),
+        ("cores", "isolated"),
+        ("cores cpu", "isolated_cpu"),
+    ):
+        if not all(key in r for r in cal):
+            continue
         samples = []
         for r in cal:
             coll = _collective_s(r, cluster)
@@ -304,13 +357,21 @@ def _host(cluster, overheads, plan):
     return replace(cluster, opcode_overheads=ops, dispatch_overhead=dispatch)
 
 
-VARIANTS = ("in-situ", "cores", "local roofline", "oracle", "oracle cores")
+VARIANTS = (
+    "in-situ",
+    "cores",
+    "cores cpu",
+    "local roofline",
+    "oracle",
+    "oracle cores",
+    "oracle cores cpu",
+)
 
 
 def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
     """Predicted step seconds per model variant (``cores``: the cores the ``cores``
     variant shares, default this machine's)."""
-    from meshshard.sim import simulate
+    from meshshard.sim import SimOptions, simulate
 
     plan = rec["plan"]
     out = {}
@@ -320,22 +381,34 @@ def predict(rec, cluster, overheads, fits, cores=None, variants=VARIANTS):
     coll = _collective_s(rec, cluster)
     n = cores or os.cpu_count()
     # (variant, program times from the first of these record keys, cores shared, whether
-    # the calibrated roofline stands in when the record has none).  The oracles take each
-    # plan's own profile (held-out plans' under their own keys): the host model's error.
+    # the calibrated roofline and demand classes stand in when the record has none, the
+    # record keys of measured core demands: none = one core per device).  The oracles
+    # take each plan's own profile (held-out plans' under their own keys): the host
+    # model's error.
     table = (
-        ("in-situ", ("profiled",), 0, True),
-        ("cores", ("isolated",), n, True),
-        ("oracle", ("profiled", "oracle"), 0, False),
-        ("oracle cores", ("isolated", "oracle_isolated"), n, False),
-    )
-    for variant, keys, shared, fitted in table:
+        ("in-situ", ("profiled",), 0, True, None),
+        ("cores", ("isolated",), n, True, None),
+        ("cores cpu", ("isolated_cpu",), n, True, ("demands",)),
+        ("oracle", ("profiled", "oracle"), 0, False, None),
+        ("oracle cores", ("isolated", "oracle_isolated"), n, False, None),
+        ("oracle cores cpu", ("isolated_cpu", "oracle_isolated_cpu"), n, False, ("demands", "oracle_demands")),
+    )  # fmt: skip
+    for variant, keys, shared, fitted, demand_keys in table:
         if variant not in variants:
             continue
         times = next((rec[k] for k in keys if rec.get(k)), None)
-        if times is None and fitted:
+        if times is None and fitted and variant in fits:
             times = fits[variant].program_times(plan, coll)
+        demands = None
+        if demand_keys:
+            demands = next((rec[k] for k in demand_keys if rec.get(k)), None)
+            if demands is None and fitted:
+                demands = predicted_demands(plan, overheads[2])
+        opts = SimOptions(core_demands=tuple(sorted((demands or {}).items())))
         out[variant] = (
-            simulate(plan, replace(host, host_cores=shared), program_times=times).iteration_time
+            simulate(
+                plan, replace(host, host_cores=shared), program_times=times, options=opts
+            ).iteration_time
             if times
             else float("nan")
         )
@@ -571,6 +644,14 @@ def _print(records, preds, overheads, fits):
     print(f"\nhost ms per instruction: {per_op}; driver {d0:.2f} + {d1:.2f} ms/worker per step")
     for v, f in fits.items():
         print(f"{v}: {f}")
+    if overheads[2]:
+        classes = ", ".join(
+            f"{d}/host {'split' if sp else 'replicated'}{' apply' if ap else ''} {x:.2f}"
+            for (d, sp, ap), x in overheads[2].items()
+        )
+        print(
+            f"cores each program keeps busy (calibrated, by devices per host and work): {classes}"
+        )
     head = f"{'plan':<31} {'set':<9} {'load':>9} {'measured ms':>11} {'fastest':>7} "
     print(head + " ".join(f"{v:>15}" for v in VARIANTS))
     for r, p in zip(records, preds, strict=True):
@@ -634,6 +715,10 @@ def _write_json(path, records, preds, overheads, fits, args):
         cpu_count=os.cpu_count(),
         opcode_overheads_s=overheads[0],
         dispatch_overhead_s_plus_per_worker=overheads[1],
+        core_demands_by_class=[
+            dict(devices_per_host=d, split=sp, apply=ap, demand=x)
+            for (d, sp, ap), x in overheads[2].items()
+        ],
         fits={v: dict(coef=f.coef, samples=f.samples) for v, f in fits.items()},
         summary={v: report(records, preds, v) for v in VARIANTS},
         summary_vs_fastest_step={v: report(records, preds, v, min) for v in VARIANTS},
