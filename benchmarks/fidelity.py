@@ -454,6 +454,36 @@ def fit_cores(records, cluster, choices=(1, 2, 3, 4)):
     return (best, *scored[best][1:])
 
 
+def residuals(records, cluster, fits) -> dict:
+    """For each roofline variant, the median of (roofline prediction / isolated time)
+    over the programs of each group of plans (model, mesh shape, M=8) and program kind
+    (F, B, W, apply): where the calibrated roofline misses a held-out plan's programs
+    (their own profiles, ``oracle_`` keys; the calibration plans' from their fit)."""
+    from meshshard.sim.fidelity import sample_of
+
+    out: dict = {}
+    for variant, key in (("cores", "isolated"), ("cores cpu", "isolated_cpu")):
+        if variant not in fits:
+            continue
+        groups: dict[str, list[float]] = {}
+        for r in records:
+            times = r.get(key if r["set"] == "cal" else f"oracle_{key}")
+            if not times:
+                continue
+            coll = _collective_s(r, cluster)
+            mesh = "(2,2)" if "(2,2)" in r["name"] else "(1,2)"
+            group = f"{r.get('model', r['name'][0])} {mesh}{' dp' if ' dp ' in r['name'] else ''}"
+            group += " M=8" if r["name"].endswith("M=8") else ""
+            for p in r["plan"].programs:
+                n = str(p.name)
+                kind = n.split(".")[-1].rstrip("0123456789") if "." in n else n
+                sample = sample_of(r["plan"], p, coll[n], times[n])
+                ratio = fits[variant].seconds(sample) / sample.seconds
+                groups.setdefault(f"{group:<14} {kind}", []).append(ratio)
+        out[variant] = {g: (statistics.median(v), len(v)) for g, v in sorted(groups.items())}
+    return out
+
+
 def side_by_side(rec, cluster, overheads, fits, path):
     """Measured (last traced step) and predicted (in-situ model) timelines in one file."""
     from meshshard.runtime.trace_record import measured_trace
@@ -587,6 +617,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"plans {QUICK} only")
     ap.add_argument("--only", type=int, default=None, help="first N plans (quick check)")
     ap.add_argument("--select", default=None, help="comma-separated plan indices to run")
+    ap.add_argument(
+        "--residuals",
+        action="store_true",
+        help="print the calibrated rooflines' misses per plan group and program kind",
+    )
     ap.add_argument("--overhead-plan", default=PLANS[1][0])
     ap.add_argument(
         "--cal-models",
@@ -632,6 +667,11 @@ def main(argv=None) -> int:
         r["split"] = split(r, cluster, overheads)
     side_by_side(records[1], cluster, overheads, fits, args.trace)
     _print(records, preds, overheads, fits)
+    if args.residuals:
+        for variant, groups in residuals(records, cluster, fits).items():
+            print(f"\nroofline ({variant}) / isolated program time, median per group:")
+            for g, (ratio, n) in groups.items():
+                print(f"  {g:<22} {ratio:5.2f}  ({n} programs)")
     if args.json:
         _write_json(args.json, records, preds, overheads, fits, args)
     return 0
