@@ -24,6 +24,12 @@ framework has two references, and efficiency is printed against both:
 - **one core** (in brackets): ``jax.jit`` in a process pinned to one core, torch with one
   intra-op thread (what runs before 2026-12-04 used for torch alone).
 
+For each meshshard schedule also: ``stage ms``, the busiest worker's program compute per
+step (each RUN at its program's profiled time, sharing of the cores removed; or every
+worker's over the cores, if more), and ``bound`` = the all-core reference over it: the
+efficiency a runtime with no host cost and no bubble could reach with these programs.  It separates what the compiled
+micro-batch programs cost from what the runtime adds.
+
 Every torch pipeline rank uses one intra-op thread; a stage's XLA program runs on its
 actor's one device.  The machine has few cores, so efficiencies are far below the ideal
 M / (M + S - 1): the point is the side-by-side ratio.
@@ -263,6 +269,25 @@ def _meshshard_method(schedule: str, stages: int, micro_batches: int):
     return meshshard.PipeshardParallel(**kw)
 
 
+def _stage_work(step, state, batch) -> float:
+    """The least seconds per step these programs allow: the busiest worker's program
+    compute (each RUN of its stream at its program's profiled time, every program
+    waiting for its outputs, sharing of the cores removed), or all workers' compute
+    over this machine's cores if that is more.  The efficiency a runtime without host
+    costs or bubbles could reach with these programs is the reference over this."""
+    import tempfile
+
+    import meshshard
+    from meshshard.instructions import Run
+
+    times = step.profile(meshshard.fetch(state), batch, cache_dir=tempfile.mkdtemp())
+    per_worker = [
+        sum(times[str(i.program)] for i in s.instructions if isinstance(i, Run))
+        for s in step.plan.streams
+    ]
+    return max(max(per_worker), sum(per_worker) / (os.cpu_count() or 1))
+
+
 def _spawned(target, *args):
     """What ``target(*args, out)`` puts on ``out``, run in a fresh spawned process (a
     reference alone in its process: its own threads, or pinned to a core)."""
@@ -335,6 +360,7 @@ def run_meshshard(
                         return float(loss)
 
                     times, loss = _timed(ms_step, steps, warmup)
+                    work = _stage_work(step, holder["s"], make_batch(0))
                 except Exception as exc:  # a schedule this stage count cannot run
                     rows.append(
                         dict(
@@ -354,6 +380,8 @@ def run_meshshard(
                         step_s=med,
                         efficiency=ref / med,
                         efficiency_1core=ref1 / med,
+                        busiest_stage_compute_s=work,
+                        efficiency_bound=ref / work,
                         loss0=loss,
                         load=round(os.getloadavg()[0], 1),
                     )
@@ -366,7 +394,7 @@ def run_meshshard(
 def print_table(rows: list[dict]) -> None:
     print(
         f"{'framework':<10} {'schedule':<30} {'S':>2} {'step ms':>9} {'efficiency (1 core)':>21} "
-        f"{'loss step 1':>11} {'load':>5}"
+        f"{'loss step 1':>11} {'load':>5} {'stage ms':>8} {'bound':>5}"
     )
     for r in rows:
         if "skipped" in r:
@@ -381,6 +409,11 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['framework']:<10} {r['schedule']:<30} {r['stages']:>2} "
             f"{r['step_s'] * 1e3:>9.1f} {eff:>21} {r['loss0']:>11.4f} {r.get('load', 0):>5}"
+            + (
+                f" {r['busiest_stage_compute_s'] * 1e3:>8.1f} {r['efficiency_bound']:>5.2f}"
+                if "efficiency_bound" in r
+                else ""
+            )
         )
 
 
