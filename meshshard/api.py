@@ -206,6 +206,20 @@ class ParallelizedFunction:
         target, args = self._route(args)
         return profile_step(target, args, steps, ProfileCache(cache_dir), cores)
 
+    def profile_demands(
+        self, *args, steps: int = 5, cores: int | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """``(times, demands)``: like :meth:`profile` (``cores`` shared, not cached), with
+        the cores each program really keeps busy measured from its CPU time instead of
+        one per device of its mesh, and the times isolated under those demands.  A
+        simulation that shares the cores then predicts this machine's runs closer
+        (benchmarks/RESULTS.md, "Cores kept busy"): ``simulate(plan, program_times=times,
+        options=SimOptions(core_demands=tuple(demands.items())))``.  Ray backend only."""
+        from meshshard.profiling import profile_demands
+
+        target, args = self._route(args)
+        return profile_demands(target, args, steps, cores)
+
     def __call__(self, *args, **kwargs):
         if kwargs:
             args = _positional(self.fn, args, kwargs)

@@ -126,6 +126,39 @@ def profile_step(
     return times
 
 
+def profile_demands(
+    step, args: tuple, steps: int = 5, cores: int | None = None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """``(times, demands)`` of every program of parallelized ``step`` over ``steps``
+    profiled calls on ``args``: the cores each program keeps busy while it runs
+    (:func:`~meshshard.sim.fidelity.program_demands`, from its process CPU time) and its
+    seconds alone with the sharing of ``cores`` removed under those demands.  For
+    ``simulate(plan, program_times=times, options=SimOptions(core_demands=...))`` on a
+    cluster whose workers share ``cores`` (None: the plan's ``ClusterSpec.host_cores``).
+
+    Needs one process per worker (the Ray backend): the in-process threads backend's
+    workers share one process's CPU time, which cannot be told apart per program."""
+    from meshshard.sim.fidelity import isolated_program_times, program_demands
+
+    exe = step._executable_for(args)
+    cores = exe.plan.cluster.host_cores if cores is None else cores
+    if not isinstance(cores, int) or cores < 1:
+        raise MeshshardInputError(
+            f"profile_demands(cores={cores!r}): pass the CPU cores the cluster's workers "
+            "share (os.cpu_count() for a cluster on one machine); the plan's cluster has "
+            "ClusterSpec.host_cores=0 (cores not shared), where demands mean nothing"
+        )
+    if getattr(exe.backend, "workers_share_process", False):
+        raise MeshshardInputError(
+            "profile_demands needs one process per worker, as on the Ray backend "
+            "(meshshard.init()); the threads backend's workers share this process's "
+            "CPU time.  Use step.profile() there"
+        )
+    recorded = profiled_steps(step, args, steps)
+    demands = program_demands(recorded, exe.plan, cores)
+    return isolated_program_times(recorded, exe.plan, cores, demands), demands
+
+
 def profiled_steps(step, args: tuple, steps: int = 5) -> list:
     """The recorded ``[(streams, StepTrace)]`` of ``steps`` calls of ``step`` on ``args``
     in which every program waits for its outputs (the step's own recording is restored

@@ -24,6 +24,8 @@ from meshshard.runtime.worker import Worker
 class LocalBackend:
     """Workers as threads of this process (see module docstring)."""
 
+    workers_share_process = True  # one process's CPU time for every worker
+
     def __init__(self, devices_per_host: int, stores: dict[int, dict], cluster=None):
         self.devices_per_host = devices_per_host
         self.stores = stores

@@ -155,3 +155,42 @@ def test_ray_trace_aligns_worker_clocks(ray_cluster, tmp_path):
     assert sorted((e["pid"], e["args"]["step"]) for e in ready) == sorted(
         (w, n) for w in exe.plan.workers for n in range(2)
     )
+
+
+def _profiled_mlp():
+    model = mlp.MLP(num_layers=4)
+    batch = mlp.make_batch(batch_size=16)
+    step = meshshard.parallelize(mlp.train_step, method=PipeshardParallel(**METHOD))
+    return step, (mlp.make_state(model, batch["x"]), batch)
+
+
+@pytest.mark.ray
+def test_profile_demands_measures_the_cores_each_program_keeps_busy(ray_cluster):
+    from dataclasses import replace
+
+    from meshshard.sim import SimOptions, simulate
+
+    step, args = _profiled_mlp()
+    times, demands = step.profile_demands(*args, steps=3, cores=2)
+    names = {str(p.name) for p in step.plan.programs}
+    assert set(times) == set(demands) == names
+    assert all(t > 0 for t in times.values())
+    assert all(1.0 <= d <= 2.0 for d in demands.values())  # (1, 2) meshes: 2 threads at most
+    # the simulator takes them; fewer busy cores than devices can only shorten the step
+    cluster = replace(step.plan.cluster, host_cores=2)
+    opts = SimOptions(core_demands=tuple(demands.items()))
+    measured = simulate(step.plan, cluster, program_times=times, options=opts).iteration_time
+    per_device = simulate(step.plan, cluster, program_times=times).iteration_time
+    assert 0 < measured <= per_device * (1 + 1e-9)
+
+
+@pytest.mark.fast
+def test_profile_demands_refuses_workers_that_share_one_process():
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    with use_cluster(ThreadsCluster(2, 2)):
+        step, args = _profiled_mlp()
+        with pytest.raises(MeshshardInputError, match="one process per worker"):
+            step.profile_demands(*args, cores=2)
+        with pytest.raises(MeshshardInputError, match="host_cores"):
+            step.profile_demands(*args, cores=0)
