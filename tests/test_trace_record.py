@@ -155,6 +155,8 @@ def test_ray_trace_aligns_worker_clocks(ray_cluster, tmp_path):
     assert sorted((e["pid"], e["args"]["step"]) for e in ready) == sorted(
         (w, n) for w in exe.plan.workers for n in range(2)
     )
+    step.record(None)
+    _check_profile_demands(step)  # the same compiled step, profiled
 
 
 def _profiled_mlp():
@@ -164,13 +166,14 @@ def _profiled_mlp():
     return step, (mlp.make_state(model, batch["x"]), batch)
 
 
-@pytest.mark.ray
-def test_profile_demands_measures_the_cores_each_program_keeps_busy(ray_cluster):
+def _check_profile_demands(step) -> None:
+    """``step.profile_demands`` on the Ray backend (``step`` compiled for ``_run``'s
+    arguments): the cores each program keeps busy, between 1 and its devices per host."""
     from dataclasses import replace
 
     from meshshard.sim import SimOptions, simulate
 
-    step, args = _profiled_mlp()
+    args = _profiled_mlp()[1]
     times, demands = step.profile_demands(*args, steps=3, cores=2)
     names = {str(p.name) for p in step.plan.programs}
     assert set(times) == set(demands) == names
