@@ -27,6 +27,11 @@ its profiles used for prediction.  Then, with the cluster shut down:
   times, as measured and made isolated (held-out plans are profiled too, in their
   rounds, for these columns only), which split a held-out miss into the calibrated
   roofline's part and the host model's part.
+- ``cores cpu`` and ``oracle cores cpu``: the same two with the cores each program keeps
+  busy measured from its CPU time while profiled (``program_demands``) instead of one per
+  device; a held-out program takes the calibrated median demand of its class (devices
+  per host, split or replicated, update or not).  ``--residuals`` prints where the
+  calibrated rooflines miss, per plan group and program kind;
 - the schedule ranking: Kendall's tau, and the pairs of schedules whose timed steps
   the measurement separates (Mann-Whitney, p < 0.05) with how many the prediction
   orders alike (the others swap between runs of this machine).
