@@ -140,14 +140,17 @@ def profile_demands(
     workers share one process's CPU time, which cannot be told apart per program."""
     from meshshard.sim.fidelity import isolated_program_times, program_demands
 
+    fix = "pass the CPU cores the cluster's workers share (os.cpu_count() for a cluster on one machine)"
+    if cores is not None and (not isinstance(cores, int) or cores < 1):
+        raise MeshshardInputError(f"profile_demands(cores={cores!r}): {fix}")
     exe = step._executable_for(args)
-    cores = exe.plan.cluster.host_cores if cores is None else cores
-    if not isinstance(cores, int) or cores < 1:
-        raise MeshshardInputError(
-            f"profile_demands(cores={cores!r}): pass the CPU cores the cluster's workers "
-            "share (os.cpu_count() for a cluster on one machine); the plan's cluster has "
-            "ClusterSpec.host_cores=0 (cores not shared), where demands mean nothing"
-        )
+    if cores is None:
+        cores = exe.plan.cluster.host_cores
+        if not cores:
+            raise MeshshardInputError(
+                "profile_demands: the plan's cluster has ClusterSpec.host_cores=0 (its "
+                f"workers do not share cores, so demands mean nothing); {fix} as cores="
+            )
     if getattr(exe.backend, "workers_share_process", False):
         raise MeshshardInputError(
             "profile_demands needs one process per worker, as on the Ray backend "
