@@ -277,38 +277,38 @@ def isolated_for(records, cores: int) -> list:
     return out
 
 
-def demand_class(plan, program) -> tuple:
-    """What a program's core demand is predicted from for an unprofiled plan: its
+def demand_classes(plan) -> dict[str, tuple]:
+    """What each program's core demand is predicted from for an unprofiled plan: its
     devices per host, whether its work is split over them or replicated, and whether
     it is an optimizer update."""
     from meshshard.sim.fidelity import devices_per_host, work_devices
 
-    return (
-        devices_per_host(plan)[str(program.name)],
-        work_devices(plan, program) > 1,
-        str(program.name).endswith("apply"),
-    )
+    devices = devices_per_host(plan)
+    return {
+        str(p.name): (
+            devices[str(p.name)],
+            work_devices(plan, p) > 1,
+            str(p.name).endswith("apply"),
+        )
+        for p in plan.programs
+    }
 
 
 def fit_demands(cal) -> dict:
-    """Median measured demand of the calibration programs of each :func:`demand_class`."""
+    """Median measured demand of the calibration programs of each of
+    :func:`demand_classes`."""
     samples: dict[tuple, list[float]] = {}
     for r in cal:
-        for p in r["plan"].programs:
-            d = r.get("demands", {}).get(str(p.name))
-            if d is not None:
-                samples.setdefault(demand_class(r["plan"], p), []).append(d)
+        measured = r.get("demands", {})
+        for name, cls in demand_classes(r["plan"]).items():
+            if name in measured:
+                samples.setdefault(cls, []).append(measured[name])
     return {k: statistics.median(v) for k, v in sorted(samples.items())}
 
 
 def predicted_demands(plan, classes) -> dict[str, float]:
     """Each program's demand from its class's calibrated median (none: one per device)."""
-    out = {}
-    for p in plan.programs:
-        d = classes.get(demand_class(plan, p))
-        if d is not None:
-            out[str(p.name)] = d
-    return out
+    return {name: classes[cls] for name, cls in demand_classes(plan).items() if cls in classes}
 
 
 def fit(records, cluster):

@@ -27,8 +27,8 @@ framework has two references, and efficiency is printed against both:
 For each meshshard schedule also: ``stage ms``, the busiest worker's program compute per
 step (each RUN at its program's profiled time, sharing of the cores removed; or every
 worker's over the cores, if more), and ``bound`` = the all-core reference over it: the
-efficiency a runtime with no host cost and no bubble could reach with these programs.  It separates what the compiled
-micro-batch programs cost from what the runtime adds.
+efficiency a runtime with no host cost and no bubble could reach with these programs.
+It separates what the compiled micro-batch programs cost from what the runtime adds.
 
 Every torch pipeline rank uses one intra-op thread; a stage's XLA program runs on its
 actor's one device.  The machine has few cores, so efficiencies are far below the ideal
