@@ -521,10 +521,12 @@ def _positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
 
 
 def _layered(fn: Callable, method: Method) -> Callable:
-    """``fn`` with automatic layer clustering when the method asks for it (``layers=``)."""
-    layers = getattr(method, "layers", None)
-    if layers is None:
-        return fn
-    from meshshard.autodiff import AutoLayers
+    """``fn`` with automatic layer clustering (``layers=``) and per-layer
+    rematerialization (``remat=``) when the method asks for them."""
+    from meshshard.autodiff import AutoLayers, Rematerialized
 
-    return AutoLayers(fn, layers)
+    remat = getattr(method, "remat", None)
+    if remat is not None:
+        fn = Rematerialized(fn, remat)
+    layers = getattr(method, "layers", None)
+    return fn if layers is None else AutoLayers(fn, layers)

@@ -164,10 +164,15 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
         env.update(zip(crossing, vals, strict=True))
         return True
 
+    policy = _REMAT.get()
+
     def layered(*call_args):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, jax.tree.leaves(call_args), strict=True))
-        eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
+        if policy is None:
+            eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
+        else:
+            _eval_rematerialized(jaxpr, env, on_eqn, REMAT_POLICIES[policy], set(cut_index))
         out = jax.tree.unflatten(out_tree, [read_var(env, v) for v in jaxpr.outvars])
         loss, aux = out if has_aux else (out, None)
         (loss,) = boundary_p.bind(loss, kind="loss", index=0)
@@ -176,11 +181,116 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
     return layered
 
 
+#: ``PipeshardParallel.remat`` choices: which values a layer's forward keeps for its
+#: backward (the rest the backward computes again).
+REMAT_POLICIES = {
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+#: The ``remat=`` setting of the method being compiled (see :class:`Rematerialized`).
+_REMAT: ContextVar[str | None] = ContextVar("meshshard_remat", default=None)
+
+
+def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
+    """Evaluate ``jaxpr``'s equations like ``eval_eqns(..., on_eqn=on_eqn)``, with each run
+    of equations between markers inside ``jax.checkpoint(policy=policy)``: a layer's
+    forward then keeps for its backward only what ``policy`` saves, and its backward
+    computes the rest again.  Markers stay outside, where the compiler reads them."""
+    eqns = jaxpr.eqns
+    n = len(eqns)
+    last_use: dict = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if not hasattr(v, "val"):
+                last_use[v] = i
+    for v in jaxpr.outvars:
+        if not hasattr(v, "val"):
+            last_use[v] = n
+
+    def flush(run: list, end: int) -> None:
+        if not run:
+            return
+        defined = {v for e in run for v in e.outvars}
+        reads = list(
+            dict.fromkeys(
+                v for e in run for v in e.invars if not hasattr(v, "val") and v not in defined
+            )
+        )
+        outs = [v for e in run for v in e.outvars if last_use.get(v, -1) >= end]
+        if not outs:
+            eval_eqns(run, env)  # nothing it computes is read: no checkpoint to cut
+            return
+
+        def segment(*vals):
+            local = dict(zip(reads, vals, strict=True))
+            eval_eqns(run, local)
+            return [local[v] for v in outs]
+
+        vals = jax.checkpoint(segment, policy=policy)(*[env[v] for v in reads])
+        env.update(zip(outs, vals, strict=True))
+
+    run: list = []
+    for i, e in enumerate(eqns):
+        if is_marker(e):
+            flush(run, i)
+            run = []
+            if not on_eqn(i, e, env):
+                eval_eqns([e], env)
+            continue
+        if i in cuts:  # an automatic cut before equation i: bound, then i starts a run
+            flush(run, i)
+            run = []
+            on_eqn(i, e, env)
+        run.append(e)
+    flush(run, n)
+
+
+class _TracedWith:
+    """``fn`` called with ``_setting`` (a ContextVar) set to ``value``, so that every
+    ``meshshard.grad`` traced inside it sees the method's choice; equal wrappers of the
+    same function compare equal (the compile caches key on the step function)."""
+
+    _setting: ContextVar
+
+    def __init__(self, fn: Callable, value):
+        functools.update_wrapper(self, fn)  # first: it copies a wrapped wrapper's __dict__
+        self.fn = fn
+        self._value = value
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return (self.fn, self._value) == (other.fn, other._value)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.fn, self._value))
+
+    def __call__(self, *args):
+        token = self._setting.set(self._value)
+        try:
+            return self.fn(*args)
+        finally:
+            self._setting.reset(token)
+
+
+class Rematerialized(_TracedWith):
+    """``fn`` with per-layer rematerialization on: every ``meshshard.grad`` traced inside
+    it evaluates each layer of its loss under ``jax.checkpoint`` with the policy named
+    ``remat`` (:data:`REMAT_POLICIES`).  The compiler wraps a step this way for
+    ``PipeshardParallel(remat=...)``."""
+
+    _setting = _REMAT
+
+    @property
+    def remat(self) -> str:
+        return self._value
+
+
 #: The ``layers=`` setting of the method being compiled (see :class:`AutoLayers`).
 _AUTO_LAYERS: ContextVar[str | int | None] = ContextVar("meshshard_auto_layers", default=None)
 
 
-class AutoLayers:
+class AutoLayers(_TracedWith):
     """``fn`` with automatic layer clustering on: every ``meshshard.grad`` traced inside it
     cuts its loss into ``layers`` layers (:mod:`meshshard.passes.layer_cluster`).
 
@@ -188,25 +298,11 @@ class AutoLayers:
     trace the same wrapped function, so they cut at the same places.
     """
 
-    def __init__(self, fn: Callable, layers: str | int):
-        self.fn = fn
-        self.layers = layers
-        functools.update_wrapper(self, fn)
+    _setting = _AUTO_LAYERS
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, AutoLayers):
-            return NotImplemented
-        return (self.fn, self.layers) == (other.fn, other.layers)
-
-    def __hash__(self) -> int:
-        return hash((AutoLayers, self.fn, self.layers))
-
-    def __call__(self, *args):
-        token = _AUTO_LAYERS.set(self.layers)
-        try:
-            return self.fn(*args)
-        finally:
-            _AUTO_LAYERS.reset(token)
+    @property
+    def layers(self) -> str | int:
+        return self._value
 
 
 def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:

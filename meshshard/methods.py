@@ -190,6 +190,14 @@ class PipeshardParallel:
             (:mod:`meshshard.passes.replicas`).
         comm_chunk_bytes: with ``comm_schedule`` ``"allreduce"``, the size of the chunks a
             replicas' gradient all-reduce is cut into (default 4 MiB).
+        remat: what each layer's forward keeps for its backward: None (default)
+            everything differentiation saves; ``"dots"`` only matmul outputs, the
+            backward computes the elementwise rest again
+            (``jax.checkpoint_policies.dots_saveable``); ``"full"`` nothing, the backward
+            redoes the layer's forward.  Split into per-stage programs, every saved value
+            is written out by the forward and read back by the backward once per
+            micro-batch; on XLA:CPU that traffic is much of what the split costs
+            (benchmarks/RESULTS.md, "Residuals").
         logical_shapes: one logical ``(a, b)`` view (or None) per stage mesh, as
             ``ShardParallel.logical_shape``: e.g. ``stages=[(1, 4), (1, 4)],
             logical_shapes=[(2, 2), None]`` shards stage 0 over a 2 x 2 view of its host's
@@ -211,9 +219,15 @@ class PipeshardParallel:
     data_parallel: int = field(default=1, repr=False)
     comm_chunk_bytes: int = field(default=4 << 20, repr=False)
     logical_shapes: tuple[tuple[int, int] | None, ...] | None = field(default=None, repr=False)
+    remat: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        if self.remat not in (None, "dots", "full"):
+            raise MeshshardInputError(
+                f"PipeshardParallel.remat={self.remat!r}: pass None (keep every saved "
+                "value), 'dots' (keep matmul outputs) or 'full' (recompute each layer)"
+            )
         _check_data_parallel(self.data_parallel, self.num_micro_batches, self.stages)
         c = self.comm_chunk_bytes
         if not isinstance(c, int) or isinstance(c, bool) or c < 1:
@@ -332,6 +346,7 @@ class PipeshardParallel:
             "data_parallel": 1,
             "comm_chunk_bytes": 4 << 20,
             "logical_shapes": None,
+            "remat": None,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -46,8 +46,10 @@ def _batch(seed):
 
 
 @pytest.mark.slow
-def test_layers_auto_cuts_a_loss_without_markers_and_keeps_parity(threads_cluster):
-    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4, layers="auto")
+@pytest.mark.parametrize("remat", [None, "dots"])
+def test_layers_auto_cuts_a_loss_without_markers_and_keeps_parity(threads_cluster, remat):
+    """With ``remat``, each automatic layer runs under its own ``jax.checkpoint``."""
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4, layers="auto", remat=remat)
     step = meshshard.parallelize(_no_marker_step, method=method)
     ref_step = jax.jit(_no_marker_step)
     ref = got = _no_marker_state()
