@@ -1,6 +1,7 @@
 """Pipeline efficiency of meshshard vs ``torch.distributed.pipelining`` on the same GPT.
 
-    python benchmarks/peer_torch_pipe.py [--steps 10] [--stages 2 4] [--json OUT.json]
+    python benchmarks/peer_torch_pipe.py [--steps 10] [--stages 2 4] [--remat none dots]
+                                         [--json OUT.json]
 
 The GPT of ``examples/gpt.py`` (same layers, widths, batch, micro-batches, stage count)
 runs, in one run of this script:
@@ -12,7 +13,8 @@ runs, in one run of this script:
   into ``2 x stages`` pieces);
 - in meshshard: ``jax.jit`` of the whole step in this process for the reference, then
   every schedule ``PipeshardParallel`` offers on the local Ray cluster (one host-actor
-  per stage, one CPU device each).
+  per stage, one CPU device each), once per ``--remat`` setting
+  (``PipeshardParallel.remat``; rows ``<schedule> remat=dots``).
 
 Pipeline efficiency = reference step time / pipelined step time, each framework against
 its own single-process run (medians over ``--steps`` timed steps after warm-up).  Each
@@ -38,6 +40,7 @@ M / (M + S - 1): the point is the side-by-side ratio.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -260,10 +263,12 @@ def run_torch(steps: int, warmup: int, micro_batches: int, stage_counts) -> list
     return rows
 
 
-def _meshshard_method(schedule: str, stages: int, micro_batches: int):
+def _meshshard_method(schedule: str, stages: int, micro_batches: int, remat: str | None = None):
     import meshshard
 
-    kw = dict(num_micro_batches=micro_batches, stages=[(1, 1)] * stages, schedule=schedule)
+    kw = dict(
+        num_micro_batches=micro_batches, stages=[(1, 1)] * stages, schedule=schedule, remat=remat
+    )
     if schedule == "interleaved_1f1b":
         kw["virtual_stages"] = 2
     return meshshard.PipeshardParallel(**kw)
@@ -303,10 +308,10 @@ def _spawned(target, *args):
 
 
 def run_meshshard(
-    steps: int, warmup: int, micro_batches: int, stage_counts, schedules=None
+    steps: int, warmup: int, micro_batches: int, stage_counts, schedules=None, remats=(None,)
 ) -> list[dict]:
     """``jax.jit`` in this process, then each meshshard schedule (default: every one) on
-    the Ray cluster."""
+    the Ray cluster, under each ``PipeshardParallel.remat`` setting of ``remats``."""
     import meshshard
     from meshshard.methods import SCHEDULES
 
@@ -346,46 +351,46 @@ def run_meshshard(
                 load=round(os.getloadavg()[0], 1),
             )
         )
-        for stages in stage_counts:
-            for schedule in schedules:
-                if schedule == "interleaved_1f1b" and MODEL["num_layers"] % (2 * stages):
-                    continue  # as in torch: the blocks must divide into 2 x stages pieces
-                try:
-                    method = _meshshard_method(schedule, stages, micro_batches)
-                    step = meshshard.parallelize(gpt.train_step, method=method)
-                    holder["s"] = state0
+        for stages, schedule, remat in itertools.product(stage_counts, schedules, remats):
+            if schedule == "interleaved_1f1b" and MODEL["num_layers"] % (2 * stages):
+                continue  # as in torch: the blocks must divide into 2 x stages pieces
+            label = schedule if remat is None else f"{schedule} remat={remat}"
+            try:
+                method = _meshshard_method(schedule, stages, micro_batches, remat)
+                step = meshshard.parallelize(gpt.train_step, method=method)
+                holder["s"] = state0
 
-                    def ms_step(i, step=step):
-                        holder["s"], loss = step(holder["s"], make_batch(i))
-                        return float(loss)
+                def ms_step(i, step=step):
+                    holder["s"], loss = step(holder["s"], make_batch(i))
+                    return float(loss)
 
-                    times, loss = _timed(ms_step, steps, warmup)
-                    work = _stage_work(step, holder["s"], make_batch(0))
-                except Exception as exc:  # a schedule this stage count cannot run
-                    rows.append(
-                        dict(
-                            framework="meshshard",
-                            schedule=schedule,
-                            stages=stages,
-                            skipped=f"{type(exc).__name__}: {str(exc)[:120]}",
-                        )
-                    )
-                    continue
-                med = statistics.median(times)
+                times, loss = _timed(ms_step, steps, warmup)
+                work = _stage_work(step, holder["s"], make_batch(0))
+            except Exception as exc:  # a schedule this stage count cannot run
                 rows.append(
                     dict(
                         framework="meshshard",
-                        schedule=schedule,
+                        schedule=label,
                         stages=stages,
-                        step_s=med,
-                        efficiency=ref / med,
-                        efficiency_1core=ref1 / med,
-                        busiest_stage_compute_s=work,
-                        efficiency_bound=ref / work,
-                        loss0=loss,
-                        load=round(os.getloadavg()[0], 1),
+                        skipped=f"{type(exc).__name__}: {str(exc)[:120]}",
                     )
                 )
+                continue
+            med = statistics.median(times)
+            rows.append(
+                dict(
+                    framework="meshshard",
+                    schedule=label,
+                    stages=stages,
+                    step_s=med,
+                    efficiency=ref / med,
+                    efficiency_1core=ref1 / med,
+                    busiest_stage_compute_s=work,
+                    efficiency_bound=ref / work,
+                    loss0=loss,
+                    load=round(os.getloadavg()[0], 1),
+                )
+            )
         return rows
     finally:
         meshshard.shutdown()
@@ -429,10 +434,18 @@ def main(argv=None) -> int:
         action="store_true",
         help="every meshshard schedule, not only those torch also has",
     )
+    ap.add_argument(
+        "--remat",
+        nargs="+",
+        default=["none", "dots"],
+        choices=["none", "dots", "full"],
+        help="PipeshardParallel.remat settings each meshshard schedule runs under",
+    )
     args = ap.parse_args(argv)
     paired = None if args.all_schedules else [m for _, m in TORCH_SCHEDULES.values() if m]
+    remats = [None if r == "none" else r for r in args.remat]
     # Ray first: its workers must not fork a process that already runs JAX threads.
-    rows = run_meshshard(args.steps, args.warmup, args.micro_batches, args.stages, paired)
+    rows = run_meshshard(args.steps, args.warmup, args.micro_batches, args.stages, paired, remats)
     rows += run_torch(args.steps, args.warmup, args.micro_batches, args.stages)
     print_table(rows)
     if args.json:
