@@ -60,3 +60,17 @@ def test_remat_with_dropout_draws_what_jit_draws(threads_cluster):
     step, state, batches = dropout_case("mlp")
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], remat="dots")
     check_step_parity(step, method, state, batches)
+
+
+def test_remat_under_2bw_follows_the_2bw_rule(threads_cluster):
+    """2BW's steady step (weights stashed, no flush) traces with the setting too."""
+    from dataclasses import replace
+
+    from tests.two_bw_reference import check_2bw
+
+    method = PipeshardParallel(
+        num_micro_batches=2, stages=[(1, 2)] * 2, schedule="2bw", remat="dots"
+    )
+    steady = check_2bw(method, steps=3)._two_bw.steady.plan
+    plain = check_2bw(replace(method, remat=None), steps=2)._two_bw.steady.plan
+    assert residual_bytes(steady) < residual_bytes(plain)
