@@ -128,12 +128,7 @@ def plan_memory() -> list[dict]:
             plan = meshshard.parallelize(gpt.train_step, method=method).lower(
                 state, batch, cluster=cluster
             )
-            residual = sum(
-                int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-                for b in plan.buffers
-                if b.name.kind is BufferKind.RESIDUALS
-                for t in b.tensors
-            )
+            residual = sum(b.nbytes for b in plan.buffers if b.name.kind is BufferKind.RESIDUALS)
             peaks = [m.peak for m in simulate(plan, cluster).memory]
             out.append(
                 dict(schedule=schedule, remat=remat, residual_bytes=residual, peak_bytes=peaks)

@@ -198,14 +198,7 @@ def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
     computes the rest again.  Markers stay outside, where the compiler reads them."""
     eqns = jaxpr.eqns
     n = len(eqns)
-    last_use: dict = {}
-    for i, e in enumerate(eqns):
-        for v in e.invars:
-            if not hasattr(v, "val"):
-                last_use[v] = i
-    for v in jaxpr.outvars:
-        if not hasattr(v, "val"):
-            last_use[v] = n
+    last_use = _last_uses(jaxpr)
 
     def flush(run: list, end: int) -> None:
         if not run:
@@ -326,23 +319,26 @@ def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int,
     ``before``: for a cut before equation ``p``, also those equation ``p`` reads)."""
     if not positions:
         return {}
-    defined_at: dict = {}
-    last_use: dict = {}
-    n = len(jaxpr.eqns)
-    for i, e in enumerate(jaxpr.eqns):
-        for v in e.invars:
-            if not hasattr(v, "val"):
-                last_use[v] = i
-        for v in e.outvars:
-            defined_at[v] = i
-    for v in jaxpr.outvars:
-        if not hasattr(v, "val"):
-            last_use[v] = n
+    defined_at = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    last_use = _last_uses(jaxpr)
     out = {}
     for p in positions:
         after = p - 1 if before else p
         out[p] = [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) > after]
     return out
+
+
+def _last_uses(jaxpr) -> dict:
+    """Each variable's last reader: its equation index (``len(eqns)`` for an output)."""
+    last_use: dict = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for v in e.invars:
+            if not hasattr(v, "val"):
+                last_use[v] = i
+    for v in jaxpr.outvars:
+        if not hasattr(v, "val"):
+            last_use[v] = len(jaxpr.eqns)
+    return last_use
 
 
 def _check_loss(out_shape, has_aux: bool) -> None:
