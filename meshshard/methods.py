@@ -198,6 +198,12 @@ class PipeshardParallel:
             is written out by the forward and read back by the backward once per
             micro-batch; on XLA:CPU that traffic is much of what the split costs
             (benchmarks/RESULTS.md, "Residuals").
+        fuse_forward_backward: where a worker runs a stage's forward and backward of
+            one micro-batch back to back (the last stage under 1F1B, eager 1F1B and
+            zero-bubble H1), run them as one program ``s{i}.FB`` (default True): the
+            residuals the backward alone reads never leave it, and one dispatch is
+            saved (:mod:`meshshard.passes.fuse_forward_backward`).  False keeps every
+            forward and backward a program of its own (per-phase profiles).
         logical_shapes: one logical ``(a, b)`` view (or None) per stage mesh, as
             ``ShardParallel.logical_shape``: e.g. ``stages=[(1, 4), (1, 4)],
             logical_shapes=[(2, 2), None]`` shards stage 0 over a 2 x 2 view of its host's
@@ -220,9 +226,16 @@ class PipeshardParallel:
     comm_chunk_bytes: int = field(default=4 << 20, repr=False)
     logical_shapes: tuple[tuple[int, int] | None, ...] | None = field(default=None, repr=False)
     remat: str | None = field(default=None, repr=False)
+    fuse_forward_backward: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
+        if not isinstance(self.fuse_forward_backward, bool):
+            raise MeshshardInputError(
+                "PipeshardParallel.fuse_forward_backward must be True (run a stage's "
+                "back-to-back forward and backward as one program) or False, got "
+                f"{self.fuse_forward_backward!r}"
+            )
         if self.remat not in (None, "dots", "full"):
             raise MeshshardInputError(
                 f"PipeshardParallel.remat={self.remat!r}: pass None (keep every saved "
@@ -347,6 +360,7 @@ class PipeshardParallel:
             "comm_chunk_bytes": 4 << 20,
             "logical_shapes": None,
             "remat": None,
+            "fuse_forward_backward": True,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -16,7 +16,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.instructions import WorkerStream
+from meshshard.instructions import Run, WorkerStream
 from meshshard.plan_json import PlanFormatError, decode, encode
 from meshshard.refs import (
     BufferKind,
@@ -653,6 +653,12 @@ class Plan:
             if p.name == ref:
                 return p
         raise KeyError(f"plan has no program {str(ref)!r}")
+
+    def programs_run(self) -> tuple[ProgramSpec, ...]:
+        """The programs some stream runs, in plan order: where a stage's forward and
+        backward run as one fused ``s{i}.FB``, the two stay listed but never run."""
+        ran = {i.program for s in self.streams for i in s.instructions if isinstance(i, Run)}
+        return tuple(p for p in self.programs if p.name in ran)
 
     def buffer(self, ref: BufferRef | str) -> BufferSpec:
         """The buffer group of ``ref`` (its micro-batch, if any, is ignored)."""

@@ -65,9 +65,9 @@ class ProfileCache:
         return os.path.join(self.directory, f"{key}.json")
 
     def get(self, plan: Plan, cores: int = 0) -> dict[str, float] | None:
-        """Every program's cached seconds, or None if any is missing."""
+        """Every run program's cached seconds, or None if any is missing."""
         out = {}
-        for p in plan.programs:
+        for p in plan.programs_run():
             path = self._path(profile_key(plan, str(p.name), cores))
             if not os.path.exists(path):
                 return None
@@ -256,17 +256,23 @@ def stage_times_of(plan: Plan, program_times: dict[str, float]) -> tuple:
     """``PipeshardParallel.stage_times`` records from a profiled plan: per stage, its
     layers, the submesh it ran on (as the stage DP names it: ``(1, d)`` inside a host or
     whole hosts ``(h, D)``) and its forward + backward (+ weight-gradient) program seconds
-    per micro-batch.  Stages whose programs were not all timed are left out."""
+    per micro-batch, from the runs the streams make (a fused ``s{i}.FB`` counts once for
+    both).  Stages whose run programs were not all timed are left out."""
+    from meshshard.instructions import Run
+
+    runs: dict[int, list] = {}
+    for stream in plan.streams:
+        for ins in stream.instructions:
+            if isinstance(ins, Run) and ins.program.phase not in (Phase.APPLY, Phase.GATHER):
+                runs.setdefault(ins.program.owner, []).append(ins)
     out = []
     for st in plan.stages:
-        names = [
-            str(p.name)
-            for p in plan.programs
-            if p.name.owner == st.id and p.name.phase not in (Phase.APPLY, Phase.GATHER)
-        ]
+        mine = runs.get(st.id, [])
+        names = [str(r.program) for r in mine]
         if not names or any(n not in program_times for n in names):
             continue
+        per_mb = sum(program_times[n] for n in names) / len({r.mb for r in mine})
         submesh = tuple(plan.meshes[st.mesh].shape)  # as the stage DP named it
         lo, hi = min(st.layers), max(st.layers) + 1
-        out.append((lo, hi, submesh, sum(program_times[n] for n in names)))
+        out.append((lo, hi, submesh, per_mb))
     return tuple(out)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
 from meshshard.passes.costs import program_costs
-from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.stage_graph import ProgramIO, StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.plan import Plan, TransferSpec
 from meshshard.resharding import simulate_resharding
@@ -22,15 +22,33 @@ __all__ = ["annotate_costs", "strip_annotations"]
 
 def annotate_costs(plan: Plan, traced: TracedStep, graph: StageGraph, cluster: ClusterSpec) -> Plan:
     """``plan`` with program FLOPs/bytes and simulated transfer times filled in."""
-    cost = program_costs(traced, graph)
     n = graph.num_stages  # data-parallel replica j of program s is s + n j (passes/replicas)
     base = {p.name: replace(p.name, owner=p.name.owner % n) for p in plan.programs}
+    cost = program_costs(traced, graph, _later_programs(plan, graph, set(base.values())))
     programs = tuple(
         replace(p, flops=cost[base[p.name]][0], bytes_accessed=cost[base[p.name]][1])
         for p in plan.programs
     )
     transfers = tuple(_simulated(plan, t, cluster) for t in plan.transfers)
     return replace(plan, programs=programs, transfers=transfers)
+
+
+def _later_programs(plan: Plan, graph: StageGraph, names: set) -> tuple[ProgramIO, ...]:
+    """Programs of ``plan`` that passes after the stage graph made (fused ``FB``s), over
+    the graph's buffer groups (replica 0's, whose names are the base names)."""
+    known = {p.name for p in graph.programs}
+    groups = {g.ref: g for p in graph.programs for g in (*p.inputs, *p.outputs)}
+    return tuple(
+        ProgramIO(
+            p.name,
+            p.name.owner,
+            p.eqns,
+            tuple(groups[r] for r in p.inputs),
+            tuple(groups[r] for r in p.outputs),
+        )
+        for p in plan.programs
+        if p.name in names and p.name not in known
+    )
 
 
 def _simulated(plan: Plan, t: TransferSpec, cluster: ClusterSpec) -> TransferSpec:

@@ -14,24 +14,26 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import jax
 
 from meshshard.jaxpr_util import var_ids
 from meshshard.passes.apply_programs import program_partials
-from meshshard.passes.stage_graph import StageGraph
+from meshshard.passes.stage_graph import ProgramIO, StageGraph
 from meshshard.passes.trace import TracedStep
 from meshshard.program_fn import program_function
 from meshshard.refs import Phase, ProgramRef
 
 
 def program_costs(
-    traced: TracedStep, graph: StageGraph
+    traced: TracedStep, graph: StageGraph, extra: Sequence[ProgramIO] = ()
 ) -> dict[ProgramRef, tuple[float | None, float | None]]:
-    """``{program name: (flops, bytes accessed)}`` for every program of ``graph``."""
+    """``{program name: (flops, bytes accessed)}`` for every program of ``graph`` and of
+    ``extra`` (programs later passes made, such as a fused ``s{i}.FB``)."""
     by_id = None
     out = {}
-    for p in graph.programs:
+    for p in (*graph.programs, *extra):
         apply = p.name.phase is Phase.APPLY
         partials = program_partials(graph.reductions, p.outputs, p.stage)
         key = (

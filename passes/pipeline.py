@@ -23,6 +23,7 @@ from meshshard.passes.forward_only import (
     is_forward_only,
     slice_forward,
 )
+from meshshard.passes.fuse_forward_backward import fuse_forward_backward
 from meshshard.passes.meshes import (
     auto_layout,
     method_views,
@@ -230,6 +231,12 @@ def _assemble(st: CompileState) -> CompileState:
     return replace(st, plan=plan)
 
 
+def _fuse(st: CompileState) -> CompileState:
+    if not getattr(st.method, "fuse_forward_backward", True):
+        return st
+    return replace(st, plan=fuse_forward_backward(st.plan, st.traced))
+
+
 def _comm_schedule(st: CompileState) -> CompileState:
     switches = getattr(st.method, "comm_schedule", frozenset())
     if not switches:
@@ -257,6 +264,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("schedule", _schedule),
     Pass("emit", _emit),
     Pass("assemble", _assemble),
+    Pass("fuse_forward_backward", _fuse),
     Pass("comm_schedule", _comm_schedule),
 )
 

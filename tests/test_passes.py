@@ -54,7 +54,11 @@ def test_the_suite_runs_with_checks_on():
 
 def test_every_pass_leaves_a_sound_state(traced):
     plan = plan_traced(traced, method=METHOD, cluster=CLUSTER, check=True)
-    assert verify(plan) == [] and [p.name for p in PASSES][-2:] == ["assemble", "comm_schedule"]
+    assert verify(plan) == [] and [p.name for p in PASSES][-3:] == [
+        "assemble",
+        "fuse_forward_backward",
+        "comm_schedule",
+    ]
 
 
 @pytest.mark.parametrize(

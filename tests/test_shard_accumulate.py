@@ -13,6 +13,7 @@ import meshshard
 from examples import mlp
 from meshshard.cluster import ClusterSpec
 from meshshard.hlo_collectives import count_by_kind, program_collectives
+from meshshard.instructions import Run
 from meshshard.jaxpr_util import var_ids
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_unreduced import unreduced_values
@@ -28,10 +29,11 @@ def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
     devices = jax.devices()[first : first + plan.meshes[mesh].num_devices]
     got = program_collectives(plan, traced, mesh, devices)
     per_step: dict[str, int] = {}
+    stream = next(s for s in plan.streams if s.worker == plan.meshes[mesh].workers[0])
     for p in plan.programs:
         if p.mesh != mesh:
             continue
-        runs = plan.num_micro_batches if p.name.phase in (Phase.FORWARD, Phase.BACKWARD) else 1
+        runs = sum(isinstance(i, Run) and i.program == p.name for i in stream.instructions)
         for kind, n in count_by_kind(got[str(p.name)]).items():
             per_step[kind] = per_step.get(kind, 0) + n * runs
     return per_step
@@ -51,7 +53,9 @@ def test_data_parallel_reduces_once_per_step_not_per_micro_batch(monkeypatch):
     before = _collectives_per_step(*_mlp_plan(monkeypatch, "reduced"))
     plan, traced = _mlp_plan(monkeypatch, "local")
     after = _collectives_per_step(plan, traced)
-    assert before == {"all-reduce": 2 * M}, before  # backward and loss, per micro-batch
+    # per micro-batch: the fused forward and backward (one program, s0.FB) reduce the
+    # gradients and the loss in one all-reduce XLA combines
+    assert before == {"all-reduce": M}, before
     assert after == {"all-reduce": 1}, after  # the update's, once per step
     (acc,) = [b for b in plan.buffers if b.name.kind is BufferKind.ACCUMULATORS]
     assert all(t.unreduced == ("device",) for t in acc.tensors)  # host has size 1
@@ -75,7 +79,7 @@ def test_auto_sharding_reduces_once_per_step_where_it_splits_the_batch(monkeypat
     before = _collectives_per_step(plan, traced, mesh=1)
     plan, traced = _auto_plan(monkeypatch, "local")
     after = _collectives_per_step(plan, traced, mesh=1)
-    assert before == {"all-reduce": 2 * 2}, before  # gradients and loss, per micro-batch
+    assert before == {"all-reduce": 2}, before  # gradients and loss, combined, per micro-batch
     assert after == {"all-reduce": 1}, after  # the update's, once per step
     (back,) = [p for p in plan.programs if p.mesh == 1 and p.name.phase is Phase.BACKWARD]
     assert back.unreduced

@@ -60,7 +60,8 @@ def test_tied_copy_and_gradient_cross_stages_once_per_step():
     assert wire_bytes(plan, {copy[0].name}) == WTE_BYTES
     assert wire_bytes(plan, {grad[0].name}) == WTE_BYTES
     text = str(plan)
-    assert f"RUN s3.F mb{m - 1} (P3 X3@{m - 1} {copy[0].name}@0" in text  # read in place
+    # read in place (the last stage runs its forward and backward as one program)
+    assert f"RUN s3.FB mb{m - 1} (P3 X3@{m - 1} {copy[0].name}@0" in text
     note = next(n for n in plan.notes if n.startswith(f"shared parameter {WTE}"))
     assert "(once per step)" in note and "summed on stage 0 once per step" in note
 

@@ -37,7 +37,8 @@ def test_compiled_plan_simulates(plan, overlap):
 
 
 def test_measured_program_times_drive_the_timeline(plan):
-    seconds = {Phase.FORWARD: 0.010, Phase.BACKWARD: 0.020}
+    # a fused forward and backward (the last stage's s{i}.FB) takes both their times
+    seconds = {Phase.FORWARD: 0.010, Phase.BACKWARD: 0.020, Phase.FORWARD_BACKWARD: 0.030}
     times = {str(p.name): seconds.get(p.name.phase, 0.0) for p in plan.programs}
     r = simulate(plan, ClusterSpec.preset("dgx-a100", num_hosts=4), program_times=times)
     S, M = len(plan.stages), plan.num_micro_batches

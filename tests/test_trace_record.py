@@ -175,7 +175,7 @@ def _check_profile_demands(step) -> None:
 
     args = _profiled_mlp()[1]
     times, demands = step.profile_demands(*args, steps=3, cores=2)
-    names = {str(p.name) for p in step.plan.programs}
+    names = {str(p.name) for p in step.plan.programs_run()}
     assert set(times) == set(demands) == names
     assert all(t > 0 for t in times.values())
     assert all(1.0 <= d <= 2.0 for d in demands.values())  # (1, 2) meshes: 2 threads at most
