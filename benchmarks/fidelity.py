@@ -343,7 +343,7 @@ def fit(records, cluster):
         samples = []
         for r in cal:
             coll = _collective_s(r, cluster)
-            for p in r["plan"].programs:
+            for p in r["plan"].programs_run():  # a fused pair's F and B never run
                 n = str(p.name)
                 samples.append(sample_of(r["plan"], p, coll[n], r[key][n]))
         fits[variant] = CalibratedRoofline.fit(samples)
@@ -479,7 +479,7 @@ def residuals(records, cluster, fits) -> dict:
             mesh = "(2,2)" if "(2,2)" in r["name"] else "(1,2)"
             group = f"{r.get('model', r['name'][0])} {mesh}{' dp' if ' dp ' in r['name'] else ''}"
             group += " M=8" if r["name"].endswith("M=8") else ""
-            for p in r["plan"].programs:
+            for p in r["plan"].programs_run():  # a fused pair's F and B never run
                 n = str(p.name)
                 kind = n.split(".")[-1].rstrip("0123456789") if "." in n else n
                 sample = sample_of(r["plan"], p, coll[n], times[n])
