@@ -199,8 +199,9 @@ class PipeshardParallel:
             micro-batch; on XLA:CPU that traffic is much of what the split costs
             (benchmarks/RESULTS.md, "Residuals").
         fuse_forward_backward: where a worker runs a stage's forward and backward of
-            one micro-batch back to back (the last stage under 1F1B, eager 1F1B and
-            zero-bubble H1), run them as one program ``s{i}.FB`` (default True): the
+            one micro-batch back to back (the last stage under 1F1B, eager 1F1B,
+            zero-bubble H1 and interleaved 1F1B; a single stage with micro-batches),
+            run them as one program ``s{i}.FB`` (default True): the
             residuals the backward alone reads never leave it, and one dispatch is
             saved (:mod:`meshshard.passes.fuse_forward_backward`).  False keeps every
             forward and backward a program of its own (per-phase profiles).

@@ -16,10 +16,12 @@ signature (one ``FB`` program per stage); anything else is left as it was.  A sp
 backward (zero-bubble B) that computes some weight-gradient contributions only to carry
 them to its W (under ``remat``) is not fused with a forward that writes the
 accumulators: one program would count those contributions where the forward adds its
-own, and W would count them again.  The ``F``
-and ``B`` programs stay in the plan (the stage list names them; a schedule that still
-runs some pairs apart, GPipe's, needs them), and the runtime compiles a program only
-when a stream first runs it.  Pure: a new Plan.
+own, and W would count them again.
+
+The ``F`` and ``B`` programs stay in the plan: the stage list names them, and a pair
+that is not fused still runs them.  The runtime compiles a program only when a stream
+first runs it, so the unrun ones cost nothing; :meth:`Plan.programs_run` lists the
+others.  Pure: a new Plan.
 """
 
 from __future__ import annotations
@@ -90,11 +92,10 @@ def _fuse_stream(
             continue
         if isinstance(ins, Free) and ins.buffer in dropped:
             continue
-        pair = _partner(instructions, i)
-        if pair is None:
+        j = _partner(instructions, i)
+        if j is None:
             out.append(ins)
             continue
-        j, backward = pair
         run, spec = _fused_run(instructions, i, j, specs, owns)
         if run is None or fused.setdefault(run.program, spec) != spec:
             out.append(ins)
@@ -106,8 +107,8 @@ def _fuse_stream(
     return tuple(out) if skip else None
 
 
-def _partner(instructions, i: int) -> tuple[int, Run] | None:
-    """(position, run) of the backward that follows forward run ``i`` with only frees
+def _partner(instructions, i: int) -> int | None:
+    """The position of the backward that follows forward run ``i`` with only frees
     between, on the same stage and micro-batch; None if there is none."""
     ins = instructions[i]
     if not isinstance(ins, Run) or ins.program.phase is not Phase.FORWARD or ins.mb is None:
@@ -123,7 +124,7 @@ def _partner(instructions, i: int) -> tuple[int, Run] | None:
             and (p.owner, p.virtual, nxt.mb) == (ins.program.owner, ins.program.virtual, ins.mb)
             and not {f.buffer for f in instructions[i + 1 : j]} & set(nxt.inputs)
         ):
-            return j, nxt
+            return j
         return None
     return None
 
