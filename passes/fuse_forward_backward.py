@@ -69,9 +69,12 @@ def _contributions(plan: Plan, traced: TracedStep):
         {ids[r]: o for r, o in zip(marker.outvars, marker.invars, strict=True)} if marker else {}
     )
 
+    made: dict[ProgramRef, set] = {}  # program -> the values its equations define
+
     def owns(group: BufferRef, program: ProgramSpec) -> bool:
-        made = {v for i in program.eqns for v in jaxpr.eqns[i].outvars}
-        return any(operand.get(t.var) in made for t in plan.buffer(group).tensors)
+        if program.name not in made:
+            made[program.name] = {v for i in program.eqns for v in jaxpr.eqns[i].outvars}
+        return any(operand.get(t.var) in made[program.name] for t in plan.buffer(group).tensors)
 
     return owns
 
