@@ -332,8 +332,11 @@ def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
 
 
 def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
-    """Compile each program of mesh ``mesh_id`` the way the runtime does and parse its
-    collectives: program token -> tuple of :class:`Collective`.
+    """Compile each program of mesh ``mesh_id`` that some stream runs, the way the
+    runtime does, and parse its collectives: program token -> tuple of
+    :class:`Collective`.  A fused pair's forward and backward (``Plan.programs_run``) are
+    never run, so they are not compiled here either; a plan without streams yet (the
+    sharding passes' own) has every program compiled.
 
     ``devices`` are the mesh's devices, host-major (any ``len == mesh size`` list of
     local devices works: the programs are only compiled, never run).
@@ -353,8 +356,11 @@ def program_collectives(plan, traced, mesh_id: int, devices) -> dict:
     shape = next(m.axis_shape for m in plan.meshes if m.id == mesh_id)
     mesh = make_mesh(devices, shape)
     by_id = {i: v for v, i in var_ids(traced.jaxpr).items()}
+    run = {p.name for p in (plan.programs_run() if plan.streams else plan.programs)}
     out = {}
     for name, prog in build_programs(traced, plan, mesh_id, mesh).items():
+        if name not in run:
+            continue
         args = []
         for g in prog.input_groups:
             vids = group_contents(plan, g).vars

@@ -185,7 +185,7 @@ def program_collectives(plan: Plan, traced, devices: Sequence | None = None) -> 
     """The collectives XLA compiled into each program of ``plan`` on its mesh shape,
     compiled on this process's devices (``devices``; a mesh of H x D needs H*D of them,
     which CPU emulation provides with ``--xla_force_host_platform_device_count``).  Every
-    mesh's programs, compiled as the runtime compiles them
+    mesh's programs that some stream runs, compiled as the runtime compiles them
     (:func:`meshshard.hlo_collectives.program_collectives`)."""
     from meshshard.hlo_collectives import program_collectives as of_mesh
 

@@ -78,6 +78,20 @@ def test_the_pass_is_pure_and_off_when_asked(traced):
     assert "fuse_forward_backward" not in repr(PipeshardParallel(num_micro_batches=2))
 
 
+def test_only_the_programs_that_run_are_compiled_for_their_collectives(traced):
+    """The HLO reading behind the fidelity fit compiles the fused ``s1.FB`` but not the
+    ``s1.F`` and ``s1.B`` it replaced, which no stream runs."""
+    import jax
+
+    from meshshard.hlo_collectives import program_collectives
+
+    plan = _plan(traced)
+    got = program_collectives(plan, traced, 1, jax.devices()[2:4])
+    assert set(got) == {str(p.name) for p in plan.programs_run() if p.mesh == 1}
+    assert set(got) == {"s1.FB", "m1.apply"}
+    assert {"s1.F", "s1.B"} <= {str(p.name) for p in plan.programs}
+
+
 def test_gpipe_runs_no_pair_back_to_back_and_fuses_nothing(traced):
     """GPipe's last stage runs every forward, then the backwards from micro-batch 0."""
     gpipe = _plan(traced, schedule="gpipe")

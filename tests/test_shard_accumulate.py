@@ -30,7 +30,7 @@ def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
     got = program_collectives(plan, traced, mesh, devices)
     per_step: dict[str, int] = {}
     stream = next(s for s in plan.streams if s.worker == plan.meshes[mesh].workers[0])
-    for p in plan.programs:
+    for p in plan.programs_run():
         if p.mesh != mesh:
             continue
         runs = sum(isinstance(i, Run) and i.program == p.name for i in stream.instructions)
@@ -97,7 +97,7 @@ def test_every_mesh_compiles_for_the_fidelity_benchmark_with_partial_sums(monkey
 
     plan, traced = _auto_plan(monkeypatch, "local")
     got = all_meshes(plan, traced)
-    assert set(got) == {str(p.name) for p in plan.programs}
+    assert set(got) == {str(p.name) for p in plan.programs_run()}
     assert count_by_kind(got["m1.apply"]) == {"all-reduce": 1}, got["m1.apply"]
 
 
