@@ -43,7 +43,12 @@ class HostActor:
     """Owns one host's devices; wrapped with ``ray.remote`` by the cluster."""
 
     def __init__(
-        self, host: int, devices_per_host: int, platform: str = "cpu", verbose: bool = False
+        self,
+        host: int,
+        devices_per_host: int,
+        platform: str = "cpu",
+        verbose: bool = False,
+        cpus: tuple[int, ...] | None = None,
     ):
         if not verbose:
             filter_output(CHATTER)
@@ -65,6 +70,8 @@ class HostActor:
         self.torch_groups: dict = {}
         self.jax_group: tuple[int, ...] | None = None
         self.writer = None  # checkpoint writes in progress (runtime.checkpoint_io)
+        #: the cores XLA's threads are kept on (runtime.cpu_shares); None: every core
+        self.cpus = cpus if platform == "cpu" else None
 
     def ping(self) -> int:
         """This actor's process id (tests kill it to simulate a crash)."""
@@ -141,6 +148,7 @@ class HostActor:
         from meshshard.runtime.transfer_run import run_transfer, source_tiles
         from meshshard.runtime.transport import TorchTransport
 
+        self._start_backend()
         plan = Plan.from_json(plan_json)
         transport = TorchTransport(self.host, self.torch_groups)
         tiles = source_tiles(full_or_none, plan, self.host) if full_or_none is not None else None
@@ -151,12 +159,23 @@ class HostActor:
             times.append(time.perf_counter() - t0)
         return out, times, received
 
+    def _start_backend(self) -> None:
+        """Create JAX's backend on this actor's share of the cores (once; after
+        ``init_jax_distributed``, which must come before it)."""
+        if self.cpus is not None:
+            from meshshard.runtime.cpu_shares import start_backend_on
+
+            start_backend_on(self.cpus)
+            self.cpus = None
+
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax
 
         from meshshard.plan import Plan
         from meshshard.runtime.transport import TorchTransport
         from meshshard.runtime.worker import Worker
+
+        self._start_backend()
 
         plan = Plan.from_json(plan_json)
         mesh = next(m for m in plan.meshes if self.host in m.workers)
@@ -223,6 +242,7 @@ class HostActor:
         import jax
         import psutil
 
+        self._start_backend()
         return {
             "store": len(self.store),
             "live_buffers": sum(len(a.addressable_shards) for a in jax.live_arrays()),

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.plan import Plan
+from meshshard.runtime import cpu_shares
 from meshshard.runtime.executable import CLOSED_STEP
 from meshshard.runtime.faults import GRACE_S, Failure, WorkerFault, gather
 from meshshard.runtime.live_arrays import LiveArrays
@@ -364,6 +365,7 @@ class RayCluster:
         from meshshard.runtime.actor import HostActor
 
         hosts = list(hosts)
+        shares = self._core_shares()
         for h in hosts:
             host, _, devices = self.blocks[h] if self.blocks else (h, 0, self.spec.devices_per_host)
             opts = dict(num_cpus=0, max_concurrency=4)
@@ -376,7 +378,9 @@ class RayCluster:
                     self._nodes[host], soft=False
                 )
             self._actors[h] = (
-                ray.remote(HostActor).options(**opts).remote(h, devices, self.platform, verbose())
+                ray.remote(HostActor)
+                .options(**opts)
+                .remote(h, devices, self.platform, verbose(), shares[h] if shares else None)
             )
             self._groups[h] = "fresh"
         self._transport_ready = False
@@ -384,6 +388,15 @@ class RayCluster:
         here = socket.gethostname()
         for h, (pid, node) in ids.items():
             self.pids[h] = pid if node == here else None  # only local processes are awaited
+
+    def _core_shares(self) -> list[tuple[int, ...]] | None:
+        """Each actor's cores for XLA's threads when all of them share this machine's
+        CPU (``runtime.cpu_shares``); None on a real cluster, on GPUs, or when off."""
+        local_cpu = self._nodes is None and self.platform == "cpu"
+        if not (local_cpu and cpu_shares.enabled() and hasattr(os, "sched_getaffinity")):
+            return None
+        devices = [b[2] for b in self.blocks] or [self.spec.devices_per_host] * len(self._actors)
+        return cpu_shares.core_shares(devices, os.sched_getaffinity(0))
 
     def _restart(self, hosts, reason: str) -> None:
         """Move live arrays off ``hosts`` (and the peers of their JAX groups), then

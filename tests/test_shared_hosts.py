@@ -1,6 +1,8 @@
 """Meshes that share hosts (issue 11 item 3): the hosts split into workers, one
 host-actor per block of devices; placement, plan checks and parity on threads and Ray."""
 
+import os
+
 import jax
 import pytest
 
@@ -10,8 +12,10 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.methods import PipeshardParallel
 from meshshard.passes.meshes import allocate_meshes, place_meshes
+from meshshard.runtime import cpu_shares
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
+from tests.test_cpu_shares import thread_affinities
 
 TWO_BY_FOUR = ClusterSpec(num_hosts=2, devices_per_host=4)
 
@@ -105,8 +109,9 @@ def test_plan_for_shared_hosts_verifies_against_the_physical_cluster():
     assert any("do not fit" in p and "host 1" in p for p in problems), problems
 
 
-def _run_alternating(methods, layers=4):
-    """Steps alternate between ``methods`` on the same state: equal to jax.jit's."""
+def _run_alternating(methods, layers=4, after_each=lambda step: None):
+    """Steps alternate between ``methods`` on the same state: equal to jax.jit's
+    (``after_each(step)`` runs after each)."""
     state, batches = _state_and_batches(layers, steps=len(methods))
     ref_step = jax.jit(mlp.train_step)
     steps = [meshshard.parallelize(mlp.train_step, method=m) for m in methods]
@@ -117,6 +122,7 @@ def _run_alternating(methods, layers=4):
         assert_trees_close(ref.params, got.params)
         assert_trees_close(ref.opt_state, got.opt_state)
         assert_trees_close(ref_loss, got_loss)
+        after_each(step)
     return steps
 
 
@@ -178,8 +184,20 @@ def test_ray_meshes_share_hosts_and_the_actors_follow_the_plan(ray_cluster):
     driver."""
     shared = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 1), (1, 1), (1, 2), (1, 1)])
     whole = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
-    steps = _run_alternating([shared, whole], layers=5)
+    import ray
+
+    xla_cores = {}  # per block actor, after the shared step: the cores XLA's pool is on
+
+    def look(step):
+        if not xla_cores and ray_cluster.blocks:
+            calls = [a.__ray_call__.remote(thread_affinities) for a in ray_cluster._actors]
+            xla_cores.update(enumerate(t["tf_XLAEigen"] for t in ray.get(calls)))
+
+    steps = _run_alternating([shared, whole], layers=5, after_each=look)
     plan = steps[0].plan
+    # each block actor's XLA threads run on its share of this machine's cores
+    shares = cpu_shares.core_shares([2, 1, 1, 2, 1], os.sched_getaffinity(0))
+    assert xla_cores == {w: {share} for w, share in enumerate(shares)}
     assert plan.cluster.worker_blocks == ((0, 0, 2), (2, 0, 1), (2, 1, 1), (1, 0, 2), (3, 0, 1))
     assert [(m.shape, m.hosts) for m in plan.meshes] == [
         ((1, 2), (0,)),

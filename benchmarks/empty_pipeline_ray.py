@@ -1,0 +1,247 @@
+"""The runtime's own share of a pipelined step on Ray: every program a no-op.
+
+    python benchmarks/empty_pipeline_ray.py [--stages 2 4] [--steps 20] [--rounds 3]
+                                            [--json OUT.json]
+
+The GPT of ``benchmarks/peer_torch_pipe.py`` on the local Ray cluster (one host-actor
+with one CPU device per stage, M=4), each schedule compiled once and then run in
+alternating rounds two ways, in one run:
+
+- **real**: as compiled;
+- **no-op**: inside each host-actor every program is replaced by one that returns the
+  outputs its first real run produced.  Every other instruction still runs as it does
+  for real: sends read their blocks off the device, messages cross processes over gloo,
+  receives rebuild arrays, the driver dispatches the step and collects its outputs.
+
+Reported per schedule: both medians, ``no-op / real`` (the share of the step the
+runtime alone would take if nothing overlapped it), microseconds per instruction of the
+longest stream, and the median **hop** of the no-op step: from a sender's ``SEND`` start
+to the start of the receiver's ``RUN`` that reads the message (aligned recorded
+clocks).  Next to it, gloo's own one-way latency for one activation's bytes between two
+fresh processes (``torch.distributed`` ping-pong, half the round trip), measured in the
+same run.  The threads-backend empty pipeline (``runtime_overhead.py``) shares one GIL
+among the workers; this one has the processes, sockets and cores of the real runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.peer_torch_pipe import (  # noqa: E402
+    BATCH,
+    MODEL,
+    SEQ,
+    _free_port,
+    _meshshard_method,
+    make_batch,
+)
+
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "interleaved_1f1b")
+M = 4
+
+
+def _no_op_programs(actor_self, on: bool) -> bool:
+    """Runs inside a host-actor: swap every compiled step's programs for no-ops that
+    return their first real outputs (``on``), or back to the real ones."""
+    import jax
+
+    for worker in actor_self.workers.values():
+        interp = worker.interp
+        real = interp.__dict__.setdefault("_real_programs", interp.programs)
+        if not on:
+            interp.programs = real
+            continue
+
+        def no_op(prog, cache: dict):
+            def call(groups):
+                out = cache.get(prog.name)
+                if out is None:
+                    out = cache[prog.name] = prog(groups)
+                    jax.block_until_ready(out)
+                return out
+
+            return call
+
+        cache: dict = {}
+        interp.programs = {name: no_op(p, cache) for name, p in real.items()}
+    return True
+
+
+def _hops_us(step_trace) -> list[float]:
+    """Each message's SEND start to the start of the RUN that reads it on the receiver."""
+    from meshshard.instructions import Run, Send
+    from meshshard.refs import BufferKind
+
+    streams, st = step_trace
+    by_worker = {s.worker: s for s in streams}
+    sends, reads = {}, {}
+    for wt in st.workers:
+        shift = st.offset(wt.worker)
+        for i, ins in enumerate(by_worker[wt.worker].instructions):
+            if not wt.start[i]:
+                continue
+            at = wt.start[i] - shift
+            if isinstance(ins, Send):
+                sends[(ins.transfer, ins.buffer.mb)] = at
+            elif isinstance(ins, Run):
+                for b in ins.inputs:
+                    if b.kind is BufferKind.TRANSFER:
+                        reads.setdefault((b.transfer, b.mb), at)
+    return [(reads[k] - t) / 1e3 for k, t in sends.items() if k in reads]
+
+
+def _measure(step, state, batch, steps: int) -> tuple[object, list[float]]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, loss = step(state, batch)
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return state, times
+
+
+def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
+    """Real and no-op steps of every schedule, alternating rounds (module docstring)."""
+    import ray
+
+    import meshshard
+    from examples import gpt
+    from meshshard.runtime.cluster import current_cluster
+    from meshshard.runtime.trace_record import TraceLog
+
+    meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
+    rows = []
+    try:
+        batch = make_batch(0)
+        state0 = gpt.make_state(gpt.GPT(**MODEL), batch["inputs"])
+        actors = [a for a in current_cluster()._actors if a is not None]
+
+        def no_op(on: bool) -> None:
+            ray.get([a.__ray_call__.remote(_no_op_programs, on) for a in actors])
+
+        for stages in stage_counts:
+            for schedule in SCHEDULES:
+                try:
+                    method = _meshshard_method(schedule, stages, M)
+                    step = meshshard.parallelize(gpt.train_step, method=method)
+                    state, _ = _measure(step, state0, batch, 3)
+                except Exception as exc:  # a schedule this stage count cannot run
+                    rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
+                    continue
+                times: dict[str, list[float]] = {"real": [], "no-op": []}
+                for _ in range(rounds):
+                    for mode in times:
+                        no_op(mode == "no-op")
+                        state, _ = _measure(step, state, batch, 2)
+                        state, t = _measure(step, state, batch, steps)
+                        times[mode] += t
+                log = TraceLog(os.devnull, keep=8)
+                step.executable.record(log, sync=False)  # still no-op: the last mode
+                state, _ = _measure(step, state, batch, 5)
+                step.executable.record(None)
+                no_op(False)
+                hops = [h for s in log.steps for h in _hops_us(s)]
+                longest = max(len(s.instructions) for s in step.plan.streams)
+                real = statistics.median(times["real"])
+                empty = statistics.median(times["no-op"])
+                rows.append(
+                    dict(
+                        stages=stages,
+                        schedule=schedule,
+                        real_s=real,
+                        no_op_s=empty,
+                        share=empty / real,
+                        longest_stream=longest,
+                        us_per_instruction=empty / longest * 1e6,
+                        hop_us=statistics.median(hops),
+                        hops=len(hops),
+                    )
+                )
+                print(_row_text(rows[-1]), flush=True)
+                step.release()
+    finally:
+        meshshard.shutdown()
+    return rows
+
+
+def _ping_pong(rank: int, port: int, nbytes: int, n: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    buf = torch.zeros(nbytes // 4)
+    rounds = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        rounds.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(statistics.median(rounds[n // 10 :]))
+    dist.destroy_process_group()
+
+
+def gloo_one_way_us(nbytes: int, n: int = 400) -> float:
+    """Half gloo's median round trip of ``nbytes`` between two fresh processes."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_ping_pong, args=(r, port, nbytes, n, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    rtt = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    return rtt / 2 * 1e6
+
+
+def _row_text(r: dict) -> str:
+    if "skipped" in r:
+        return f"{r['stages']:>2} {r['schedule']:<17} skipped: {r['skipped']}"
+    return (
+        f"{r['stages']:>2} {r['schedule']:<17} {r['real_s'] * 1e3:>8.2f} {r['no_op_s'] * 1e3:>8.2f} "
+        f"{r['share']:>7.2f} {r['longest_stream']:>6} {r['us_per_instruction']:>9.0f} "
+        f"{r['hop_us']:>7.0f}"
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per mode and round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (real, no-op)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    # one activation (or its gradient): a micro-batch of the stage boundary, float32
+    nbytes = BATCH // M * SEQ * MODEL["d_model"] * 4
+    print(
+        f"{'S':>2} {'schedule':<17} {'real ms':>8} {'no-op ms':>8} {'no-op/real':>7} "
+        f"{'instr':>6} {'us/instr':>9} {'hop us':>7}"
+    )
+    rows = run_schedules(args.stages, args.steps, args.rounds)
+    gloo = gloo_one_way_us(nbytes)
+    print(f"gloo one way, {nbytes} B between two processes: {gloo:.0f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                dict(model=MODEL, micro_batches=M, rows=rows, gloo_one_way_us=gloo), f, indent=2
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
