@@ -19,11 +19,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peer_torch_pipe import MODEL, make_batch  # noqa: E402
+from benchmarks.step_timing import timed_steps  # noqa: E402
 
 SCHEDULES = ("1f1b", "gpipe", "zb_h1")
 M = 4
@@ -51,15 +51,9 @@ def run_layout(stages: int, devices: int, rounds: int, steps: int) -> list[dict]
                         num_micro_batches=M, stages=[(1, devices)] * stages, schedule=schedule
                     )
                     step = meshshard.parallelize(gpt.train_step, method=method)
-                    state = state0
-                    for _ in range(steps // 4 + 3):  # compile and warm up
-                        state, loss = step(state, batch)
-                    float(loss)
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        state, loss = step(state, batch)
-                        float(loss)
-                        times[(mode, schedule)].append(time.perf_counter() - t0)
+                    state, _ = timed_steps(step, state0, batch, steps // 4 + 3)  # warm up
+                    _, t = timed_steps(step, state, batch, steps)
+                    times[(mode, schedule)] += t
                     step.release()
         shares = cpu_shares.core_shares([devices] * stages, os.sched_getaffinity(0))
     finally:

@@ -42,6 +42,7 @@ from benchmarks.peer_torch_pipe import (  # noqa: E402
     _meshshard_method,
     make_batch,
 )
+from benchmarks.step_timing import timed_steps  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "interleaved_1f1b")
 M = 4
@@ -97,16 +98,6 @@ def _hops_us(step_trace) -> list[float]:
     return [(reads[k] - t) / 1e3 for k, t in sends.items() if k in reads]
 
 
-def _measure(step, state, batch, steps: int) -> tuple[object, list[float]]:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, loss = step(state, batch)
-        float(loss)
-        times.append(time.perf_counter() - t0)
-    return state, times
-
-
 def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
     """Real and no-op steps of every schedule, alternating rounds (module docstring)."""
     import ray
@@ -131,7 +122,7 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
                 try:
                     method = _meshshard_method(schedule, stages, M)
                     step = meshshard.parallelize(gpt.train_step, method=method)
-                    state, _ = _measure(step, state0, batch, 3)
+                    state, _ = timed_steps(step, state0, batch, 3)
                 except Exception as exc:  # a schedule this stage count cannot run
                     rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
                     continue
@@ -139,12 +130,12 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
                 for _ in range(rounds):
                     for mode in times:
                         no_op(mode == "no-op")
-                        state, _ = _measure(step, state, batch, 2)
-                        state, t = _measure(step, state, batch, steps)
+                        state, _ = timed_steps(step, state, batch, 2)
+                        state, t = timed_steps(step, state, batch, steps)
                         times[mode] += t
                 log = TraceLog(os.devnull, keep=8)
                 step.executable.record(log, sync=False)  # still no-op: the last mode
-                state, _ = _measure(step, state, batch, 5)
+                state, _ = timed_steps(step, state, batch, 5)
                 step.executable.record(None)
                 no_op(False)
                 hops = [h for s in log.steps for h in _hops_us(s)]

@@ -60,6 +60,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 
 import meshshard  # noqa: E402
+from benchmarks.step_timing import timed_steps  # noqa: E402
 from examples import gpt  # noqa: E402
 from meshshard import DataParallel, PipeshardParallel  # noqa: E402
 
@@ -119,14 +120,7 @@ def _setup(model_key):
     return gpt.make_state(model, batch["inputs"]), batch
 
 
-def _timed(step, state, batch, n):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        state, loss = step(state, batch)
-        float(loss)
-        times.append(time.perf_counter() - t0)
-    return state, times
+_timed = timed_steps
 
 
 def _overhead(step, state, batch, path, rounds=4, block=5):

@@ -25,6 +25,18 @@ def time_calls(step, state, batches) -> tuple[float, list[float]]:
     return first, times
 
 
+def timed_steps(step, state, batch, n: int) -> tuple[object, list[float]]:
+    """``n`` calls of ``step`` on ``batch`` from ``state``, each until its loss is on the
+    driver: the last state and each call's seconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        state, loss = step(state, batch)
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return state, times
+
+
 def progress(i: int, n: int, name: str, first_label: str, first_s: float, step_s: float) -> None:
     """One progress line on stderr: config ``i`` of ``n``, its first call and its step."""
     import sys
