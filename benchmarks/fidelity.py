@@ -120,18 +120,15 @@ def _setup(model_key):
     return gpt.make_state(model, batch["inputs"]), batch
 
 
-_timed = timed_steps
-
-
 def _overhead(step, state, batch, path, rounds=4, block=5):
     """Median step with and without recording, interleaved blocks (same plan, same run)."""
     on, off = [], []
     for _ in range(rounds):
         step.record(None)
-        state, t = _timed(step, state, batch, block)
+        state, t = timed_steps(step, state, batch, block)
         off += t
         step.record(path)
-        state, t = _timed(step, state, batch, block)
+        state, t = timed_steps(step, state, batch, block)
         on += t
     step.record(None)
     return statistics.median(on), statistics.median(off)
@@ -159,7 +156,7 @@ def compile_plan(name, kind, model_key, method):
     state, batch = _setup(model_key)
     step = meshshard.parallelize(gpt.train_step, method=method)
     t0 = time.perf_counter()
-    state, _ = _timed(step, state, batch, 3)
+    state, _ = timed_steps(step, state, batch, 3)
     live = dict(name=name, kind=kind, step=step, state=state, batch=batch)
     live["rec"] = dict(name=name, set=kind, compile_s=time.perf_counter() - t0, times=[])
     live["rec"]["model"] = model_key
@@ -176,8 +173,8 @@ def measure_round(live, n):
     from meshshard.runtime.trace_record import TraceLog
 
     step, batch, rec = live["step"], live["batch"], live["rec"]
-    live["state"], _ = _timed(step, live["state"], batch, 1)
-    live["state"], times = _timed(step, live["state"], batch, n)
+    live["state"], _ = timed_steps(step, live["state"], batch, 1)
+    live["state"], times = timed_steps(step, live["state"], batch, n)
     rec["times"] += times
     rec["round_medians"].append(statistics.median(times))
     inner, _ = _inner(step, live["state"], batch)
@@ -186,7 +183,7 @@ def measure_round(live, n):
     live.setdefault("profile", TraceLog(os.devnull, keep=100))
     for log, sync in ((live["measured"], False), (live["profile"], True)):
         exe.record(log, sync=sync)
-        live["state"], _ = _timed(step, live["state"], batch, 1)
+        live["state"], _ = timed_steps(step, live["state"], batch, 1)
         exe.record(None)
     if getattr(step, "_two_bw", None) is not None:
         step._two_bw.settle()

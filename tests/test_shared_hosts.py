@@ -182,10 +182,10 @@ def test_ray_meshes_share_hosts_and_the_actors_follow_the_plan(ray_cluster):
     the hosts run as one actor per mesh block (2, 2, 1, 1 and 1 devices); a whole-host
     plan after it restarts the actors back to one per host, its state moved to the
     driver."""
-    shared = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 1), (1, 1), (1, 2), (1, 1)])
-    whole = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
     import ray
 
+    shared = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 1), (1, 1), (1, 2), (1, 1)])
+    whole = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
     xla_cores = {}  # per block actor, after the shared step: the cores XLA's pool is on
 
     def look(step):
