@@ -50,28 +50,15 @@ M = 4
 
 def _no_op_programs(actor_self, on: bool) -> bool:
     """Runs inside a host-actor: swap every compiled step's programs for no-ops that
-    return their first real outputs (``on``), or back to the real ones."""
-    import jax
+    return their first real outputs (``on``; ``runtime_overhead._no_op``, the threads
+    benchmark's), or back to the real ones."""
+    from benchmarks.runtime_overhead import _no_op
 
     for worker in actor_self.workers.values():
         interp = worker.interp
         real = interp.__dict__.setdefault("_real_programs", interp.programs)
-        if not on:
-            interp.programs = real
-            continue
-
-        def no_op(prog, cache: dict):
-            def call(groups):
-                out = cache.get(prog.name)
-                if out is None:
-                    out = cache[prog.name] = prog(groups)
-                    jax.block_until_ready(out)
-                return out
-
-            return call
-
         cache: dict = {}
-        interp.programs = {name: no_op(p, cache) for name, p in real.items()}
+        interp.programs = {n: _no_op(p, cache) for n, p in real.items()} if on else real
     return True
 
 
