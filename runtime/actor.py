@@ -70,8 +70,9 @@ class HostActor:
         self.torch_groups: dict = {}
         self.jax_group: tuple[int, ...] | None = None
         self.writer = None  # checkpoint writes in progress (runtime.checkpoint_io)
-        #: the cores XLA's threads are kept on (runtime.cpu_shares); None: every core
-        self.cpus = cpus if platform == "cpu" else None
+        #: the cores to create JAX's backend on at first use (runtime.cpu_shares); None
+        #: when none were asked for, or once the backend exists
+        self._backend_cpus = cpus if platform == "cpu" else None
 
     def ping(self) -> int:
         """This actor's process id (tests kill it to simulate a crash)."""
@@ -162,11 +163,11 @@ class HostActor:
     def _start_backend(self) -> None:
         """Create JAX's backend on this actor's share of the cores (once; after
         ``init_jax_distributed``, which must come before it)."""
-        if self.cpus is not None:
+        if self._backend_cpus is not None:
             from meshshard.runtime.cpu_shares import start_backend_on
 
-            start_backend_on(self.cpus)
-            self.cpus = None
+            start_backend_on(self._backend_cpus)
+            self._backend_cpus = None
 
     def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
         import jax
