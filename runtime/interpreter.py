@@ -99,9 +99,19 @@ def _block_of(index, starts, stops):
     return None
 
 
+def covers(index: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> bool:
+    """True when block ``index`` is the whole of an array of ``shape``."""
+    return len(index) == len(shape) and all(
+        lo == 0 and hi == n for (lo, hi), n in zip(index, shape, strict=True)
+    )
+
+
 def local_block(arr: jax.Array, index: tuple[tuple[int, int], ...]) -> np.ndarray:
     """The block ``index`` of a global array, read from a shard this process holds."""
-    for shard in arr.addressable_shards:
+    shards = arr.addressable_shards
+    if len(shards) == 1 and covers(index, arr.shape) and shards[0].data.shape == arr.shape:
+        return np.asarray(shards[0].data)  # the whole array on one device: no slicing
+    for shard in shards:
         starts = [s.start or 0 for s in shard.index] + [0] * (arr.ndim - len(shard.index))
         stops = [
             s.stop if s.stop is not None else n
@@ -127,18 +137,31 @@ class Blocks(Protocol):
 
 
 class JaxBlocks:
-    """Transferred values are global ``jax.Array``s on this worker's mesh."""
+    """Transferred values are global ``jax.Array``s on this worker's mesh.
+
+    A value received as one message holding the whole array is built straight from the
+    received bytes (no staging copy); the destination shardings are made once per spec,
+    since each message of a step would otherwise build and hash its own.
+    """
 
     def __init__(self, mesh):
         self.mesh = mesh
+        self._shardings: dict = {}  # spec -> NamedSharding on mesh
 
     def read(self, value, index) -> np.ndarray:
         return local_block(value, index)
 
     def assemble(self, transfer: TransferSpec, parts) -> jax.Array:
-        full = np.empty(transfer.tensor.shape, dtype=transfer.tensor.dtype)
-        place_blocks(full, parts)
-        return array_from_host(full, sharding(self.mesh, transfer.dst_spec))
+        shape, dtype = transfer.tensor.shape, np.dtype(transfer.tensor.dtype)
+        if len(parts) == 1 and covers(parts[0][0].index, shape):
+            full = np.asarray(parts[0][1]).view(dtype).reshape(shape)
+        else:
+            full = np.empty(shape, dtype=dtype)
+            place_blocks(full, parts)
+        want = self._shardings.get(transfer.dst_spec)
+        if want is None:
+            want = self._shardings[transfer.dst_spec] = sharding(self.mesh, transfer.dst_spec)
+        return array_from_host(full, want)
 
 
 def place_blocks(full: np.ndarray, parts) -> None:

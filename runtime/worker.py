@@ -133,6 +133,9 @@ class Worker:
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.axis_shape)
         self._shardings: dict = {}  # spec -> NamedSharding on self.mesh
+        #: (group, index) -> whether that step output is small enough to return by value
+        #: (its shape and dtype are the plan's, so this is asked once, not every step)
+        self._small: dict = {}
         # interleaved 1F1B: logical meshes that view this same mesh run here too
         views = {
             m.id
@@ -200,8 +203,10 @@ class Worker:
         with self._cv:
             for group, idx, off in layout.out_slots:
                 arr = buffers[group][idx]
-                small = arr.nbytes <= BY_VALUE_BYTES and arr.sharding.is_fully_replicated
-                if small and not pipelined:
+                small = self._small.get((group, idx))
+                if small is None:
+                    small = self._small[(group, idx)] = arr.nbytes <= BY_VALUE_BYTES
+                if small and arr.sharding.is_fully_replicated and not pipelined:
                     result[off] = np.asarray(jax.device_get(arr.addressable_shards[0].data))
                 else:
                     self.store[base + off] = arr
@@ -265,7 +270,7 @@ class Worker:
                 full = np.asarray(batch[slots[i]], dtype=t.dtype)
                 rows = full.shape[0] // m
                 part = np.ascontiguousarray(full[mb * rows : (mb + 1) * rows])
-                arrays.append(array_from_host(part, sharding(self.mesh, t.spec)))
+                arrays.append(array_from_host(part, self._sharding(t.spec)))
             return tuple(arrays)
 
         return load
@@ -278,10 +283,15 @@ class Worker:
         self.interp.record(on, sync)
         self.last_trace = None
 
-    def _state_array(self, value, tensor) -> jax.Array:
-        want = self._shardings.get(tensor.spec)
+    def _sharding(self, spec) -> jax.sharding.NamedSharding:
+        """The NamedSharding of ``spec`` on this worker's mesh, made once per spec."""
+        want = self._shardings.get(spec)
         if want is None:
-            want = self._shardings[tensor.spec] = sharding(self.mesh, tensor.spec)
+            want = self._shardings[spec] = sharding(self.mesh, spec)
+        return want
+
+    def _state_array(self, value, tensor) -> jax.Array:
+        want = self._sharding(tensor.spec)
         if isinstance(value, StoreKey):
             try:
                 arr = self.store[int(value)]
