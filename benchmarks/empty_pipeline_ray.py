@@ -21,11 +21,27 @@ clocks).  Next to it, gloo's own one-way latency for one activation's bytes betw
 fresh processes (``torch.distributed`` ping-pong, half the round trip), measured in the
 same run.  The threads-backend empty pipeline (``runtime_overhead.py``) shares one GIL
 among the workers; this one has the processes, sockets and cores of the real runs.
+
+Also per schedule and mode, the **CPU time per step** of all host-actors together, by
+kind of thread (Linux ``/proc``; every thread of every actor, between the first and last
+timed step of each round):
+
+- ``python``: the Python threads (the interpreter on the step channel's thread, the comm
+  and prefetch threads, Ray's own Python threads): the runtime's host work;
+- ``xla``: threads XLA names (its intra-op pool) plus the unnamed native threads, which on
+  these actors are XLA's execution threads (they inherit the name of the Python thread
+  that made the backend): they fall to about zero in the no-op steps;
+- ``gloo``: gloo's socket threads;
+
+and the driver process's CPU per step.  On a machine of few cores the runtime's CPU
+competes with the programs' for the same cores, so it costs the step more than its
+place on the critical path.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -60,6 +76,39 @@ def _no_op_programs(actor_self, on: bool) -> bool:
         cache: dict = {}
         interp.programs = {n: _no_op(p, cache) for n, p in real.items()} if on else real
     return True
+
+
+def _thread_cpu(actor_self=None) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of every thread of this process: ``{thread id: (kind, s)}``
+    (kinds in the module docstring; runs inside a host-actor, or in the driver)."""
+    import threading
+
+    python = {t.native_id for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        kind = "python" if int(tid) in python else "gloo" if "gloo" in name else "xla"
+        if kind == "xla" and not ("XLA" in name or name.startswith("ray::")):
+            kind = "other"  # Ray's and gRPC's own native threads
+        out[int(tid)] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _cpu_by_kind(before: list[dict], after: list[dict]) -> collections.Counter:
+    """CPU seconds each kind of thread spent between two snapshots of every actor (a
+    thread born in between counts from zero)."""
+    spent: collections.Counter = collections.Counter()
+    for b, a in zip(before, after, strict=True):
+        for tid, (kind, cpu) in a.items():
+            spent[kind] += cpu - b.get(tid, (kind, 0.0))[1]
+    return spent
 
 
 def _hops_us(step_trace) -> list[float]:
@@ -114,11 +163,17 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
                     rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
                     continue
                 times: dict[str, list[float]] = {"real": [], "no-op": []}
+                cpu = {mode: collections.Counter() for mode in times}
                 for _ in range(rounds):
                     for mode in times:
                         no_op(mode == "no-op")
                         state, _ = timed_steps(step, state, batch, 2)
+                        before = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
+                        driver0 = time.process_time()
                         state, t = timed_steps(step, state, batch, steps)
+                        cpu[mode]["driver"] += time.process_time() - driver0
+                        after = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
+                        cpu[mode].update(_cpu_by_kind(before, after))
                         times[mode] += t
                 log = TraceLog(os.devnull, keep=8)
                 step.executable.record(log, sync=False)  # still no-op: the last mode
@@ -140,6 +195,10 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
                         us_per_instruction=empty / longest * 1e6,
                         hop_us=statistics.median(hops),
                         hops=len(hops),
+                        cpu_ms_per_step={
+                            mode: {k: v / (rounds * steps) * 1e3 for k, v in sorted(c.items())}
+                            for mode, c in cpu.items()
+                        },
                     )
                 )
                 print(_row_text(rows[-1]), flush=True)
@@ -190,10 +249,16 @@ def gloo_one_way_us(nbytes: int, n: int = 400) -> float:
 def _row_text(r: dict) -> str:
     if "skipped" in r:
         return f"{r['stages']:>2} {r['schedule']:<17} skipped: {r['skipped']}"
+    cpu = r["cpu_ms_per_step"]
     return (
         f"{r['stages']:>2} {r['schedule']:<17} {r['real_s'] * 1e3:>8.2f} {r['no_op_s'] * 1e3:>8.2f} "
         f"{r['share']:>7.2f} {r['longest_stream']:>6} {r['us_per_instruction']:>9.0f} "
         f"{r['hop_us']:>7.0f}"
+        + "".join(
+            f" {cpu[mode].get(k, 0.0):>6.1f}"
+            for mode in ("real", "no-op")
+            for k in ("python", "xla", "gloo", "driver")
+        )
     )
 
 
@@ -209,6 +274,14 @@ def main(argv=None) -> int:
     print(
         f"{'S':>2} {'schedule':<17} {'real ms':>8} {'no-op ms':>8} {'no-op/real':>7} "
         f"{'instr':>6} {'us/instr':>9} {'hop us':>7}"
+        + "".join(
+            f" {mode[:4] + ' ' + k[:3]:>6}"
+            for mode in ("real", "no-op")
+            for k in ("python", "xla", "gloo", "driver")
+        )
+    )
+    print(
+        "(last eight columns: CPU ms per step of all host-actors by thread kind, and the driver's)"
     )
     rows = run_schedules(args.stages, args.steps, args.rounds)
     gloo = gloo_one_way_us(nbytes)
