@@ -918,8 +918,8 @@ class RayBackend:
         return self._results(self.cluster._call(refs, f"step of plan {self.plan_id}"))
 
     def runtime_options(self, **opts) -> dict:
-        """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
-        read); returns each worker's last recorded timeline."""
+        """Set every worker's interpreter options (``overlap=``, ``timeline=``,
+        ``recv_ahead=``; none: just read); returns each worker's last recorded timeline."""
         refs = {w: self._actor(w).runtime_options.remote(self.plan_id, opts) for w in self.workers}
         return self.cluster._call(refs, "runtime options")
 

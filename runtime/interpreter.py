@@ -42,6 +42,7 @@ from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
 from meshshard.runtime.overlap import CommQueue, Lazy, Prefetcher, Timeline
 from meshshard.runtime.programs import CompiledProgram, sharding
+from meshshard.runtime.recv_ahead import receives_ahead
 from meshshard.runtime.replica_grads import (
     chunk_counts,
     grads_groups,
@@ -57,6 +58,13 @@ def default_overlap() -> bool:
     """Whether interpreters overlap communication with compute unless told otherwise
     (``MESHSHARD_OVERLAP=0`` turns it off, e.g. to measure what overlap buys)."""
     return os.environ.get("MESHSHARD_OVERLAP", "1") != "0"
+
+
+def default_recv_ahead() -> bool:
+    """Whether interpreters post each peer's next receive ahead of its ``RECV``
+    (``runtime.recv_ahead``) unless told otherwise (``MESHSHARD_RECV_AHEAD=0``: at the
+    ``RECV``, as written)."""
+    return os.environ.get("MESHSHARD_RECV_AHEAD", "1") != "0"
 
 
 def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
@@ -184,6 +192,9 @@ class StreamInterpreter:
             kept on the devices when the transport takes the device path).
         overlap: run communication concurrently with compute (module docstring);
             default from ``MESHSHARD_OVERLAP`` (on unless ``0``).
+        recv_ahead: post each peer's next receive ahead of its ``RECV``
+            (``runtime.recv_ahead``); default from ``MESHSHARD_RECV_AHEAD`` (on unless
+            ``0``).
     """
 
     def __init__(
@@ -195,6 +206,7 @@ class StreamInterpreter:
         transport: Transport,
         blocks: Blocks | None = None,
         overlap: bool | None = None,
+        recv_ahead: bool | None = None,
     ):
         self.stream = stream
         self.plan = plan
@@ -214,6 +226,9 @@ class StreamInterpreter:
         self.grad_chunks = chunk_counts(stream)  # replicas' gradient all-reduce chunks
         self.admission = plan_admits(plan)  # topology-aware comm thread (overlap.py)
         self.overlap = default_overlap() if overlap is None else overlap
+        self._ahead = receives_ahead(stream.instructions)
+        self._posted_ahead = frozenset(j for js in self._ahead.values() for j in js)
+        self.recv_ahead = default_recv_ahead() if recv_ahead is None else recv_ahead
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
         self.timelines: deque = deque(maxlen=8)  # (seq, Timeline) of the last steps
@@ -237,10 +252,18 @@ class StreamInterpreter:
         # At exit overlap.stop_helpers stops them, after that wait.
         weakref.finalize(self, _close_all, self._threads).atexit = False
 
-    def set_options(self, overlap: bool | None = None, timeline: bool | None = None) -> None:
-        """Switch overlapped execution and timeline recording for the next steps."""
+    def set_options(
+        self,
+        overlap: bool | None = None,
+        timeline: bool | None = None,
+        recv_ahead: bool | None = None,
+    ) -> None:
+        """Switch overlapped execution, timeline recording and receives posted ahead
+        for the next steps."""
         if overlap is not None:
             self.overlap = overlap
+        if recv_ahead is not None:
+            self.recv_ahead = recv_ahead
         if timeline is not None:
             self.timeline = timeline
 
@@ -288,6 +311,8 @@ class StreamInterpreter:
                     rec.start[i] = clock_ns()
                 try:
                     step.check()
+                    if step.ahead:
+                        step.post_ahead(step.ahead.get(i, ()))
                     step.do(i, ins)
                 except Exception as exc:
                     raise step.failure(i, exc) from exc
@@ -407,6 +432,9 @@ class _Step:
         self.grads: dict = {}  # replicas' gradient all-reduces in flight (replica_grads)
         w = interp.worker
         self.comm, self.prefetch = interp._helpers() if interp.overlap else (None, None)
+        # receives posted ahead of their RECV (runtime.recv_ahead): where, and which
+        self.ahead = interp._ahead if interp.recv_ahead else {}
+        self.posted_ahead = interp._posted_ahead if interp.recv_ahead else frozenset()
         self.tl = Timeline(w) if interp.timeline else None
         self.watch = Prefetcher(f"w{w}-watch") if self.tl is not None else None
         self.runs: list[tuple[int, int, Lazy]] = []
@@ -493,7 +521,8 @@ class _Step:
         elif kind is Send:
             self.send(i, ins)
         elif kind is Recv:
-            self.recv(ins)
+            if i not in self.posted_ahead:
+                self.recv(ins)
         elif kind is Collective:
             self.collective(i, ins)
         elif kind is Wait:
@@ -549,14 +578,27 @@ class _Step:
 
         self.sends.append(self.issue(i, ins.priority, fn, peers=(ins.peer,)))
 
-    def recv(self, ins: Recv) -> None:
-        """Post the receive now (it moves no bytes until the sender's are there)."""
+    def post_ahead(self, positions: tuple[int, ...]) -> None:
+        """Post the receives of the ``RECV``s at ``positions`` now, ahead of where they
+        stand (``runtime.recv_ahead``); an error names the ``RECV``'s own position."""
+        for j in positions:
+            try:
+                self.recv(self.interp.stream.instructions[j], at=j)
+            except Exception as exc:
+                raise self.failure(j, exc) from exc
+
+    def recv(self, ins: Recv, at: int | None = None) -> None:
+        """Post the receive now (it moves no bytes until the sender's are there); ``at``:
+        the ``RECV``'s own position when it is posted ahead of it (its completion is
+        recorded there)."""
         interp = self.interp
         msg = interp._transfers[ins.transfer].messages[ins.message]
         mb = ins.buffer.mb
         handle = interp.transport.irecv(
             msg.nbytes, ins.peer, self.tag(ins.transfer, mb, ins.message)
         )
+        if at is not None and type(handle) is _TimedHandle:
+            handle.index = at
         key = (str(ins.transfer), mb, ins.message)
         self.posted.setdefault(ins.buffer, []).append((msg, _Sent(handle), key))
 

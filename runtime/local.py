@@ -112,8 +112,8 @@ class LocalBackend:
         return step
 
     def runtime_options(self, **opts) -> dict:
-        """Set every worker's interpreter options (``overlap=``, ``timeline=``; none: just
-        read); returns each worker's last recorded timeline."""
+        """Set every worker's interpreter options (``overlap=``, ``timeline=``,
+        ``recv_ahead=``; none: just read); returns each worker's last recorded timeline."""
         for w in self.workers.values():
             w.interp.set_options(**opts)
         return {k: w.interp.last_timeline for k, w in self.workers.items()}
