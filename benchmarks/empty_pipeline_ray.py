@@ -134,6 +134,25 @@ def _hops_us(step_trace) -> list[float]:
     return [(reads[k] - t) / 1e3 for k, t in sends.items() if k in reads]
 
 
+def each_schedule(stage_counts, state0, batch, rows: list):
+    """Every schedule at each stage count, compiled on the running cluster: yields
+    ``(stages, schedule, step, state)`` after three warm-up steps from ``state0``; a
+    schedule that a stage count cannot run is added to ``rows`` as skipped instead."""
+    import meshshard
+    from examples import gpt
+
+    for stages in stage_counts:
+        for schedule in SCHEDULES:
+            try:
+                method = _meshshard_method(schedule, stages, M)
+                step = meshshard.parallelize(gpt.train_step, method=method)
+                state, _ = timed_steps(step, state0, batch, 3)
+            except Exception as exc:  # a schedule this stage count cannot run
+                rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
+                continue
+            yield stages, schedule, step, state
+
+
 def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
     """Real and no-op steps of every schedule, alternating rounds (module docstring)."""
     import ray
@@ -153,56 +172,48 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
         def no_op(on: bool) -> None:
             ray.get([a.__ray_call__.remote(_no_op_programs, on) for a in actors])
 
-        for stages in stage_counts:
-            for schedule in SCHEDULES:
-                try:
-                    method = _meshshard_method(schedule, stages, M)
-                    step = meshshard.parallelize(gpt.train_step, method=method)
-                    state, _ = timed_steps(step, state0, batch, 3)
-                except Exception as exc:  # a schedule this stage count cannot run
-                    rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
-                    continue
-                times: dict[str, list[float]] = {"real": [], "no-op": []}
-                cpu = {mode: collections.Counter() for mode in times}
-                for _ in range(rounds):
-                    for mode in times:
-                        no_op(mode == "no-op")
-                        state, _ = timed_steps(step, state, batch, 2)
-                        before = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
-                        driver0 = time.process_time()
-                        state, t = timed_steps(step, state, batch, steps)
-                        cpu[mode]["driver"] += time.process_time() - driver0
-                        after = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
-                        cpu[mode].update(_cpu_by_kind(before, after))
-                        times[mode] += t
-                log = TraceLog(os.devnull, keep=8)
-                step.executable.record(log, sync=False)  # still no-op: the last mode
-                state, _ = timed_steps(step, state, batch, 5)
-                step.executable.record(None)
-                no_op(False)
-                hops = [h for s in log.steps for h in _hops_us(s)]
-                longest = max(len(s.instructions) for s in step.plan.streams)
-                real = statistics.median(times["real"])
-                empty = statistics.median(times["no-op"])
-                rows.append(
-                    dict(
-                        stages=stages,
-                        schedule=schedule,
-                        real_s=real,
-                        no_op_s=empty,
-                        share=empty / real,
-                        longest_stream=longest,
-                        us_per_instruction=empty / longest * 1e6,
-                        hop_us=statistics.median(hops),
-                        hops=len(hops),
-                        cpu_ms_per_step={
-                            mode: {k: v / (rounds * steps) * 1e3 for k, v in sorted(c.items())}
-                            for mode, c in cpu.items()
-                        },
-                    )
+        for stages, schedule, step, state in each_schedule(stage_counts, state0, batch, rows):
+            times: dict[str, list[float]] = {"real": [], "no-op": []}
+            cpu = {mode: collections.Counter() for mode in times}
+            for _ in range(rounds):
+                for mode in times:
+                    no_op(mode == "no-op")
+                    state, _ = timed_steps(step, state, batch, 2)
+                    before = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
+                    driver0 = time.process_time()
+                    state, t = timed_steps(step, state, batch, steps)
+                    cpu[mode]["driver"] += time.process_time() - driver0
+                    after = ray.get([a.__ray_call__.remote(_thread_cpu) for a in actors])
+                    cpu[mode].update(_cpu_by_kind(before, after))
+                    times[mode] += t
+            log = TraceLog(os.devnull, keep=8)
+            step.executable.record(log, sync=False)  # still no-op: the last mode
+            state, _ = timed_steps(step, state, batch, 5)
+            step.executable.record(None)
+            no_op(False)
+            hops = [h for s in log.steps for h in _hops_us(s)]
+            longest = max(len(s.instructions) for s in step.plan.streams)
+            real = statistics.median(times["real"])
+            empty = statistics.median(times["no-op"])
+            rows.append(
+                dict(
+                    stages=stages,
+                    schedule=schedule,
+                    real_s=real,
+                    no_op_s=empty,
+                    share=empty / real,
+                    longest_stream=longest,
+                    us_per_instruction=empty / longest * 1e6,
+                    hop_us=statistics.median(hops),
+                    hops=len(hops),
+                    cpu_ms_per_step={
+                        mode: {k: v / (rounds * steps) * 1e3 for k, v in sorted(c.items())}
+                        for mode, c in cpu.items()
+                    },
                 )
-                print(_row_text(rows[-1]), flush=True)
-                step.release()
+            )
+            print(_row_text(rows[-1]), flush=True)
+            step.release()
     finally:
         meshshard.shutdown()
     return rows

@@ -21,8 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.empty_pipeline_ray import SCHEDULES  # noqa: E402
-from benchmarks.peer_torch_pipe import MODEL, _meshshard_method, make_batch  # noqa: E402
+from benchmarks.empty_pipeline_ray import each_schedule  # noqa: E402
+from benchmarks.peer_torch_pipe import MODEL, make_batch  # noqa: E402
 from benchmarks.step_timing import timed_steps  # noqa: E402
 
 M = 4
@@ -39,38 +39,29 @@ def run_schedules(stage_counts, steps: int, rounds: int) -> list[dict]:
     try:
         batch = make_batch(0)
         state0 = gpt.make_state(gpt.GPT(**MODEL), batch["inputs"])
-        for stages in stage_counts:
-            for schedule in SCHEDULES:
-                try:
-                    step = meshshard.parallelize(
-                        gpt.train_step, method=_meshshard_method(schedule, stages, M)
-                    )
-                    state, _ = timed_steps(step, state0, batch, 3)
-                except Exception as exc:  # a schedule this stage count cannot run
-                    rows.append(dict(stages=stages, schedule=schedule, skipped=str(exc)[:120]))
-                    continue
-                backend = step.executable.backend
-                times = {mode: [] for mode in MODES}
-                for r in range(rounds):
-                    for mode in MODES if r % 2 == 0 else reversed(MODES):
-                        backend.runtime_options(recv_ahead=MODES[mode])
-                        state, _ = timed_steps(step, state, batch, 2)
-                        state, t = timed_steps(step, state, batch, steps)
-                        times[mode] += t
-                backend.runtime_options(recv_ahead=True)
-                off = statistics.median(times["as written"])
-                on = statistics.median(times["ahead"])
-                rows.append(
-                    dict(
-                        stages=stages,
-                        schedule=schedule,
-                        as_written_s=off,
-                        ahead_s=on,
-                        ratio=on / off,
-                    )
+        for stages, schedule, step, state in each_schedule(stage_counts, state0, batch, rows):
+            backend = step.executable.backend
+            times = {mode: [] for mode in MODES}
+            for r in range(rounds):
+                for mode in MODES if r % 2 == 0 else reversed(MODES):
+                    backend.runtime_options(recv_ahead=MODES[mode])
+                    state, _ = timed_steps(step, state, batch, 2)
+                    state, t = timed_steps(step, state, batch, steps)
+                    times[mode] += t
+            backend.runtime_options(recv_ahead=True)
+            off = statistics.median(times["as written"])
+            on = statistics.median(times["ahead"])
+            rows.append(
+                dict(
+                    stages=stages,
+                    schedule=schedule,
+                    as_written_s=off,
+                    ahead_s=on,
+                    ratio=on / off,
                 )
-                print(_row_text(rows[-1]), flush=True)
-                step.release()
+            )
+            print(_row_text(rows[-1]), flush=True)
+            step.release()
     finally:
         meshshard.shutdown()
     return rows
