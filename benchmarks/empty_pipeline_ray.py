@@ -62,6 +62,8 @@ from benchmarks.step_timing import timed_steps  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "interleaved_1f1b")
 M = 4
+#: the CPU columns of the table: (mode, kind of thread), kinds as in the module docstring
+CPU_COLUMNS = tuple((m, k) for m in ("real", "no-op") for k in ("python", "xla", "gloo", "driver"))
 
 
 def _no_op_programs(actor_self, on: bool) -> bool:
@@ -264,12 +266,7 @@ def _row_text(r: dict) -> str:
     return (
         f"{r['stages']:>2} {r['schedule']:<17} {r['real_s'] * 1e3:>8.2f} {r['no_op_s'] * 1e3:>8.2f} "
         f"{r['share']:>7.2f} {r['longest_stream']:>6} {r['us_per_instruction']:>9.0f} "
-        f"{r['hop_us']:>7.0f}"
-        + "".join(
-            f" {cpu[mode].get(k, 0.0):>6.1f}"
-            for mode in ("real", "no-op")
-            for k in ("python", "xla", "gloo", "driver")
-        )
+        f"{r['hop_us']:>7.0f}" + "".join(f" {cpu[m].get(k, 0.0):>6.1f}" for m, k in CPU_COLUMNS)
     )
 
 
@@ -285,11 +282,7 @@ def main(argv=None) -> int:
     print(
         f"{'S':>2} {'schedule':<17} {'real ms':>8} {'no-op ms':>8} {'no-op/real':>7} "
         f"{'instr':>6} {'us/instr':>9} {'hop us':>7}"
-        + "".join(
-            f" {mode[:4] + ' ' + k[:3]:>6}"
-            for mode in ("real", "no-op")
-            for k in ("python", "xla", "gloo", "driver")
-        )
+        + "".join(f" {m[:4] + ' ' + k[:3]:>6}" for m, k in CPU_COLUMNS)
     )
     print(
         "(last eight columns: CPU ms per step of all host-actors by thread kind, and the driver's)"
