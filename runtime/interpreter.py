@@ -148,13 +148,11 @@ class JaxBlocks:
     """Transferred values are global ``jax.Array``s on this worker's mesh.
 
     A value received as one message holding the whole array is built straight from the
-    received bytes (no staging copy); the destination shardings are made once per spec,
-    since each message of a step would otherwise build and hash its own.
+    received bytes (no staging copy).
     """
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self._shardings: dict = {}  # spec -> NamedSharding on mesh
 
     def read(self, value, index) -> np.ndarray:
         return local_block(value, index)
@@ -166,10 +164,7 @@ class JaxBlocks:
         else:
             full = np.empty(shape, dtype=dtype)
             place_blocks(full, parts)
-        want = self._shardings.get(transfer.dst_spec)
-        if want is None:
-            want = self._shardings[transfer.dst_spec] = sharding(self.mesh, transfer.dst_spec)
-        return array_from_host(full, want)
+        return array_from_host(full, sharding(self.mesh, transfer.dst_spec))
 
 
 def place_blocks(full: np.ndarray, parts) -> None:

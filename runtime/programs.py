@@ -7,6 +7,7 @@ turns each program into one ``jax.jit`` over the mesh's devices with the plan's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,8 +27,11 @@ def make_mesh(devices: Sequence, shape: tuple[int, int]) -> Mesh:
     return Mesh(np.array(devices, dtype=object).reshape(shape), MESH_AXES)
 
 
+@functools.lru_cache(maxsize=4096)
 def sharding(mesh: Mesh, spec: Spec) -> NamedSharding:
-    """The NamedSharding of a plan spec on ``mesh``."""
+    """The NamedSharding of a plan spec on ``mesh``: one object per mesh and spec, since
+    the runtime asks for them per message and per step (building one and comparing it
+    with a program's costs more than the lookup)."""
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 

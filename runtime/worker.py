@@ -132,7 +132,6 @@ class Worker:
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.axis_shape)
-        self._shardings: dict = {}  # spec -> NamedSharding on self.mesh
         #: (group, index) -> whether that step output is small enough to return by value
         #: (its shape and dtype are the plan's, so this is asked once, not every step)
         self._small: dict = {}
@@ -270,7 +269,7 @@ class Worker:
                 full = np.asarray(batch[slots[i]], dtype=t.dtype)
                 rows = full.shape[0] // m
                 part = np.ascontiguousarray(full[mb * rows : (mb + 1) * rows])
-                arrays.append(array_from_host(part, self._sharding(t.spec)))
+                arrays.append(array_from_host(part, sharding(self.mesh, t.spec)))
             return tuple(arrays)
 
         return load
@@ -283,15 +282,8 @@ class Worker:
         self.interp.record(on, sync)
         self.last_trace = None
 
-    def _sharding(self, spec) -> jax.sharding.NamedSharding:
-        """The NamedSharding of ``spec`` on this worker's mesh, made once per spec."""
-        want = self._shardings.get(spec)
-        if want is None:
-            want = self._shardings[spec] = sharding(self.mesh, spec)
-        return want
-
     def _state_array(self, value, tensor) -> jax.Array:
-        want = self._sharding(tensor.spec)
+        want = sharding(self.mesh, tensor.spec)
         if isinstance(value, StoreKey):
             try:
                 arr = self.store[int(value)]
