@@ -1,10 +1,12 @@
 """Pipeline efficiency of meshshard vs ``torch.distributed.pipelining`` on the same GPT.
 
     python benchmarks/peer_torch_pipe.py [--steps 10] [--stages 2 4] [--remat none dots]
+                                         [--d-model 64] [--batch 16] [--seq 32]
                                          [--json OUT.json]
 
-The GPT of ``examples/gpt.py`` (same layers, widths, batch, micro-batches, stage count)
-runs, in one run of this script:
+The GPT of ``examples/gpt.py`` (same layers, widths, batch, micro-batches, stage count;
+by default d_model 64, 16 sequences of 32 tokens, 4 blocks; ``--d-model``, ``--batch``
+and ``--seq`` pick another size for both frameworks) runs, in one run of this script:
 
 - in torch (``benchmarks/torch_gpt.py``): one process for the reference, then one
   process per pipeline rank over gloo on this machine for ScheduleGPipe, Schedule1F1B,
@@ -54,6 +56,22 @@ import numpy as np  # noqa: E402
 
 MODEL = dict(vocab=64, d_model=64, num_heads=4, num_layers=4, max_len=32)
 BATCH, SEQ = 16, 32
+#: Environment variable carrying ``--d-model``/``--batch``/``--seq`` to spawned processes
+#: (the torch ranks and references import this module afresh).
+SIZE_ENV = "MESHSHARD_PEER_GPT_SIZE"
+
+
+def set_size(d_model: int, batch: int, seq: int) -> None:
+    """Run every framework on a GPT of width ``d_model``, ``batch`` sequences of ``seq``
+    tokens (default: the sizes above); spawned processes inherit it."""
+    global BATCH, SEQ
+    MODEL.update(d_model=d_model, max_len=seq)
+    BATCH, SEQ = batch, seq
+    os.environ[SIZE_ENV] = f"{d_model},{batch},{seq}"
+
+
+if os.environ.get(SIZE_ENV):
+    set_size(*(int(v) for v in os.environ[SIZE_ENV].split(",")))
 # torch schedule class name -> (stages per rank, meshshard schedule it is compared with)
 TORCH_SCHEDULES = {
     "ScheduleGPipe": (1, "gpipe"),
@@ -429,6 +447,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--d-model", type=int, default=MODEL["d_model"], help="the GPT's width")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     ap.add_argument(
         "--all-schedules",
         action="store_true",
@@ -442,6 +463,7 @@ def main(argv=None) -> int:
         help="PipeshardParallel.remat settings each meshshard schedule runs under",
     )
     args = ap.parse_args(argv)
+    set_size(args.d_model, args.batch, args.seq)
     paired = None if args.all_schedules else [m for _, m in TORCH_SCHEDULES.values() if m]
     remats = [None if r == "none" else r for r in args.remat]
     # Ray first: its workers must not fork a process that already runs JAX threads.
