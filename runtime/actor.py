@@ -229,7 +229,7 @@ class HostActor:
 
     def runtime_options(self, plan_id: str, opts: dict):
         """Set a compiled step's interpreter options (``overlap``, ``timeline``,
-        ``recv_ahead``); returns its last step's
+        ``recv_ahead``, ``prefetch``); returns its last step's
         :class:`~meshshard.runtime.overlap.Timeline` (None if unrecorded)."""
         interp = self.workers[plan_id].interp
         interp.set_options(**opts)

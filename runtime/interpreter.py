@@ -67,6 +67,13 @@ def default_recv_ahead() -> bool:
     return os.environ.get("MESHSHARD_RECV_AHEAD", "1") != "0"
 
 
+def default_prefetch() -> bool:
+    """Whether overlapped interpreters complete received messages on a prefetch thread
+    before their readers ask, unless told otherwise (``MESHSHARD_PREFETCH=0``: the
+    reading ``RUN`` completes its receive itself, one thread hand-off less)."""
+    return os.environ.get("MESHSHARD_PREFETCH", "1") != "0"
+
+
 def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
     """A tag unique within a step for one message of one transfer of one micro-batch."""
     t_index = [t.name for t in plan.transfers].index(transfer)
@@ -190,6 +197,10 @@ class StreamInterpreter:
         recv_ahead: post each peer's next receive ahead of its ``RECV``
             (``runtime.recv_ahead``); default from ``MESHSHARD_RECV_AHEAD`` (on unless
             ``0``).
+        prefetch: overlapped, complete each received message on the prefetch thread
+            rather than in its reader; default from ``MESHSHARD_PREFETCH`` (on unless
+            ``0``).  A recording step always prefetches, so its arrival times are the
+            messages' own, not their readers'.
     """
 
     def __init__(
@@ -202,6 +213,7 @@ class StreamInterpreter:
         blocks: Blocks | None = None,
         overlap: bool | None = None,
         recv_ahead: bool | None = None,
+        prefetch: bool | None = None,
     ):
         self.stream = stream
         self.plan = plan
@@ -224,6 +236,7 @@ class StreamInterpreter:
         self._ahead = receives_ahead(stream.instructions)
         self._posted_ahead = frozenset(j for js in self._ahead.values() for j in js)
         self.recv_ahead = default_recv_ahead() if recv_ahead is None else recv_ahead
+        self.prefetch = default_prefetch() if prefetch is None else prefetch
         self.timeline = os.environ.get("MESHSHARD_TIMELINE", "0") == "1"
         self.last_timeline: Timeline | None = None
         self.timelines: deque = deque(maxlen=8)  # (seq, Timeline) of the last steps
@@ -252,13 +265,16 @@ class StreamInterpreter:
         overlap: bool | None = None,
         timeline: bool | None = None,
         recv_ahead: bool | None = None,
+        prefetch: bool | None = None,
     ) -> None:
-        """Switch overlapped execution, timeline recording and receives posted ahead
-        for the next steps."""
+        """Switch overlapped execution, timeline recording, receives posted ahead and
+        the prefetch thread for the next steps."""
         if overlap is not None:
             self.overlap = overlap
         if recv_ahead is not None:
             self.recv_ahead = recv_ahead
+        if prefetch is not None:
+            self.prefetch = prefetch
         if timeline is not None:
             self.timeline = timeline
 
@@ -411,8 +427,9 @@ class _Step:
     completes before the next starts (a ``SEND`` reads its block, ``WAIT`` blocks
     until the bytes are there).  Overlapped mode keeps the stream's order of ``RUN``s
     but lets communication proceed beside them: sends and collectives are issued by a
-    :class:`CommQueue` in priority order, a ``WAIT`` only registers the receive with a
-    :class:`Prefetcher`, and a ``RUN`` waits only for the buffers it reads.
+    :class:`CommQueue` in priority order, a ``WAIT`` only registers the receive (with a
+    :class:`Prefetcher`, or, with ``prefetch`` off, for its reader to complete), and a
+    ``RUN`` waits only for the buffers it reads.
     """
 
     def __init__(self, interp: StreamInterpreter, buffers: dict, load: Callable, seq=None):
@@ -432,6 +449,10 @@ class _Step:
         self.posted_ahead = interp._posted_ahead if interp.recv_ahead else frozenset()
         self.tl = Timeline(w) if interp.timeline else None
         self.watch = Prefetcher(f"w{w}-watch") if self.tl is not None else None
+        # received messages completed ahead of their readers (recording: always, so
+        # a message's arrival is stamped when it arrives, not when it is read)
+        recording = self.tl is not None or interp.recorder is not None
+        self.prefetching = interp.prefetch or recording
         self.runs: list[tuple[int, int, Lazy]] = []
 
     # --- helpers ------------------------------------------------------------------
@@ -690,7 +711,8 @@ class _Step:
             self.buffers[name] = (fn(),)
             return
         self.later[name] = lazy = Lazy(fn)
-        self.prefetch.add(lazy)
+        if self.prefetching:
+            self.prefetch.add(lazy)
 
     # --- end of step -------------------------------------------------------------------
     def finish(self) -> None:
