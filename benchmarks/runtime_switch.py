@@ -10,6 +10,8 @@ alternating rounds with the boolean runtime option ``--option`` on and off
 next receive posted ahead of its ``RECV``; ``prefetch``: a thread completes received
 messages before their readers ask; ``overlap``: communication beside compute).
 Reported per schedule: the median step with the option off and on, and on / off.
+``MESHSHARD_PEER_GPT_SIZE=D,B,T`` runs a GPT of width D on B sequences of T tokens
+instead (what ``peer_torch_pipe.py --d-model D --batch B --seq T`` sets).
 """
 
 from __future__ import annotations

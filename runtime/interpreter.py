@@ -69,9 +69,11 @@ def default_recv_ahead() -> bool:
 
 def default_prefetch() -> bool:
     """Whether overlapped interpreters complete received messages on a prefetch thread
-    before their readers ask, unless told otherwise (``MESHSHARD_PREFETCH=0``: the
-    reading ``RUN`` completes its receive itself, one thread hand-off less)."""
-    return os.environ.get("MESHSHARD_PREFETCH", "1") != "0"
+    before their readers ask (``MESHSHARD_PREFETCH=1``).  Off unless told: the reading
+    ``RUN`` completes its receive itself, one thread hand-off less per message; the
+    prefetch thread rarely gets to a message first, since each ``WAIT`` stands just
+    before its reader (benchmarks/RESULTS.md, "The prefetch thread")."""
+    return os.environ.get("MESHSHARD_PREFETCH", "0") == "1"
 
 
 def message_tag(plan: Plan, transfer: TransferRef, mb: int, message: int) -> int:
@@ -198,8 +200,8 @@ class StreamInterpreter:
             (``runtime.recv_ahead``); default from ``MESHSHARD_RECV_AHEAD`` (on unless
             ``0``).
         prefetch: overlapped, complete each received message on the prefetch thread
-            rather than in its reader; default from ``MESHSHARD_PREFETCH`` (on unless
-            ``0``).  A recording step always prefetches, so its arrival times are the
+            rather than in its reader; default from ``MESHSHARD_PREFETCH`` (off unless
+            ``1``).  A recording step always prefetches, so its arrival times are the
             messages' own, not their readers'.
     """
 

@@ -1,6 +1,7 @@
-"""The prefetch switch (``StreamInterpreter(prefetch=)``, ``MESHSHARD_PREFETCH``): with
-it off the reading ``RUN`` completes each received message itself, results do not
-change, and a recording step still completes messages on the prefetch thread."""
+"""The prefetch switch (``StreamInterpreter(prefetch=)``, ``MESHSHARD_PREFETCH``): off
+(the default) the reading ``RUN`` completes each received message itself, on it a
+thread completes them ahead; results are the same either way, and a recording step
+completes messages on the prefetch thread even with the switch off."""
 
 import pytest
 
@@ -35,9 +36,9 @@ def _waits(step) -> int:
     return sum(type(i) is Wait for s in step.plan.streams for i in s.instructions)
 
 
-def test_default_prefetches_every_received_message(threads_cluster, handed):
+def test_by_default_each_received_message_is_left_to_its_reader(threads_cluster, handed):
     step = check_parity("mlp", PipeshardParallel(**METHOD), steps=2)
-    assert handed["added"] == 2 * _waits(step) > 0
+    assert _waits(step) > 0 and handed["added"] == 0
 
 
 def _steps_equal_reference(step, states=None, steps: int = 1, first_seed: int = 0):
@@ -58,14 +59,13 @@ def _steps_equal_reference(step, states=None, steps: int = 1, first_seed: int = 
     return ref, got
 
 
-def test_prefetch_off_leaves_each_message_to_its_reader_and_results_stay(threads_cluster, handed):
+def test_prefetch_on_hands_each_message_to_the_thread_and_results_stay(threads_cluster, handed):
     step = meshshard.parallelize(mlp.train_step, method=PipeshardParallel(**METHOD))
-    states = _steps_equal_reference(step)  # compiles; prefetched (the default)
-    assert handed["added"] == _waits(step)
-    step.executable.backend.runtime_options(prefetch=False)
-    handed["added"] = 0
-    _steps_equal_reference(step, states, steps=2, first_seed=1)
+    states = _steps_equal_reference(step)  # compiles; not prefetched (the default)
     assert handed["added"] == 0
+    step.executable.backend.runtime_options(prefetch=True)
+    _steps_equal_reference(step, states, steps=2, first_seed=1)
+    assert handed["added"] == 2 * _waits(step)
 
 
 def test_a_recording_step_prefetches_even_with_the_switch_off(threads_cluster, handed):
@@ -79,6 +79,8 @@ def test_a_recording_step_prefetches_even_with_the_switch_off(threads_cluster, h
 
 def test_environment_switch(monkeypatch):
     monkeypatch.delenv("MESHSHARD_PREFETCH", raising=False)
+    assert interpreter.default_prefetch() is False
+    monkeypatch.setenv("MESHSHARD_PREFETCH", "1")
     assert interpreter.default_prefetch() is True
     monkeypatch.setenv("MESHSHARD_PREFETCH", "0")
     assert interpreter.default_prefetch() is False
