@@ -82,7 +82,22 @@ def _slice(st: CompileState) -> CompileState:
     return replace(st, slicing=slice_layers(st.traced.jaxpr))
 
 
+def _requested_stages(method: Method, cluster: ClusterSpec) -> int:
+    """How many pipeline stages ``method`` asks for, before the model's layers are
+    known to allow them (``"auto"``: at least two are possible)."""
+    stages = getattr(method, "stages", None)
+    if stages is None:  # DataParallel and ShardParallel: one mesh
+        return 1
+    if stages == "uniform":
+        return method.num_stages or cluster.num_hosts
+    return 2 if stages == "auto" else len(stages)
+
+
 def _layout(st: CompileState) -> CompileState:
+    if is_forward_only(st.traced.jaxpr):
+        # a jax.grad step says so before "the model has no pipeline boundary" does:
+        # meshshard.grad, not the markers, is what it lacks first
+        check_forward_only(st.traced, _requested_stages(st.method, st.cluster))
     if getattr(st.method, "stages", None) == "auto":
         stats = step_layer_stats(st.traced, st.slicing)
         groups, meshes, workers, dp, measured = auto_layout(st.method, st.cluster, stats)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 import meshshard
 from examples import mlp
@@ -137,6 +138,30 @@ def test_jax_grad_step_is_refused_when_pipelined(m, s):
             rf"num_micro_batches={m}; .*meshshard.grad or meshshard.value_and_grad",
         ):
             step.lower(state, batch, cluster=CLUSTER)
+
+
+class _Unmarked(nn.Module):
+    """Two dense layers without mark_pipeline_boundary(): no layers to pipeline either."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(jnp.tanh(nn.Dense(8)(x)))
+
+
+@pytest.mark.parametrize(
+    "stages", [[(1, 2)] * 2, "uniform", "auto"], ids=["listed", "uniform", "auto"]
+)
+def test_jax_grad_without_markers_is_told_to_use_meshshard_grad_first(stages):
+    """Both are missing, but with meshshard.grad ``layers="auto"`` would cut the layers;
+    with jax.grad nothing can: the error names meshshard.grad, not the markers."""
+    _, batch = setup()
+    model = _Unmarked()
+    state = mlp.make_state(model, batch["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=stages, layers="auto")
+    step = meshshard.parallelize(jax_grad_step, method=method)
+    with pytest.raises(MeshshardInputError, match=r"meshshard.value_and_grad") as err:
+        step.lower(state, batch, cluster=CLUSTER)
+    assert "mark_pipeline_boundary" not in str(err.value)
 
 
 def test_jax_grad_step_runs_on_one_stage_with_one_micro_batch():
