@@ -919,7 +919,8 @@ class RayBackend:
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``,
-        ``recv_ahead=``, ``prefetch=``; none: just read); returns each worker's last recorded timeline."""
+        ``recv_ahead=``, ``prefetch=``; none: just read); returns each worker's last
+        recorded timeline."""
         refs = {w: self._actor(w).runtime_options.remote(self.plan_id, opts) for w in self.workers}
         return self.cluster._call(refs, "runtime options")
 

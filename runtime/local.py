@@ -113,7 +113,8 @@ class LocalBackend:
 
     def runtime_options(self, **opts) -> dict:
         """Set every worker's interpreter options (``overlap=``, ``timeline=``,
-        ``recv_ahead=``, ``prefetch=``; none: just read); returns each worker's last recorded timeline."""
+        ``recv_ahead=``, ``prefetch=``; none: just read); returns each worker's last
+        recorded timeline."""
         for w in self.workers.values():
             w.interp.set_options(**opts)
         return {k: w.interp.last_timeline for k, w in self.workers.items()}

@@ -13,9 +13,12 @@ communication a program does not read.  Next to it, per step:
     of a channel must issue its operations in the same order.
 :class:`Prefetcher`
     one thread that completes posted receives in posting order (waits for the bytes
-    and rebuilds the array), so a received buffer is usually ready before the ``RUN``
-    that reads it.  A ``RUN`` that needs a receive the prefetcher has not reached
-    completes it itself (:class:`Lazy`), so a slow message never holds up another.
+    and rebuilds the array) ahead of the ``RUN`` that reads them: for the replicas'
+    gradient all-reduces, for recording steps (so an arrival is stamped when it
+    happens), and for every receive when the interpreter's ``prefetch`` switch is on
+    (off by default: each ``WAIT`` stands just before its reader, so the thread rarely
+    got there first).  A ``RUN`` that needs a receive nobody has completed completes
+    it itself (:class:`Lazy`), so a slow message never holds up another.
 
 Both threads only wait for local compute or for messages, never for the dispatching
 thread, so they cannot deadlock with it.
