@@ -3,6 +3,7 @@
 thread completes them ahead; results are the same either way, and a recording step
 completes messages on the prefetch thread even with the switch off."""
 
+import jax
 import pytest
 
 import meshshard
@@ -44,8 +45,6 @@ def test_by_default_each_received_message_is_left_to_its_reader(threads_cluster,
 def _steps_equal_reference(step, states=None, steps: int = 1, first_seed: int = 0):
     """``steps`` steps of ``step`` from ``states`` (reference, meshshard; default: a fresh
     state) equal the same steps of single-device ``jax.jit``; returns both states."""
-    import jax
-
     if states is None:
         batch = mlp.make_batch(batch_size=16)
         states = (mlp.make_state(mlp.MLP(num_layers=4), batch["x"]),) * 2
