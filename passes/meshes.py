@@ -39,9 +39,9 @@ def stage_layout(
         raise MeshshardInputError(
             "stages='auto' needs the traced step's layer costs: use auto_layout(...)"
         )
+    s = requested_stages(method, cluster, num_layers)
+    _check_stage_count(s, num_layers)
     if method.stages == "uniform":
-        s = method.num_stages or min(cluster.num_hosts, num_layers)
-        _check_stage_count(s, num_layers)
         if cluster.num_hosts % s:
             raise MeshshardInputError(
                 f"stages='uniform' with {s} stages cannot split the {cluster.num_hosts} hosts "
@@ -50,8 +50,19 @@ def stage_layout(
         shapes = [(cluster.num_hosts // s, cluster.devices_per_host)] * s
     else:
         shapes = list(method.stages)
-        _check_stage_count(len(shapes), num_layers)
     return (group_layers(num_layers, len(shapes)), *place_meshes(shapes, cluster))
+
+
+def requested_stages(method: Method, cluster: ClusterSpec, num_layers: int) -> int | None:
+    """How many stages ``method`` asks for on ``cluster`` for a model of ``num_layers``
+    layers: listed meshes, or ``stages="uniform"`` (``num_stages``, else one per host,
+    at most one per layer).  None where no count is asked for: one mesh, another step's
+    layout, or ``stages="auto"`` (chosen from the layer costs)."""
+    if not isinstance(method, PipeshardParallel) or method.stages == "auto":
+        return None
+    if method.stages == "uniform":
+        return method.num_stages or min(cluster.num_hosts, num_layers)
+    return len(method.stages)
 
 
 def auto_layout(method: PipeshardParallel, cluster: ClusterSpec, stats) -> tuple:

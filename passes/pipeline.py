@@ -28,6 +28,7 @@ from meshshard.passes.meshes import (
     auto_layout,
     method_views,
     place_meshes,
+    requested_stages,
     stage_layout,
     with_views,
 )
@@ -82,22 +83,7 @@ def _slice(st: CompileState) -> CompileState:
     return replace(st, slicing=slice_layers(st.traced.jaxpr))
 
 
-def _requested_stages(method: Method, cluster: ClusterSpec) -> int:
-    """How many pipeline stages ``method`` asks for, before the model's layers are
-    known to allow them (``"auto"``: at least two are possible)."""
-    stages = getattr(method, "stages", None)
-    if stages is None:  # DataParallel and ShardParallel: one mesh
-        return 1
-    if stages == "uniform":
-        return method.num_stages or cluster.num_hosts
-    return 2 if stages == "auto" else len(stages)
-
-
 def _layout(st: CompileState) -> CompileState:
-    if is_forward_only(st.traced.jaxpr):
-        # a jax.grad step says so before "the model has no pipeline boundary" does:
-        # meshshard.grad, not the markers, is what it lacks first
-        check_forward_only(st.traced, _requested_stages(st.method, st.cluster))
     if getattr(st.method, "stages", None) == "auto":
         stats = step_layer_stats(st.traced, st.slicing)
         groups, meshes, workers, dp, measured = auto_layout(st.method, st.cluster, stats)
@@ -107,6 +93,11 @@ def _layout(st: CompileState) -> CompileState:
     d = getattr(st.method, "data_parallel", 1)
     if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
+    asked = requested_stages(st.method, cluster, st.slicing.num_layers)
+    if asked is not None and is_forward_only(st.traced.jaxpr):
+        # a jax.grad step is told so before "the model has no pipeline boundary":
+        # meshshard.grad, not the markers, is what it lacks first
+        check_forward_only(st.traced, asked)
     groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
     stages = getattr(st.method, "stages", "uniform")  # DataParallel has one mesh
     shapes = [] if isinstance(stages, str) else list(stages) * d

@@ -164,6 +164,16 @@ def test_jax_grad_without_markers_is_told_to_use_meshshard_grad_first(stages):
     assert "mark_pipeline_boundary" not in str(err.value)
 
 
+def test_jax_grad_step_on_uniform_stages_of_a_one_layer_model_still_plans_one_stage():
+    """Uniform stages take at most one per layer: an unmarked model gets one stage, so
+    a jax.grad step with one micro-batch is planned as before, not refused."""
+    _, batch = setup()
+    state = mlp.make_state(_Unmarked(), batch["x"])
+    step = meshshard.parallelize(jax_grad_step, method=PipeshardParallel(num_micro_batches=1))
+    plan = step.lower(state, batch, cluster=CLUSTER)
+    assert len(plan.stages) == 1
+
+
 def test_jax_grad_step_runs_on_one_stage_with_one_micro_batch():
     state, batch = setup()
     with use_cluster(ThreadsCluster(1, 2)):
