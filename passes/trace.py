@@ -330,6 +330,8 @@ def _micro_batch_shape(a, where: str, m: int):
         raise MeshshardInputError(
             f"batch leaf {where} has {n} rows, not divisible by num_micro_batches={m}; "
             f"use a batch size that is a multiple of {m} or choose num_micro_batches dividing {n}"
+            f" (micro-batches cut the leading axis of every batch leaf, here of shape "
+            f"{tuple(a.shape)}: a time-major leaf must be made batch-first)"
         )
     return jax.ShapeDtypeStruct((n // m, *a.shape[1:]), a.dtype)
 
