@@ -29,8 +29,14 @@ def instantiate_zeros(x):
     return ad.instantiate_zeros(x)
 
 
-def register_identity_rules(prim: Primitive, jvp_rule, transpose_rule) -> None:
-    """Register autodiff, vmap and lowering rules for an identity-like primitive."""
+def register_identity_rules(
+    prim: Primitive, jvp_rule, transpose_rule, impl=None, computes=None
+) -> None:
+    """Register autodiff, vmap and lowering rules for an identity-like primitive.
+
+    ``impl`` (a multiple-results function of the operands and parameters) is lowered
+    for the equations whose parameters ``computes(params)`` says are not the identity:
+    a marker that may carry a scale factor."""
     ad.primitive_jvps[prim] = jvp_rule
     ad.primitive_transposes[prim] = transpose_rule
 
@@ -38,4 +44,13 @@ def register_identity_rules(prim: Primitive, jvp_rule, transpose_rule) -> None:
         return prim.bind(*args, **params), dims
 
     batching.primitive_batchers[prim] = batch_rule
-    mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
+    if impl is None:
+        mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
+        return
+    lowered = mlir.lower_fun(impl, multiple_results=True)
+    mlir.register_lowering(
+        prim,
+        lambda ctx, *args, **params: (
+            lowered(ctx, *args, **params) if computes(params) else list(args)
+        ),
+    )

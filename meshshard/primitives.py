@@ -10,6 +10,8 @@ The compiler slices the traced step at these markers.
 
 from __future__ import annotations
 
+import numpy as np
+
 from meshshard._compat import Primitive, instantiate_zeros, register_identity_rules
 
 __all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
@@ -20,13 +22,22 @@ __all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
 #: with a ``reduce`` parameter: per operand (label, reduction over micro-batches, source);
 #: ``out``: the results of a forward-only step run with micro-batches, with the same
 #: ``reduce`` parameter (``concat`` results are ``num_micro_batches`` times longer).
+#: A ``loss_bwd`` marker may carry a ``scale`` parameter: it multiplies the seed
+#: cotangent (each micro-batch's share of a mean loss, ``passes/loss_seed.py``).
 MARKER_KINDS = ("mark", "fwd", "bwd", "loss", "loss_bwd", "grad_end", "out")
 
 boundary_p = Primitive("pipeline_boundary")
 boundary_p.multiple_results = True
 
 
+def _scales(params) -> bool:
+    """Whether a marker with ``params`` multiplies its operands (a scaled seed)."""
+    return params.get("kind") in ("loss_bwd", "loss") and bool(params.get("scale"))
+
+
 def _impl(*args, kind, index, **params):
+    if _scales(dict(params, kind=kind)):
+        return [x * np.asarray(params["scale"], x.dtype) for x in args]
     return list(args)
 
 
@@ -56,7 +67,7 @@ def _transpose(cts, *args, kind, index, **params):
 
 boundary_p.def_impl(_impl)
 boundary_p.def_abstract_eval(_abstract_eval)
-register_identity_rules(boundary_p, _jvp, _transpose)
+register_identity_rules(boundary_p, _jvp, _transpose, impl=_impl, computes=_scales)
 
 
 def mark_pipeline_boundary(*values):

@@ -28,7 +28,8 @@ A loss that is a maximum or minimum over the batch is refused: the micro-batches
 gradients do not combine into its gradient.  A value's slice follows a boundary marker
 (the identity per position) through the traced value's own position only.
 
-The loss decides its gradients (``mean``: averaged over micro-batches, ``sum``: summed).
+The loss decides its gradients (``mean``: averaged over micro-batches, ``sum``: summed);
+:mod:`~meshshard.passes.loss_seed` then turns a mean loss's into sums of 1/M-seeded shares.
 A declared reduction (marker or ``aux_reduce``) wins.  An aux value whose reduction is not
 inferred gets the default (``mean`` for floats, ``sum`` for integers) and the plan says so.
 The result is written into the ``grad_end`` marker's ``reduce`` parameter, which the

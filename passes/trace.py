@@ -12,7 +12,8 @@ data (:mod:`~meshshard.passes.physical_keys`).  Comparing the two finds the rand
 keys among the batch leaves (never cut: a leaf a draw uses as its key), the draws that
 carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
 ``meshshard.grad`` returns combines over micro-batches
-(:mod:`~meshshard.passes.reductions`); batch-independent values the update reads from
+(:mod:`~meshshard.passes.reductions`), a mean loss's backward being seeded with each
+micro-batch's ``1/M`` share (:mod:`~meshshard.passes.loss_seed`); batch-independent values the update reads from
 before the grad are recomputed there (:mod:`~meshshard.passes.hoist`); a gradient summed
 over several layers (a shared parameter) is returned per layer and summed in the update
 (:mod:`~meshshard.passes.shared_grads`); a forward-only step's results are combined over
@@ -42,6 +43,7 @@ from meshshard.passes.forward_only import (
 from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
+from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, same_program, set_reductions
@@ -223,6 +225,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     )
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
+    closed, reduce = seed_micro_batch_shares(closed, reduce, m)
     closed = split_shared_gradients(set_reductions(closed, reduce))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
