@@ -371,11 +371,13 @@ def _tail(producers, var) -> tuple[list, set]:
         v = stack.pop()
         if is_literal(v) or v not in by_out:
             continue
-        em, _, ins, outs = by_out[v]
+        em, ef, ins, outs = by_out[v]
         k = list(em.outvars).index(v) if is_marker(em) else None  # see paired_producers
         if (id(em), k) in seen:
             continue
         seen.add((id(em), k))
+        if k is not None:  # the identity per position: whether *this* one has the batch
+            ins = outs = _shape(em.invars[k]) != _shape(ef.invars[k])
         if ins and not outs:  # a batch reduction: the tail starts after it
             reduced.update(em.outvars)
         elif not ins and not outs:

@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -556,3 +557,59 @@ def test_one_row_micro_batches_are_classified_from_other_sizes(threads_cluster, 
     assert f"loss: {reduce} over 4 micro-batches (traced: {reduce} over the batch)" in "\n".join(
         step.plan.notes
     )
+
+
+def _balanced_step(loss_reduce=None):
+    """A loss whose second term (a product of two batch means, like a mixture-of-experts
+    load-balancing loss) is computed before a pipeline boundary and crosses it together
+    with the batch's activations."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["w0"])
+            balance = jnp.sum(jnp.mean(h, 0) * jnp.mean(jax.nn.softmax(h), 0))
+            meshshard.mark_pipeline_boundary()
+            pred = h @ p["w1"]
+            return jnp.mean((pred - batch["y"]) ** 2) + 0.01 * balance
+
+        loss, grads = meshshard.value_and_grad(loss_fn, loss_reduce=loss_reduce)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    return step
+
+
+def _balanced_params(x):
+    keys = jax.random.split(jax.random.key(1))
+    return {
+        "w0": jax.random.normal(keys[0], (x.shape[1], 8)),
+        "w1": jax.random.normal(keys[1], (8, 1)),
+    }
+
+
+def test_a_non_linear_term_crossing_a_boundary_with_activations_is_refused():
+    """The boundary marker carries the batch's activations too: judged as one equation it
+    hid the product of batch means behind it, the loss was taken as a mean, and the
+    parallel step silently returned other numbers than jax.jit."""
+    x = BATCHES[0]["x"]
+    par = meshshard.parallelize(
+        _balanced_step(), method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    )
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines .*: it applies mul to a value reduced over",
+    ):
+        par.lower(_balanced_params(x), BATCHES[0], cluster=CLUSTER)
+
+
+def test_a_non_linear_term_is_taken_per_micro_batch_when_declared(threads_cluster):
+    """Declared a mean, each micro-batch's loss (its own balance term included) is
+    averaged, as a gradient-accumulation loop computes it."""
+    x = BATCHES[0]["x"]
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    par = meshshard.parallelize(_balanced_step("mean"), method=method)
+    params = _balanced_params(x)
+    _, loss = par(params, BATCHES[0])
+    halves = [jax.tree.map(lambda a, k=k: a[k * 8 : (k + 1) * 8], BATCHES[0]) for k in (0, 1)]
+    plain = _balanced_step("mean")
+    expected = np.mean([float(plain(params, h)[1]) for h in halves])
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
