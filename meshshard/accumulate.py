@@ -65,7 +65,10 @@ def combine(reduce: str, acc, x):
 
 
 def finish(reduce: str, acc, m: int):
-    """The combined value from the accumulator after ``m`` micro-batches."""
+    """The combined value from the accumulator after ``m`` micro-batches (one
+    micro-batch's value as it is, in its own dtype: a boolean stays boolean)."""
+    if m == 1 and reduce in ("mean", "sum"):
+        return acc
     if reduce == "mean":
         return acc / m if jnp.issubdtype(acc.dtype, jnp.floating) else acc // m
     if reduce in ("max", "min"):

@@ -48,6 +48,7 @@ from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, same_program, set_reductions
 from meshshard.passes.shared_grads import split_shared_gradients
+from meshshard.passes.sink_metrics import batch_aux_positions, sink_batch_metrics
 
 
 @dataclass(frozen=True)
@@ -219,9 +220,15 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
+    batch_aux = batch_aux_positions(micro, full) if m > 1 else frozenset()
+
+    def sink(closed):  # batch metrics computed after the grad: per micro-batch
+        return sink_batch_metrics(closed, is_batch, batch_aux)
+
+    micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
     draws = find_batch_draws(micro, full, m)
     reduce = resolve(
-        *_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m), is_batch, m
+        *_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink), is_batch, m
     )
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
@@ -278,7 +285,7 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
         ) from e
 
 
-def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):
+def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sink):
     """Two traces whose batch sizes differ ``m``-fold (none for the second when ``m`` is
     1), for ``resolve`` to tell how the loss and aux values combine over micro-batches.
 
@@ -297,7 +304,7 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int):
             for a, b in zip(micro_abs, is_batch, strict=True)
         ]
 
-    two, many = _trace(fn, treedef, at(2))[0], _trace(fn, treedef, at(2 * m))[0]
+    two, many = sink(_trace(fn, treedef, at(2))[0]), sink(_trace(fn, treedef, at(2 * m))[0])
     return (two, many) if same_program(two, many) else (micro, full)
 
 

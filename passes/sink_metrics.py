@@ -1,0 +1,148 @@
+"""Pass 0a': compute per micro-batch the batch metrics a step derives after ``meshshard.grad``.
+
+Flax's examples return the logits as aux and score them after the grad::
+
+    (loss, logits), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(params)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+
+The update part of a step (after the grad) runs once per step, on the meshes, so it
+reads neither the batch nor per-example values of one micro-batch.  This pass moves
+such equations in front of the ``grad_end`` marker: those that read the batch, or an
+aux value that carries the batch (per-example logits), and read nothing the grad
+computes (the gradients, or the update's own values).  Their results that the rest of
+the step reads pass through the marker as new aux values, so each is combined over
+micro-batches with the reduction the compiler infers for aux values (the accuracy
+above: a mean over the batch).  A per-example aux value that only they read is dropped
+from the marker.  Equations that read only combined values (``jnp.exp(loss)``) stay in
+the update, where they see the full batch's loss.
+"""
+
+from __future__ import annotations
+
+from meshshard._compat import ClosedJaxpr
+from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+
+#: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
+LABEL = "after meshshard.grad"
+
+
+def batch_aux_positions(micro: ClosedJaxpr, full: ClosedJaxpr) -> frozenset:
+    """Positions of the ``grad_end`` marker's aux operands whose shape changes with the
+    batch size (per-example values), from the micro-batch and full-batch traces."""
+    gm, gf = _marker(micro.jaxpr), _marker(full.jaxpr)
+    if gm is None or gf is None or len(gm[1].invars) != len(gf[1].invars):
+        return frozenset()
+    info = _info(gm[1])
+    return frozenset(
+        k
+        for k, (a, b) in enumerate(zip(gm[1].invars, gf[1].invars, strict=True))
+        if info[k][0].startswith("aux") and _shape(a) != _shape(b)
+    )
+
+
+def sink_batch_metrics(closed: ClosedJaxpr, is_batch, batch_aux: frozenset = frozenset()):
+    """``closed`` with the after-grad equations that need the batch (``is_batch`` inputs,
+    or the marker's ``batch_aux`` positions) computed before the ``grad_end`` marker."""
+    jaxpr = closed.jaxpr
+    found = _marker(jaxpr)
+    if found is None:
+        return closed
+    g_idx, g = found
+    sunk, copies, exported = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    if not sunk:
+        return closed
+    info = _info(g)
+    read_later = _read_after(jaxpr, g_idx, sunk)
+    # a per-example aux value read only by the sunk equations leaves the marker
+    keep = [k for k, v in enumerate(g.outvars) if k not in batch_aux or v in read_later]
+    labels = tuple((f"{LABEL} #{j}", "", "") for j in range(len(exported)))
+
+    def hook(i, eqn, env, extra) -> bool:
+        if i in sunk:
+            return True  # evaluated at the marker
+        if i != g_idx:
+            return False
+        before = {v: read_var(env, a) for v, a in zip(g.outvars, g.invars, strict=True)}
+        local = dict(env)
+        local.update(before)
+        for j in sorted(sunk | copies):
+            e = jaxpr.eqns[j]
+            outs = bind_eqn(e, [read_var(local, v) for v in e.invars])
+            for v, o in zip(e.outvars, outs, strict=True):
+                if not is_dropvar(v):
+                    local[v] = o
+        operands = [before[g.outvars[k]] for k in keep] + [local[v] for v in exported]
+        reduce = tuple(info[k] for k in keep) + labels
+        marker = g.replace(params=dict(g.params, reduce=reduce))
+        outs = bind_eqn(marker, operands)
+        for k, o in zip(keep, outs, strict=False):
+            if not is_dropvar(g.outvars[k]):
+                env[g.outvars[k]] = o
+        for v, o in zip(exported, outs[len(keep) :], strict=True):
+            env[v] = o
+        return True
+
+    return retrace(closed, hook)
+
+
+def _marker(jaxpr):
+    return next(((i, e) for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
+
+
+def _info(g) -> tuple:
+    return tuple(g.params.get("reduce") or (("grad", "", ""),) * len(g.invars))
+
+
+def _shape(v) -> tuple:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list]:
+    """The after-grad equation indices to move before the marker (those that carry the
+    batch), those to compute there too (what they read that does not: a learning rate
+    from the step count, ``exp(loss)``; these also stay after it, on the combined
+    values), and the moved ones' results read by what stays after it (in order)."""
+    info = _info(g)
+    batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
+    seeds = batch_in | {g.outvars[k] for k in batch_aux}
+    # what exists before the marker: inputs, constants, earlier results, loss and aux
+    ready = set(jaxpr.invars) | set(jaxpr.constvars)
+    ready |= {v for e in jaxpr.eqns[:g_idx] for v in e.outvars}
+    ready |= {v for k, v in enumerate(g.outvars) if info[k][0] != "grad"}
+    carries, sunk, producer = set(seeds), set(), {}
+    for j in range(g_idx + 1, len(jaxpr.eqns)):
+        e = jaxpr.eqns[j]
+        ins = [v for v in e.invars if not is_literal(v)]
+        if not all(v in ready for v in ins):
+            continue  # reads what the grad or the update computes
+        if is_marker(e) or e.primitive.name in ("random_bits", "random_wrap"):
+            continue
+        outs = [v for v in e.outvars if not is_dropvar(v)]
+        ready.update(outs)
+        producer.update((v, j) for v in outs)
+        if any(v in carries for v in ins):
+            sunk.add(j)
+            carries.update(outs)
+    copies: set[int] = set()
+    stack = [v for j in sunk for v in jaxpr.eqns[j].invars if not is_literal(v)]
+    while stack:  # what they read that is computed after the grad without the batch
+        j = producer.get(stack.pop())
+        if j is not None and j not in sunk and j not in copies:
+            copies.add(j)
+            stack += [v for v in jaxpr.eqns[j].invars if not is_literal(v)]
+    made = {v for j in sunk for v in jaxpr.eqns[j].outvars}
+    later = _read_after(jaxpr, g_idx, sunk)
+    exported = [v for j in sorted(sunk) for v in jaxpr.eqns[j].outvars if v in made & later]
+    return sunk, copies, exported
+
+
+def _read_after(jaxpr, g_idx: int, sunk: set) -> set:
+    """Values read by the after-grad equations not in ``sunk``, or returned."""
+    read = {
+        v
+        for j in range(g_idx + 1, len(jaxpr.eqns))
+        if j not in sunk
+        for v in jaxpr.eqns[j].invars
+        if not is_literal(v)
+    }
+    return read | {v for v in jaxpr.outvars if not is_literal(v)}
