@@ -48,6 +48,7 @@ def register_identity_rules(
         mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
         return
     lowered = mlir.lower_fun(impl, multiple_results=True)
+    computes = computes or (lambda params: True)
     mlir.register_lowering(
         prim,
         lambda ctx, *args, **params: (

@@ -12,8 +12,10 @@ data (:mod:`~meshshard.passes.physical_keys`).  Comparing the two finds the rand
 keys among the batch leaves (never cut: a leaf a draw uses as its key), the draws that
 carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
 ``meshshard.grad`` returns combines over micro-batches
-(:mod:`~meshshard.passes.reductions`), a mean loss's backward being seeded with each
-micro-batch's ``1/M`` share (:mod:`~meshshard.passes.loss_seed`); batch-independent values the update reads from
+(:mod:`~meshshard.passes.reductions`), batch metrics computed after the grad being
+computed per micro-batch before it (:mod:`~meshshard.passes.sink_metrics`) and a mean
+loss's backward seeded with each micro-batch's ``1/M`` share
+(:mod:`~meshshard.passes.loss_seed`); batch-independent values the update reads from
 before the grad are recomputed there (:mod:`~meshshard.passes.hoist`); a gradient summed
 over several layers (a shared parameter) is returned per layer and summed in the update
 (:mod:`~meshshard.passes.shared_grads`); a forward-only step's results are combined over
