@@ -118,6 +118,24 @@ def retrace(closed, on_eqn=None, extra_inputs: Sequence = (), *, prepare=None, f
     return jax.make_jaxpr(run)(*avals, *extra_inputs)
 
 
+def set_marker_params(closed, kind: str, **params):
+    """``closed`` with every boundary marker of ``kind`` given ``params`` (the others
+    kept): how a pass records a decision on a marker (the ``grad_end`` reductions, the
+    ``loss_bwd`` seed's scale)."""
+
+    def hook(i, eqn, env, extra) -> bool:
+        if not is_marker(eqn, kind):
+            return False
+        e = eqn.replace(params=dict(eqn.params, **params))
+        outs = bind_eqn(e, [read_var(env, v) for v in eqn.invars])
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            if not is_dropvar(v):
+                env[v] = o
+        return True
+
+    return retrace(closed, hook)
+
+
 def itemsize(dtype) -> int:
     """Bytes per element of a jaxpr value's dtype, JAX's extended dtypes (PRNG keys, as
     ``nn.RNN`` and dropout put in a step) included: NumPy cannot interpret those."""

@@ -20,7 +20,7 @@ averaged.  A summed loss already has full-batch cotangents and is left as it is.
 from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_marker, read_var, retrace
+from meshshard.jaxpr_util import is_marker, set_marker_params
 
 #: The ``source`` of a gradient's reduction when this pass decided it.
 SHARE_SOURCE = "a 1/M share of the mean loss's gradient: the backward is seeded with 1/M"
@@ -37,19 +37,8 @@ def seed_micro_batch_shares(closed: ClosedJaxpr, reduce: tuple | None, m: int) -
     if loss != "mean" or len(seeds) != 1:
         return closed, reduce
 
-    def hook(i, eqn, env, extra) -> bool:
-        if not is_marker(eqn, "loss_bwd"):
-            return False
-        e = eqn.replace(params=dict(eqn.params, scale=1.0 / m))
-        for v, o in zip(
-            eqn.outvars, bind_eqn(e, [read_var(env, v) for v in eqn.invars]), strict=True
-        ):
-            if not is_dropvar(v):
-                env[v] = o
-        return True
-
     shares = tuple(
         (label, "sum", SHARE_SOURCE) if label == "grad" else (label, red, source)
         for label, red, source in reduce
     )
-    return retrace(closed, hook), shares
+    return set_marker_params(closed, "loss_bwd", scale=1.0 / m), shares

@@ -43,12 +43,9 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import (
-    bind_eqn,
-    is_dropvar,
     is_literal,
     is_marker,
-    read_var,
-    retrace,
+    set_marker_params,
     var_ids,
 )
 from meshshard.metrics import aux_reduce_p
@@ -580,18 +577,7 @@ def set_reductions(closed: ClosedJaxpr, reduce: tuple) -> ClosedJaxpr:
     """``closed`` with the ``grad_end`` marker's ``reduce`` parameter replaced."""
     if reduce is None:
         return closed
-
-    def hook(i, eqn, env, extra) -> bool:
-        if not is_marker(eqn, "grad_end"):
-            return False
-        e = eqn.replace(params=dict(eqn.params, reduce=reduce))
-        outs = bind_eqn(e, [read_var(env, v) for v in eqn.invars])
-        for v, o in zip(eqn.outvars, outs, strict=True):
-            if not is_dropvar(v):
-                env[v] = o
-        return True
-
-    return retrace(closed, hook)
+    return set_marker_params(closed, "grad_end", reduce=reduce)
 
 
 def reductions_of(jaxpr) -> tuple:
