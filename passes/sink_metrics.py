@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.passes.reductions import _shape
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
 LABEL = "after meshshard.grad"
@@ -48,11 +49,10 @@ def sink_batch_metrics(closed: ClosedJaxpr, is_batch, batch_aux: frozenset = fro
     if found is None:
         return closed
     g_idx, g = found
-    sunk, copies, exported = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    sunk, copies, exported, read_later = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
     if not sunk:
         return closed
     info = _info(g)
-    read_later = _read_after(jaxpr, g_idx, sunk)
     # a per-example aux value read only by the sunk equations leaves the marker
     keep = [k for k, v in enumerate(g.outvars) if k not in batch_aux or v in read_later]
     labels = tuple((f"{LABEL} #{j}", "", "") for j in range(len(exported)))
@@ -75,7 +75,7 @@ def sink_batch_metrics(closed: ClosedJaxpr, is_batch, batch_aux: frozenset = fro
         reduce = tuple(info[k] for k in keep) + labels
         marker = g.replace(params=dict(g.params, reduce=reduce))
         outs = bind_eqn(marker, operands)
-        for k, o in zip(keep, outs, strict=False):
+        for k, o in zip(keep, outs[: len(keep)], strict=True):
             if not is_dropvar(g.outvars[k]):
                 env[g.outvars[k]] = o
         for v, o in zip(exported, outs[len(keep) :], strict=True):
@@ -93,15 +93,12 @@ def _info(g) -> tuple:
     return tuple(g.params.get("reduce") or (("grad", "", ""),) * len(g.invars))
 
 
-def _shape(v) -> tuple:
-    return tuple(getattr(v.aval, "shape", ()))
-
-
-def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list]:
+def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list, set]:
     """The after-grad equation indices to move before the marker (those that carry the
     batch), those to compute there too (what they read that does not: a learning rate
     from the step count, ``exp(loss)``; these also stay after it, on the combined
-    values), and the moved ones' results read by what stays after it (in order)."""
+    values), the moved ones' results read by what stays after it (in order), and
+    everything what stays after it reads (:func:`_read_after`)."""
     info = _info(g)
     batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     seeds = batch_in | {g.outvars[k] for k in batch_aux}
@@ -133,7 +130,7 @@ def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list]
     made = {v for j in sunk for v in jaxpr.eqns[j].outvars}
     later = _read_after(jaxpr, g_idx, sunk)
     exported = [v for j in sorted(sunk) for v in jaxpr.eqns[j].outvars if v in made & later]
-    return sunk, copies, exported
+    return sunk, copies, exported, later
 
 
 def _read_after(jaxpr, g_idx: int, sunk: set) -> set:
