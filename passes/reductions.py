@@ -491,6 +491,12 @@ def _full_var(mj, fj, var, producer, idx):
     return fj.eqns[i].outvars[list(mj.eqns[i].outvars).index(var)]
 
 
+def marker_reductions(g) -> tuple:
+    """The ``grad_end`` marker ``g``'s ``reduce`` parameter: per operand (label,
+    reduction, source); every operand a gradient when the marker has none."""
+    return tuple(g.params.get("reduce") or (("grad", "", ""),) * len(g.invars))
+
+
 def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> tuple:
     """The ``grad_end`` marker's ``reduce`` parameter with every reduction decided."""
     mj = micro.jaxpr
@@ -499,7 +505,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
         return None
     producer = {v: e for e in mj.eqns for v in e.outvars}
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
-    info = g.params.get("reduce") or tuple(("grad", "", "") for _ in g.invars)
+    info = marker_reductions(g)
     out, loss = [], None
     for (label, red, source), v in zip(info, g.invars, strict=True):
         p = producer.get(v) if not is_literal(v) else None

@@ -28,6 +28,7 @@ from jax import lax
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.passes.reductions import marker_reductions
 from meshshard.passes.slicing import slice_layers
 from meshshard.refs import BufferKind, Phase
 
@@ -46,7 +47,7 @@ def split_shared_gradients(closed: ClosedJaxpr) -> ClosedJaxpr:
     if not splits:
         return closed
     g_eqn = jaxpr.eqns[g]
-    info = tuple(g_eqn.params.get("reduce") or (("grad", "", ""),) * len(g_eqn.invars))
+    info = marker_reductions(g_eqn)
 
     def hook(i, eqn, env, extra) -> bool:
         if i in dropped:

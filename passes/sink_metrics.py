@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
-from meshshard.passes.reductions import _shape
+from meshshard.passes.reductions import _shape, marker_reductions
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
 LABEL = "after meshshard.grad"
@@ -33,7 +33,7 @@ def batch_aux_positions(micro: ClosedJaxpr, full: ClosedJaxpr) -> frozenset:
     gm, gf = _marker(micro.jaxpr), _marker(full.jaxpr)
     if gm is None or gf is None or len(gm[1].invars) != len(gf[1].invars):
         return frozenset()
-    info = _info(gm[1])
+    info = marker_reductions(gm[1])
     return frozenset(
         k
         for k, (a, b) in enumerate(zip(gm[1].invars, gf[1].invars, strict=True))
@@ -52,7 +52,7 @@ def sink_batch_metrics(closed: ClosedJaxpr, is_batch, batch_aux: frozenset = fro
     sunk, copies, exported, read_later = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
     if not sunk:
         return closed
-    info = _info(g)
+    info = marker_reductions(g)
     # a per-example aux value read only by the sunk equations leaves the marker
     keep = [k for k, v in enumerate(g.outvars) if k not in batch_aux or v in read_later]
     labels = tuple((f"{LABEL} #{j}", "", "") for j in range(len(exported)))
@@ -89,17 +89,13 @@ def _marker(jaxpr):
     return next(((i, e) for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
 
 
-def _info(g) -> tuple:
-    return tuple(g.params.get("reduce") or (("grad", "", ""),) * len(g.invars))
-
-
 def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list, set]:
     """The after-grad equation indices to move before the marker (those that carry the
     batch), those to compute there too (what they read that does not: a learning rate
     from the step count, ``exp(loss)``; these also stay after it, on the combined
     values), the moved ones' results read by what stays after it (in order), and
     everything what stays after it reads (:func:`_read_after`)."""
-    info = _info(g)
+    info = marker_reductions(g)
     batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     seeds = batch_in | {g.outvars[k] for k in batch_aux}
     # what exists before the marker: inputs, constants, earlier results, loss and aux
