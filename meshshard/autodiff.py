@@ -315,16 +315,18 @@ def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
 
 
 def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:
-    """For each marker position, the values defined before it and used after it (with
-    ``before``: for a cut before equation ``p``, also those equation ``p`` reads)."""
+    """For each marker position, the values defined before it and used after it, the
+    marker's own results included (the explicit-value form ``(h,) =
+    mark_pipeline_boundary(h)``: what follows reads them, not their sources); with
+    ``before``: for a cut before equation ``p``, also those equation ``p`` reads."""
     if not positions:
         return {}
     defined_at = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     last_use = _last_uses(jaxpr)
     out = {}
     for p in positions:
-        after = p - 1 if before else p
-        out[p] = [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) > after]
+        after, upto = (p - 1, p - 1) if before else (p, p)
+        out[p] = [v for v, d in defined_at.items() if d <= upto and last_use.get(v, -1) > after]
     return out
 
 

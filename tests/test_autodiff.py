@@ -72,6 +72,40 @@ def test_explicit_value_form_is_identity_under_grad():
     assert kinds == ["fwd", "bwd"]
 
 
+def explicit_loss(w, x):
+    (h,) = meshshard.mark_pipeline_boundary(jnp.tanh(x @ w["a"]))
+    (h,) = meshshard.mark_pipeline_boundary(jnp.tanh(h @ w["b"]))
+    return jnp.mean((h @ w["c"]) ** 2)
+
+
+def test_explicit_value_form_crosses_with_its_values_under_meshshard_grad():
+    """``(h,) = mark_pipeline_boundary(h)``: what follows reads the marker's results, so
+    they are what crosses; the boundary carried nothing, had no backward mirror, and
+    the step was refused ("have no backward mirror")."""
+    jaxpr = jax.make_jaxpr(meshshard.grad(explicit_loss))(W, X).jaxpr
+    crossing = [len(e.invars) for e in jaxpr.eqns if e.primitive is boundary_p]
+    kinds = markers(jaxpr)
+    assert kinds[:2] == [("fwd", 0), ("fwd", 1)] and ("bwd", 0) in kinds and ("bwd", 1) in kinds
+    assert crossing[:2] == [1, 1]  # each carries its one value forward
+    ref = jax.grad(explicit_loss)(W, X)
+    got = meshshard.grad(explicit_loss)(W, X)
+    for k in W:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-6)
+
+
+def test_explicit_value_form_pipelines_equal_to_jit(threads_cluster):
+    def step(w, x):
+        g = meshshard.grad(explicit_loss)(w, x)
+        return jax.tree.map(lambda p, d: p - 0.5 * d, w, g)
+
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 3)
+    par = meshshard.parallelize(step, method=method)
+    got, ref = par(W, X), jax.jit(step)(W, X)
+    for k in W:
+        np.testing.assert_allclose(np.asarray(got[k]), ref[k], rtol=1e-6)
+    assert len(par.plan.stages) == 3
+
+
 def test_has_aux():
     def f(w, x):
         return loss(w, x), {"n": x.shape[0]}
