@@ -8,7 +8,16 @@ Nothing here imports ``jax._src``.
 
 from __future__ import annotations
 
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Primitive, Var
+from jax.extend.core import (
+    ClosedJaxpr,
+    DropVar,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    jaxpr_as_fun,
+)
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
@@ -19,6 +28,7 @@ __all__ = [
     "Literal",
     "Primitive",
     "Var",
+    "jaxpr_as_fun",
     "register_identity_rules",
     "instantiate_zeros",
 ]

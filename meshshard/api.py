@@ -232,9 +232,11 @@ class ParallelizedFunction:
         # typed keys travel as raw data; the arguments are flattened once per call
         _, raw_args, leaves, tree = physical_leaves(self.fn, args)
         exe = self._executable_for(args, raw_args, (leaves, tree))
+        extra = exe.statistics(leaves) if exe.statistics is not None else []
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
-            index = np.arange(exe.plan.num_micro_batches, dtype=np.int32)
-            raw_args, leaves, tree = (*raw_args, index), [*leaves, index], None
+            extra.append(np.arange(exe.plan.num_micro_batches, dtype=np.int32))
+        if extra:  # inputs the step was compiled to read after the user's leaves
+            raw_args, leaves, tree = (*raw_args, *extra), [*leaves, *extra], None
         return exe.keyed_step.restore(exe.call_flat(raw_args, leaves, tree))
 
     def placement(self, *args, argnum: int = 0):
@@ -323,6 +325,7 @@ class ParallelizedFunction:
                 plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
             )
             exe.set_out_tree(traced.out_tree)
+            exe.statistics = traced.statistics  # the full batch's, each call (see __call__)
             self.last_compile_seconds = time.perf_counter() - t0
             _warn_guessed_reductions(traced)
             _warn_unmet_requests(plan)

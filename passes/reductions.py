@@ -11,7 +11,9 @@ batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contractio
 * ``reduce_max`` alone: ``max``; ``reduce_min`` alone: ``min``;
 * nothing that depends on the batch: ``mean`` (the value is the same on every
   micro-batch);
-* a division by a value computed from the batch (a masked mean) or a mix: not inferred;
+* a division by a value computed from the batch or a mix: not inferred (a masked mean's
+  count of the batch data alone reaches here as an input already, taken over the full
+  batch by :mod:`~meshshard.passes.batch_statistics`: the mean is then a sum);
 * a non-linear function of the reduced value (``sqrt`` of a sum of squares: a norm; a
   product of two batch sums; a ``log`` of a sum): not inferred, since no combination of
   per-micro-batch values gives the full-batch one;

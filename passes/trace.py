@@ -12,7 +12,9 @@ data (:mod:`~meshshard.passes.physical_keys`).  Comparing the two finds the rand
 keys among the batch leaves (never cut: a leaf a draw uses as its key), the draws that
 carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
 ``meshshard.grad`` returns combines over micro-batches
-(:mod:`~meshshard.passes.reductions`), batch metrics computed after the grad being
+(:mod:`~meshshard.passes.reductions`), statistics of the batch data (a masked mean's
+token count) taken over the full batch by the driver and read as new inputs
+(:mod:`~meshshard.passes.batch_statistics`), batch metrics computed after the grad being
 computed per micro-batch before it (:mod:`~meshshard.passes.sink_metrics`) and a mean
 loss's backward seeded with each micro-batch's ``1/M`` share
 (:mod:`~meshshard.passes.loss_seed`); batch-independent values the update reads from
@@ -36,6 +38,13 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal
+from meshshard.passes.batch_statistics import (
+    PATH,
+    Statistics,
+    find_statistics,
+    hoist_statistics,
+    statistics_program,
+)
 from meshshard.passes.forward_only import (
     combine_outputs,
     has_transposed_eqns,
@@ -84,6 +93,9 @@ class TracedStep:
     #: per output leaf, the PRNG implementation of a typed key the step returns as raw
     #: data (None for other leaves); ``KeyedStep.restore`` wraps them back
     out_key_impls: tuple = ()
+    #: the driver's program for the batch statistics the step reads as inputs after its
+    #: own leaves (:mod:`~meshshard.passes.batch_statistics`), or None
+    statistics: Statistics | None = None
 
     @property
     def jaxpr(self):
@@ -228,24 +240,33 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         return sink_batch_metrics(closed, is_batch, batch_aux)
 
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
+    found = find_statistics(micro, full, is_batch) if m > 1 else None
+    statistics = statistics_program(full, found, is_batch) if found else None
+    if found:  # the batch data's statistics: new inputs, computed from the full batch
+        micro, full = hoist_statistics(micro, found), hoist_statistics(full, found)
+    stat_infos = [
+        LeafInfo(PATH.format(k=k), tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
+        for k, v in enumerate(micro.jaxpr.invars[len(is_batch) :])
+    ]
+    flags = is_batch + [False] * len(stat_infos)  # per input of micro: a batch leaf?
     draws = find_batch_draws(micro, full, m)
-    reduce = resolve(
-        *_reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink), is_batch, m
-    )
+    pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink)
+    reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m)
     closed = slice_batch_draws(micro, draws)
-    closed = hoist_to_update(closed, is_batch + [True] * bool(draws))
+    closed = hoist_to_update(closed, flags + [True] * bool(draws))
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
     closed = split_shared_gradients(set_reductions(closed, reduce))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)
         labels = ["out" + jax.tree_util.keystr(p) for p, _ in out_paths]
-        how = output_reductions(micro, full, is_batch, m, labels)
+        how = output_reductions(micro, full, flags, m, labels)
         closed = combine_outputs(closed, how, m)
     infos = [
         LeafInfo(w, tuple(a.shape), str(np.dtype(a.dtype)), b, i in keys)
         for i, (w, a, b) in enumerate(zip(wheres, full_abs, is_batch, strict=True))
     ]
+    infos += stat_infos
     if draws:
         infos.append(LeafInfo(INDEX_PATH, (m,), "int32", True))
     outputs = tuple(
@@ -261,6 +282,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         out_tree=jax.tree.structure(out_shape),
         transposed=forward_only and transposed,
         out_key_impls=tuple(getattr(fn, "out_impls", ())),
+        statistics=statistics,
     )
 
 

@@ -282,6 +282,9 @@ class Executable:
         self._offsets: tuple = ()
         #: run steps pipelined (set for 2BW's steady step; see :meth:`_submit`)
         self.pipelined = False
+        #: the driver's program for the full batch's statistics the step reads as inputs
+        #: after the user's leaves (set by ``parallelize``; None: there are none)
+        self.statistics = None
         self._inflight: deque = deque()  # _InFlight of submitted pipelined steps
         self._seq = itertools.count()
 
