@@ -328,12 +328,19 @@ class Message:
         )
 
 
+#: The strategy of a transfer between two views of the same workers: nothing moves.
+LOCAL = "local"
+
+
 @dataclass(frozen=True)
 class TransferSpec:
     """A cross-mesh transfer of one array from ``src_mesh`` to ``dst_mesh``, per micro-batch.
 
     ``producer``/``consumer`` are the programs at its ends (None, printed ``-``, for a
-    transfer planned on its own); references may be given as their tokens.
+    transfer planned on its own); references may be given as their tokens.  A
+    ``local`` transfer (strategy :data:`LOCAL`) joins two views of the same workers
+    (interleaved 1F1B's chunks on one mesh) with the same layout: it has no messages,
+    and the consumer reads the buffer its producer wrote on the same worker.
     """
 
     name: TransferRef
@@ -359,6 +366,11 @@ class TransferSpec:
     def nbytes(self) -> int:
         """Bytes sent per micro-batch (a broadcast's block counted once per receiver)."""
         return sum(m.nbytes * len(m.receivers) for m in self.messages)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the consumer reads the producer's buffer on the same workers."""
+        return self.strategy == LOCAL
 
     def __str__(self) -> str:
         t = self.tensor

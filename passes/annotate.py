@@ -52,7 +52,9 @@ def _later_programs(plan: Plan, graph: StageGraph, names: set) -> tuple[ProgramI
 
 
 def _simulated(plan: Plan, t: TransferSpec, cluster: ClusterSpec) -> TransferSpec:
-    """``t`` with the simulator's time for exactly its messages."""
+    """``t`` with the simulator's time for exactly its messages (none for a local one)."""
+    if t.is_local:
+        return replace(t, sim_time_s=0.0)
     src, dst = plan.meshes[t.src_mesh], plan.meshes[t.dst_mesh]
     problem = resharding_problem(
         t.tensor.shape, t.tensor.dtype, src, t.tensor.spec, dst, t.dst_spec

@@ -101,6 +101,8 @@ def _task_instructions(
     for g in (g.ref for g in prog.outputs if g.ref.kind is BufferKind.TRANSFER):
         if g.owner not in copies or k == 0:
             out += lower_transfer(by_ref[g.transfer], g.at(k), w)
+            if by_ref[g.transfer].is_local:  # the consumer reads it here and frees it
+                continue
         out.append(Free(buffer=g.at(k)))
     kinds = (BufferKind.TRANSFER, BufferKind.RESIDUALS, BufferKind.BACKWARD_CARRY, BufferKind.BATCH)
     for kind in kinds:

@@ -67,7 +67,8 @@ def _phase(prog, w, transfers, reductions: dict, lower_transfer) -> list[Instruc
     for g in outs:
         if g.kind is _T:
             out += lower_transfer(transfers[g.transfer], g.at(0), w)
-            out.append(Free(buffer=g.at(0)))
+            if not transfers[g.transfer].is_local:  # else the consumer here frees it
+                out.append(Free(buffer=g.at(0)))
         elif g.kind is _R:
             group = reductions[str(g)].group
             out.append(

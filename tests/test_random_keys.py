@@ -38,6 +38,22 @@ def test_dropout_matches_jit(threads_cluster, model, schedule, m):
     assert len(index) == (m > 1)  # the micro-batch index exists only to slice draws
 
 
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_dropout_under_interleaved_1f1b_matches_jit(threads_cluster, model):
+    """The dropout key, an integer value (no boundary marker carries it), goes from the
+    first chunk to every later one, chunk 2 on the same mesh as chunk 0: refused before
+    ("share hosts; cross-mesh resharding plans meshes on disjoint hosts"), it is now a
+    local transfer the consumer reads in place."""
+    step, state, batches = dropout_case(model)
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="interleaved_1f1b", virtual_stages=2
+    )
+    par = check_step_parity(step, method, state, batches)
+    local = [t for t in par.plan.transfers if t.is_local]
+    assert local and all(not t.messages and t.src_mesh % 2 == t.dst_mesh % 2 for t in local)
+    assert "local, 0 msgs, 0 B on wire" in str(par.plan)
+
+
 def test_dropout_data_parallel_with_micro_batches(threads_cluster):
     step, state, batches = dropout_case("mlp")
     check_step_parity(step, DataParallel(mesh_shape=(1, 2), num_micro_batches=2), state, batches)

@@ -4,6 +4,7 @@ import pytest
 
 from meshshard import PipeshardParallel
 from tests.parity import check_parity
+from tests.random_parity import check_step_parity, dropout_case
 from tests.two_bw_reference import check_2bw
 
 pytestmark = pytest.mark.ray
@@ -25,3 +26,14 @@ def test_interleaved_1f1b_on_ray(ray_cluster):
     )
     step = check_parity("mlp", method, steps=2)
     assert [m.hosts for m in step.plan.meshes] == [(0,), (1,), (0,), (1,)]
+
+
+def test_interleaved_1f1b_with_dropout_on_ray(ray_cluster):
+    """The dropout key crosses from chunk 0 to chunk 2 on the same host-actor: read in
+    place (a local transfer), with nothing sent to itself."""
+    step, state, batches = dropout_case("mlp")
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=[(1, 2), (1, 2)], schedule="interleaved_1f1b", virtual_stages=2
+    )
+    par = check_step_parity(step, method, state, batches)
+    assert any(t.is_local for t in par.plan.transfers)

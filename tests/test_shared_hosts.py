@@ -321,3 +321,21 @@ def test_a_dead_block_actor_is_named_and_recovered(tmp_path):
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert "RECOVERED ON BLOCKS OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_a_transfer_between_views_of_one_mesh_is_local_and_other_sharing_is_refused():
+    """Interleaved chunks on one mesh read each other's values in place; meshes that
+    merely overlap (other workers or another layout) are refused with the value named."""
+    from meshshard.passes.stage_graph import Edge
+    from meshshard.passes.transfers import _check_local
+    from meshshard.plan import MeshSpec, TensorSpec
+    from meshshard.refs import ProgramRef
+
+    edge = Edge(7, ProgramRef.of("s0.F"), ProgramRef.of("s2.F"))
+    x = TensorSpec(7, "%7", (4, 8), "float32", ())
+    a, view = MeshSpec(0, (1, 2), (0,)), MeshSpec(2, (1, 2), (0,))
+    _check_local(x, a, view, (), edge)  # the same workers, the same layout: read in place
+    with pytest.raises(MeshshardInputError, match=r"value %7 \(float32\[4, 8\]\) goes from s0\.F"):
+        _check_local(x, a, view, ("device",), edge)  # another layout: nothing could move it
+    with pytest.raises(MeshshardInputError, match=r"share hosts but are not the same workers"):
+        _check_local(x, a, MeshSpec(2, (2, 2), (0, 1)), (), edge)
