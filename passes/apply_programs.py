@@ -248,15 +248,18 @@ def apply_program_ios(apply: ApplyGraph, groups: dict, first_move: int) -> list:
 
 def plan_reductions(traced, graph, meshes) -> tuple:
     """A :class:`~meshshard.plan.ReductionSpec` per all-reduce of the update: every
-    worker of every mesh takes part; each mesh's first worker contributes its partial."""
+    worker of every mesh takes part (once, however many meshes it runs); each mesh's
+    first worker contributes its partial."""
     from meshshard.passes.sharding import tensor_specs
     from meshshard.plan import ReductionSpec, TensorSpec
 
     if not graph.reductions:
         return ()
     info = tensor_specs(traced)
-    group = tuple(sorted(w for m in meshes for w in m.workers))
-    leaders = tuple(m.workers[0] for m in meshes)
+    # meshes on the same workers (interleaved chunks) combine their partials on the
+    # worker, which takes part once
+    group = tuple(sorted({w for m in meshes for w in m.workers}))
+    leaders = tuple(dict.fromkeys(m.workers[0] for m in meshes))
     out = []
     for r in graph.reductions:
         label, shape, dtype = info[r.var]

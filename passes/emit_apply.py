@@ -3,7 +3,9 @@
 Per mesh and phase: receive the values moved to it (``RECV``/``WAIT``), wait for the
 all-reduces the previous phase issued, ``RUN`` the phase, then issue what ends the
 phase: the sends of moved values and one ``COLL allreduce`` per reduction (every
-worker of every mesh takes part, so the collective matches by construction).  The
+worker of every mesh takes part, so the collective matches by construction; a worker
+running several meshes, interleaved chunks, takes part once, after its last partial,
+which its runtime combines with the earlier ones).  The
 accumulators ``A{m}`` and the carry ``K{m}`` are freed after the last phase.
 """
 
@@ -34,12 +36,16 @@ def apply_instructions(
                 out[w].append(Zeros(buffer=carry))
     by_name = {r.name: r for r in reductions}
     for ph in range(n_ph):
-        for m in meshes:
-            prog = progs.get(ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph))
+        phase_progs = [
+            (m, progs.get(ProgramRef(Phase.APPLY, m.id, part=None if n_ph == 1 else ph)))
+            for m in meshes
+        ]
+        ends = _reduction_ends(phase_progs)
+        for m, prog in phase_progs:
             if prog is None:  # a forward-only stage whose results need no combining
                 continue
             for w in m.workers:
-                out[w] += _phase(prog, w, transfers, by_name, lower_transfer)
+                out[w] += _phase(prog, w, transfers, by_name, lower_transfer, ends)
                 if ph == n_ph - 1:
                     for kind in (BufferKind.ACCUMULATORS, BufferKind.CARRY):
                         if graph.group(BufferRef(kind, m.id)):
@@ -47,14 +53,39 @@ def apply_instructions(
     return out
 
 
-def _phase(prog, w, transfers, reductions: dict, lower_transfer) -> list[Instruction]:
+def _reduction_ends(phase_progs) -> dict:
+    """Per (worker, all-reduce buffer): the phase's first program reading it and last
+    program reading or writing it on that worker.  A worker running several meshes
+    (interleaved chunks) combines their partials and takes part once: it issues the
+    ``COLL`` after the last partial, ``WAIT`` s before the first reader and frees after
+    the last."""
+    ends: dict = {}
+    for m, prog in phase_progs:
+        if prog is None:
+            continue
+        for w in m.workers:
+            for g in (*prog.inputs, *prog.outputs):
+                if g.ref.kind is _R:
+                    first, _ = ends.get((w, g.ref, g in prog.inputs), (prog.name, None))
+                    ends[(w, g.ref, g in prog.inputs)] = (first, prog.name)
+    return ends
+
+
+def _phase(prog, w, transfers, reductions: dict, lower_transfer, ends) -> list[Instruction]:
     ins = [g.ref for g in prog.inputs]
     outs = [g.ref for g in prog.outputs]
     out: list[Instruction] = []
+
+    def first(g, reads: bool) -> bool:
+        return ends[(w, g, reads)][0] == prog.name
+
+    def last(g, reads: bool) -> bool:
+        return ends[(w, g, reads)][1] == prog.name
+
     for g in ins:
         if g.kind is _T:
             out += lower_transfer(transfers[g.transfer], g.at(0), w)
-        elif g.kind is _R:
+        elif g.kind is _R and first(g, True):
             out.append(Wait(buffer=g))
     out.append(
         Run(
@@ -69,7 +100,7 @@ def _phase(prog, w, transfers, reductions: dict, lower_transfer) -> list[Instruc
             out += lower_transfer(transfers[g.transfer], g.at(0), w)
             if not transfers[g.transfer].is_local:  # else the consumer here frees it
                 out.append(Free(buffer=g.at(0)))
-        elif g.kind is _R:
+        elif g.kind is _R and last(g, False):
             group = reductions[str(g)].group
             out.append(
                 Collective(
@@ -82,6 +113,6 @@ def _phase(prog, w, transfers, reductions: dict, lower_transfer) -> list[Instruc
                 )
             )
     for g in ins:
-        if g.kind in (_T, _R):
+        if g.kind is _T or (g.kind is _R and last(g, True)):
             out.append(Free(buffer=g.at(0)))
     return out

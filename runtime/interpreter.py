@@ -36,7 +36,7 @@ from meshshard.instructions import (
     Zeros,
 )
 from meshshard.plan import Plan, TransferSpec
-from meshshard.program_fn import reduction_identity
+from meshshard.program_fn import combine_partials, reduction_identity
 from meshshard.refs import BufferKind, BufferRef, TransferRef
 from meshshard.runtime.device_blocks import DeviceBlocks
 from meshshard.runtime.host_messages import read_message, received_parts
@@ -568,6 +568,13 @@ class _Step:
             jax.block_until_ready(outs)
             rec.cpu[i] = max(1, time.process_time_ns() - cpu0)
         for name, val in zip(ins.outputs, outs, strict=True):
+            if name.kind is BufferKind.REDUCTION and name in self.buffers:
+                # another mesh's partial on this worker (interleaved chunks): one
+                # contribution to the all-reduce, combined here
+                op = self.interp.plan.reduction(name).op
+                val = [
+                    combine_partials(op, a, b) for a, b in zip(self.value(name), val, strict=True)
+                ]
             self.buffers[name] = val
         if self.tl is not None:
             # accumulators are donated to the next program: watch the other outputs
