@@ -186,8 +186,8 @@ def _mode_pins(traced, graph, mesh, lmesh, mode, scope_inputs) -> dict[int, Spec
         v = traced.jaxpr.invars[leaf]
         if leaf not in scope_inputs or info.is_key:
             continue
-        if info.is_batch:
-            pins[leaf] = data_parallel_spec(tuple(info.shape), True, mbs, mesh)
+        if info.is_batch:  # at micro-batch shape, as the programs read it
+            pins[leaf] = data_parallel_spec(tuple(v.aval.shape), True, mbs, mesh)
         elif v in fwd:
             pins[leaf] = _split_spec(info.shape, lmesh) if mode == "zero3" else ()
         else:
@@ -202,11 +202,10 @@ def _data_parallel_seed(traced: TracedStep, mesh: MeshSpec, scope_inputs) -> dic
     mbs = micro_batch_sizes(traced)
     seed = {}
     for leaf, info in enumerate(traced.inputs):
-        vid = ids[traced.jaxpr.invars[leaf]]
-        if vid in scope_inputs and not info.is_key:
-            seed[vid] = (
-                data_parallel_spec(tuple(info.shape), True, mbs, mesh) if info.is_batch else ()
-            )
+        v = traced.jaxpr.invars[leaf]
+        if ids[v] in scope_inputs and not info.is_key:
+            micro = tuple(v.aval.shape)  # the batch at micro-batch shape
+            seed[ids[v]] = data_parallel_spec(micro, True, mbs, mesh) if info.is_batch else ()
     return seed
 
 

@@ -28,9 +28,14 @@ def data_parallel_spec(
 
 
 def micro_batch_sizes(traced: TracedStep) -> set[int]:
-    """Leading dims of the batch leaves at micro-batch shape."""
+    """Leading dims of the batch leaves at micro-batch shape (not the micro-batch index
+    the compiler adds for random draws: its one row per micro-batch is no batch)."""
+    from meshshard.passes.random_draws import INDEX_PATH
+
     m = traced.num_micro_batches
-    return {leaf.shape[0] // m for leaf in traced.inputs if leaf.is_batch}
+    return {
+        leaf.shape[0] // m for leaf in traced.inputs if leaf.is_batch and leaf.path != INDEX_PATH
+    }
 
 
 #: Plan notes that start so are also logged as a warning at compile time.

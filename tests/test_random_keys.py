@@ -17,6 +17,7 @@ from meshshard.passes.hoist import hoist_to_update, values_to_hoist
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.physical_keys import has_typed_keys, physical_keys
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws
+from meshshard.passes.sharding import UNSPLIT_BATCH
 from meshshard.passes.trace import key_inputs
 from tests.random_parity import check_step_parity, dropout_case
 
@@ -52,6 +53,19 @@ def test_dropout_under_interleaved_1f1b_matches_jit(threads_cluster, model):
     local = [t for t in par.plan.transfers if t.is_local]
     assert local and all(not t.messages and t.src_mesh % 2 == t.dst_mesh % 2 for t in local)
     assert "local, 0 msgs, 0 B on wire" in str(par.plan)
+
+
+def test_dropout_under_zero2_matches_jit_and_splits_the_batch(threads_cluster):
+    """``sharding="zero2"`` pinned the batch leaves' specs from their full-batch shape:
+    the micro-batch index (``int32[M]``, one row per micro-batch) was pinned split over
+    the mesh and refused ("splits dim 0 of size 1 over 2 devices"), and a batch of 16
+    rows in 4 micro-batches was left whole on every device."""
+    step, state, _ = dropout_case("mlp")
+    batches = [mlp.make_batch(batch_size=16, seed=i) for i in range(2)]
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)], sharding="zero2")
+    par = check_step_parity(step, method, state, batches)
+    assert "P('device') args[1]['x']" in str(par.plan)  # split over the mesh's 2 devices
+    assert not [n for n in par.plan.notes if n.startswith(UNSPLIT_BATCH)]
 
 
 def test_dropout_data_parallel_with_micro_batches(threads_cluster):
