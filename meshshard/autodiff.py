@@ -195,12 +195,19 @@ def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
     """Evaluate ``jaxpr``'s equations like ``eval_eqns(..., on_eqn=on_eqn)``, with each run
     of equations between markers inside ``jax.checkpoint(policy=policy)``: a layer's
     forward then keeps for its backward only what ``policy`` saves, and its backward
-    computes the rest again.  Markers stay outside, where the compiler reads them."""
+    computes the rest again.  Markers stay outside, where the compiler reads them.
+
+    Small values the loss computes from its closed-over data alone (a masked mean's
+    token count) are computed outside the checkpoint and read by it: recomputed inside
+    the backward, they could not be the same value the compiler gives the forward
+    (``passes/batch_statistics.py`` takes such a count over the full batch)."""
     eqns = jaxpr.eqns
     n = len(eqns)
     last_use = _last_uses(jaxpr)
+    data = _data_only_values(jaxpr)
 
     def flush(run: list, end: int) -> None:
+        run = _data_statistics_first(run, data, env)
         if not run:
             return
         defined = {v for e in run for v in e.outvars}
@@ -312,6 +319,63 @@ def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
     from meshshard.passes.layer_cluster import cluster_layers
 
     return cluster_layers(jaxpr, layers)
+
+
+#: A value the loss computes from its data alone, up to this size, is computed outside
+#: a rematerialized layer (see :func:`_eval_rematerialized`).
+DATA_STATISTIC_MAX_BYTES = 1 << 16
+
+
+def _data_only_values(jaxpr) -> dict:
+    """Vars of the loss's jaxpr computed from its constants (the closed-over batch and
+    state) and literals alone, not from the differentiated arguments -> the size of the
+    largest constant each is computed from (0: from literals alone)."""
+    data = {v: int(np.prod(v.aval.shape, dtype=np.int64)) for v in jaxpr.constvars}
+    for e in jaxpr.eqns:
+        ins = [v for v in e.invars if not hasattr(v, "val")]
+        if not e.effects and not is_marker(e) and all(v in data for v in ins):
+            size = max((data[v] for v in ins), default=0)
+            data.update((o, size) for o in e.outvars)
+    return data
+
+
+def _data_statistics_first(run: list, data: dict, env: dict) -> list:
+    """Evaluate now the equations of ``run`` that compute small data-only values read by
+    the rest of it, reduced from larger data (a statistic: a count, a batch mean, not a
+    mask or a constant), and the data-only equations they need; return the rest."""
+    inside = {
+        v
+        for e in run
+        if not all(o in data for o in e.outvars)
+        for v in e.invars
+        if not hasattr(v, "val")
+    }
+    wanted = [
+        v
+        for e in run
+        for v in e.outvars
+        if v in data
+        and v in inside
+        and _nbytes(v) <= DATA_STATISTIC_MAX_BYTES
+        and int(np.prod(v.aval.shape, dtype=np.int64)) < data[v]
+    ]
+    if not wanted:
+        return run
+    producer = {v: e for e in run for v in e.outvars}
+    need, stack = set(), list(wanted)
+    while stack:
+        v = stack.pop()
+        e = producer.get(v)
+        if e is None or id(e) in need:
+            continue
+        need.add(id(e))
+        stack += [a for a in e.invars if not hasattr(a, "val")]
+    eval_eqns([e for e in run if id(e) in need], env)
+    return [e for e in run if id(e) not in need]
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
 
 
 def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:

@@ -45,6 +45,7 @@ from meshshard.jaxpr_util import (
     is_marker,
     read_var,
     retrace,
+    sub_jaxprs,
 )
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
@@ -125,6 +126,8 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
         i, k = where[v]
         return _shape(v) == _shape(fj.eqns[i].outvars[k])
 
+    if _recomputed_inside(mj, data & dep):
+        return none
     declared = _declared_slices(mj)
     found = []
     for e in mj.eqns:
@@ -162,6 +165,47 @@ def _structure(jaxpr):
         return memo[v]
 
     return key
+
+
+def _recomputed_inside(jaxpr, batch_data: set) -> bool:
+    """Whether an equation holding a sub-jaxpr (a user's ``jax.checkpoint`` layer, a
+    custom derivative, a scan) reduces batch data inside it: a statistic computed there,
+    and again where its backward recomputes it, would stay the micro-batch's while the
+    same statistic outside became the full batch's.  No statistic is taken over the full
+    batch then (the step keeps its per-micro-batch statistics, as before)."""
+    for e in jaxpr.eqns:
+        reads = [not is_literal(v) and v in batch_data for v in e.invars]
+        if is_marker(e) or not any(reads):
+            continue
+        for body in sub_jaxprs(e):
+            if len(body.invars) == len(e.invars):
+                inner = {v for v, r in zip(body.invars, reads, strict=True) if r}
+            else:  # operands laid out otherwise (cond, while): assume any may be data
+                inner = set(body.invars)
+            if _reduces(body, inner):
+                return True
+    return False
+
+
+def _reduces(jaxpr, data: set) -> bool:
+    """Whether ``jaxpr`` computes, from ``data`` vars (and constants) alone, a value
+    smaller than what it is computed from (a reduction), at any depth."""
+    data = set(data)
+    for e in jaxpr.eqns:
+        ins = [v for v in e.invars if not is_literal(v)]
+        if not ins or not all(v in data for v in ins):
+            continue
+        biggest = max(_size(v) for v in ins)
+        if any(_size(o) < biggest for o in _outs(e)) or any(
+            _reduces(b, set(b.invars)) for b in sub_jaxprs(e)
+        ):
+            return True
+        data.update(_outs(e))
+    return False
+
+
+def _size(v) -> int:
+    return int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64))
 
 
 def _outs(e) -> list:

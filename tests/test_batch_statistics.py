@@ -6,6 +6,7 @@ Each step here equals ``jax.jit`` of the unmodified step with micro-batches whos
 differ (the first rows are masked more than the rest).
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +166,15 @@ def test_a_token_weighted_mean_equals_jit(threads_cluster, method):
     assert PATH.format(k=0) in str(par.plan)
 
 
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_a_token_weighted_mean_under_remat_equals_jit(threads_cluster, remat):
+    """A rematerialized layer recomputed the count inside its backward, per micro-batch,
+    while the forward divided by the full batch's (relative error 1.0 on a bias): the
+    count is now computed outside the checkpoint, and read by it."""
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, remat=remat)
+    check_step_parity(masked_step, method, _state(), BATCHES)
+
+
 def test_normalized_weights_and_a_masked_accuracy_equal_jit(threads_cluster, caplog):
     """The accuracy took the default mean, with a warning, and differed from jit's."""
     par = check_step_parity(weights_step, PIPE, _state(), BATCHES)
@@ -259,3 +269,56 @@ def test_a_padded_language_model_equals_jit_on_ray(ray_cluster):
     state = gpt.make_state(gpt.GPT(num_layers=2), batches[0]["inputs"])
     method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2)
     check_step_parity(lm_step, method, state, batches)
+
+
+class _RematLayer(nn.Module):
+    """A rematerialized layer, scaled by the mask's fill when ``inner_stat``."""
+
+    inner_stat: bool
+
+    @nn.compact
+    def __call__(self, x, mask):
+        h = jnp.tanh(nn.Dense(16)(x))
+        return h * (jnp.sum(mask) / mask.size) if self.inner_stat else h
+
+
+class _RematModel(nn.Module):
+    inner_stat: bool
+
+    @nn.compact
+    def __call__(self, x, mask):
+        for _ in range(3):
+            x = nn.remat(_RematLayer)(self.inner_stat)(x, mask)
+            meshshard.mark_pipeline_boundary()
+        return nn.Dense(4)(x)
+
+
+def _remat_case(inner_stat: bool):
+    model = _RematModel(inner_stat)
+    params = model.init(jax.random.key(0), BATCHES[0]["x"], BATCHES[0]["mask"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p):
+            err = (state.apply_fn({"params": p}, batch["x"], batch["mask"]) - batch["y"]) ** 2
+            return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step, state
+
+
+def test_user_remat_layers_keep_the_full_batch_count(threads_cluster):
+    step, state = _remat_case(inner_stat=False)
+    check_step_parity(step, PIPE, state, BATCHES)
+
+
+def test_a_statistic_inside_a_user_remat_layer_takes_none_over_the_full_batch():
+    """Its backward recomputes it inside the layer, per micro-batch, where the count
+    outside would be the full batch's (relative error 1.1 on a bias): the step keeps
+    per-micro-batch statistics, so its masked mean is refused as before."""
+    step, state = _remat_case(inner_stat=True)
+    par = meshshard.parallelize(step, method=PIPE)
+    with pytest.raises(MeshshardInputError, match=r"divides by a total computed from the batch"):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
