@@ -54,11 +54,11 @@ def apply_instructions(
 
 
 def _reduction_ends(phase_progs) -> dict:
-    """Per (worker, all-reduce buffer): the phase's first program reading it and last
-    program reading or writing it on that worker.  A worker running several meshes
-    (interleaved chunks) combines their partials and takes part once: it issues the
-    ``COLL`` after the last partial, ``WAIT`` s before the first reader and frees after
-    the last."""
+    """(worker, all-reduce buffer, read?) -> the phase's first and last program on that
+    worker that reads (read? True) or writes (False) the buffer.  A worker running
+    several meshes (interleaved chunks) combines their partials and takes part once: it
+    issues the ``COLL`` after the last writer, ``WAIT`` s before the first reader and
+    frees after the last reader."""
     ends: dict = {}
     for m, prog in phase_progs:
         if prog is None:
