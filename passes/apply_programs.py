@@ -286,5 +286,6 @@ def program_partials(reductions, outputs, mesh: int) -> dict:
     out = {}
     for r in reductions:
         if r.name in names:
-            out[r.var] = (r.op, dict(r.parts).get(mesh, ()), r.literals if mesh == 0 else ())
+            first = r.parts[0][0] if r.parts else 0  # adds the literal terms, once
+            out[r.var] = (r.op, dict(r.parts).get(mesh, ()), r.literals if mesh == first else ())
     return out

@@ -16,6 +16,11 @@ workers, once per step (the traffic TriRace schedules)::
     w0: WAIT A0
     w0: RUN m0.apply (A0 P0 S0) -> (O0)
 
+An update that combines values of several meshes (the squared norm of global-norm
+clipping) keeps its cross-mesh all-reduce per replica, over the replica's own meshes:
+it reads accumulators the replicas' all-reduce made equal, so every replica computes
+the same total (its literal terms added by the replica's first mesh).
+
 The sum over replicas of the per-replica sums is the sum over all micro-batches, so the
 update (which divides by ``M`` for a mean) computes what one pipeline over ``M``
 micro-batches computes, up to summation order; every replica gets the same bits and so
@@ -36,7 +41,7 @@ from dataclasses import replace
 
 from meshshard.errors import MeshshardInputError
 from meshshard.instructions import Collective, Instruction, Load, Recv, Run, Send, Wait
-from meshshard.plan import ExtremeKeys, Plan, TransferSpec
+from meshshard.plan import ExtremeKeys, Plan, ReductionSpec, TransferSpec
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
 __all__ = ["replicate_stages"]
@@ -100,6 +105,16 @@ class _Rename:
             return replace(x, buffer=self.buf(x.buffer))
         return x
 
+    def reduction(self, r: ReductionSpec) -> ReductionSpec:
+        """Replica ``j``'s copy of cross-mesh all-reduce ``r``: over its own meshes."""
+        return replace(
+            r,
+            name=str(self.buf(BufferRef(BufferKind.REDUCTION, int(r.name[1:])))),
+            group=tuple(map(self.w, r.group)),
+            leaders=tuple(map(self.w, r.leaders)),
+            parts=tuple((m + self.L * self.j, vs) for m, vs in r.parts),
+        )
+
     def transfer(self, t: TransferSpec) -> TransferSpec:
         msgs = tuple(
             replace(m, src=self.w(m.src), dst=self.w(m.dst), group=tuple(map(self.w, m.group)))
@@ -123,12 +138,6 @@ def _check(plan: Plan, d: int) -> None:
             f"PipeshardParallel(data_parallel={d}): meshes {multi} span several hosts; "
             "replicas all-reduce whole accumulators from one worker per mesh, so give each "
             "stage a one-host mesh such as (1, 2)"
-        )
-    if plan.reductions:
-        raise MeshshardInputError(
-            f"PipeshardParallel(data_parallel={d}): the update combines values across meshes "
-            f"({', '.join(r.name for r in plan.reductions)}, e.g. global-norm clipping), which "
-            "replicas do not support yet; drop the clipping or use data_parallel=1"
         )
     H = 1 + max(h for m in plan.meshes for h in m.hosts)
     if H * d > plan.cluster.num_hosts:
@@ -213,6 +222,7 @@ def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = 
             replace(b, name=rn.buf(b.name), mesh=b.mesh + rn.L * rn.j) for b in plan.buffers
         ]
         transfers += [rn.transfer(t) for t in plan.transfers]
+        reductions += [rn.reduction(r) for r in plan.reductions]
 
     def slots(spec):
         return tuple((rn.buf(g), i) for rn in names for g, i in spec.slots)

@@ -8,7 +8,9 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training import train_state
 
 import meshshard
 from examples import mlp
@@ -28,6 +30,7 @@ from meshshard.sim import simulate
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
 from tests.parity import check_parity, run_steps
+from tests.random_parity import check_step_parity
 from tests.two_bw_reference import check_2bw
 
 CLUSTER = ClusterSpec(num_hosts=4, devices_per_host=2)
@@ -384,3 +387,49 @@ def test_replicas_on_ray_with_every_switch(ray_cluster):
         )
         > 0
     )
+
+
+def _clipped_state(tx):
+    model = mlp.MLP(num_layers=4)
+    params = model.init(jax.random.key(0), mlp.make_batch(16)["x"])["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def _norm_plus_one_step(state, batch):
+    """Gradients over sqrt(1 + their squared norm): a cross-mesh all-reduce with a
+    literal term, which each replica must add once."""
+
+    def loss_fn(p):
+        return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    leaves = jax.tree.leaves(grads)
+    sq = jnp.sum(leaves[0] ** 2)
+    for g in leaves[1:]:
+        sq = sq + jnp.sum(g**2)
+    scale = 1.0 / jnp.sqrt(sq + 1.0)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g * scale, grads)), loss
+
+
+@pytest.mark.parametrize(
+    "schedule,stages,v", [("1f1b", [(1, 2)] * 2, 1), ("interleaved_1f1b", [(1, 1)] * 2, 2)]
+)
+def test_replicas_with_global_norm_clipping_match_jit(threads_cluster, schedule, stages, v):
+    """Refused before ("replicas do not support yet"): each replica now runs the update's
+    cross-mesh all-reduce over its own meshes, after the replicas' gradient all-reduce."""
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2))
+    method = PipeshardParallel(
+        num_micro_batches=4, stages=stages, schedule=schedule, virtual_stages=v, data_parallel=2
+    )
+    batches = [mlp.make_batch(batch_size=16, seed=i) for i in range(2)]
+    par = check_step_parity(mlp.train_step, method, _clipped_state(tx), batches)
+    groups = [r.group for r in par.plan.reductions]
+    assert len(groups) == 2 and not set(groups[0]) & set(groups[1])  # one per replica
+
+
+def test_replicas_add_an_all_reduce_literal_once_each(threads_cluster):
+    """The literal term went to mesh 0 only: replica 1 left it out (2.6e-2 off)."""
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2, data_parallel=2)
+    batches = [mlp.make_batch(batch_size=16, seed=i) for i in range(2)]
+    par = check_step_parity(_norm_plus_one_step, method, _clipped_state(optax.sgd(0.1)), batches)
+    assert all(r.literals == (1.0,) for r in par.plan.reductions)
