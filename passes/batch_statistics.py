@@ -82,9 +82,6 @@ class Statistics:
     def _run(self):
         return jax.jit(jaxpr_as_fun(self.closed))
 
-    def __getstate__(self):  # the compiled function stays in this process
-        return {k: v for k, v in self.__dict__.items() if k != "_run"}
-
 
 @dataclass(frozen=True)
 class _Found:
