@@ -18,7 +18,7 @@ import numpy as np
 
 from meshshard import metrics, two_bw
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import eval_eqns, is_marker, read_var, sub_jaxprs
+from meshshard.jaxpr_util import aval_nbytes, aval_size, eval_eqns, is_marker, read_var, sub_jaxprs
 from meshshard.metrics import check_reduction
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
@@ -330,7 +330,7 @@ def _data_only_values(jaxpr) -> dict:
     """Vars of the loss's jaxpr computed from its constants (the closed-over batch and
     state) and literals alone, not from the differentiated arguments -> the size of the
     largest constant each is computed from (0: from literals alone)."""
-    data = {v: int(np.prod(v.aval.shape, dtype=np.int64)) for v in jaxpr.constvars}
+    data = {v: aval_size(v.aval) for v in jaxpr.constvars}
     for e in jaxpr.eqns:
         ins = [v for v in e.invars if not hasattr(v, "val")]
         if not e.effects and not is_marker(e) and all(v in data for v in ins):
@@ -356,8 +356,8 @@ def _data_statistics_first(run: list, data: dict, env: dict) -> list:
         for v in e.outvars
         if v in data
         and v in inside
-        and _nbytes(v) <= DATA_STATISTIC_MAX_BYTES
-        and int(np.prod(v.aval.shape, dtype=np.int64)) < data[v]
+        and aval_nbytes(v.aval) <= DATA_STATISTIC_MAX_BYTES
+        and aval_size(v.aval) < data[v]
     ]
     if not wanted:
         return run
@@ -372,10 +372,6 @@ def _data_statistics_first(run: list, data: dict, env: dict) -> list:
         stack += [a for a in e.invars if not hasattr(a, "val")]
     eval_eqns([e for e in run if id(e) in need], env)
     return [e for e in run if id(e) not in need]
-
-
-def _nbytes(v) -> int:
-    return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
 
 
 def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:

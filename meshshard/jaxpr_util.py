@@ -145,3 +145,16 @@ def itemsize(dtype) -> int:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return int(dtype.itemsize)
     return np.dtype(dtype).itemsize
+
+
+def aval_size(aval) -> int:
+    """Elements of a jaxpr value's abstract value (0-d: 1; tokens and the like: 1)."""
+    import numpy as np
+
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
+
+
+def aval_nbytes(aval) -> int:
+    """Bytes of a jaxpr value's abstract value (0 for one without a dtype, a token)."""
+    dtype = getattr(aval, "dtype", None)
+    return 0 if dtype is None else aval_size(aval) * itemsize(dtype)

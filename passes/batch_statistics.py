@@ -38,6 +38,7 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr, jaxpr_as_fun
 from meshshard.jaxpr_util import (
+    aval_size,
     bind_eqn,
     eval_eqns,
     is_dropvar,
@@ -192,17 +193,13 @@ def _reduces(jaxpr, data: set) -> bool:
         ins = [v for v in e.invars if not is_literal(v)]
         if not ins or not all(v in data for v in ins):
             continue
-        biggest = max(_size(v) for v in ins)
-        if any(_size(o) < biggest for o in _outs(e)) or any(
+        biggest = max(aval_size(v.aval) for v in ins)
+        if any(aval_size(o.aval) < biggest for o in _outs(e)) or any(
             _reduces(b, set(b.invars)) for b in sub_jaxprs(e)
         ):
             return True
         data.update(_outs(e))
     return False
-
-
-def _size(v) -> int:
-    return int(np.prod(getattr(v.aval, "shape", ()), dtype=np.int64))
 
 
 def _outs(e) -> list:

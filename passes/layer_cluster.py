@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import itemsize, sub_jaxprs
+from meshshard.jaxpr_util import aval_nbytes, aval_size, sub_jaxprs
 
 __all__ = [
     "HEAVY",
@@ -54,18 +54,6 @@ DEFAULT_EPS = 0.5  # Alpa's AutoLayerOption default
 MAX_AUTO_LAYERS = 16
 
 
-def aval_nbytes(aval) -> int:
-    shape = getattr(aval, "shape", ())
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None:
-        return 0
-    return int(np.prod(shape, dtype=np.int64)) * itemsize(dtype)
-
-
-def _size(aval) -> int:
-    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
-
-
 def eqn_flops(eqn) -> float:
     """FLOPs of one equation: ``2 * out * contracted`` for a dot, one per output element
     otherwise; equations holding sub-jaxprs (pjit, remat, custom_jvp) count their body."""
@@ -74,14 +62,14 @@ def eqn_flops(eqn) -> float:
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
-        return 2.0 * _size(eqn.outvars[0].aval) * k
+        return 2.0 * aval_size(eqn.outvars[0].aval) * k
     if name == "conv_general_dilated":
         rhs = eqn.invars[1].aval.shape
-        return 2.0 * _size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
+        return 2.0 * aval_size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
     subs = list(sub_jaxprs(eqn))
     if subs:
         return float(sum(eqn_flops(e) for j in subs for e in j.eqns))
-    return float(sum(_size(v.aval) for v in eqn.outvars))
+    return float(sum(aval_size(v.aval) for v in eqn.outvars))
 
 
 def _is_heavy(eqn) -> bool:
