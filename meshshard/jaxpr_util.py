@@ -158,3 +158,28 @@ def aval_nbytes(aval) -> int:
     """Bytes of a jaxpr value's abstract value (0 for one without a dtype, a token)."""
     dtype = getattr(aval, "dtype", None)
     return 0 if dtype is None else aval_size(aval) * itemsize(dtype)
+
+
+def contraction_flops(eqn: JaxprEqn) -> float | None:
+    """FLOPs of a matmul or a convolution (``2 * out * contracted``), None for any other
+    equation: the compiler's cost models price these by arithmetic, the rest by bytes.
+
+    A convolution contracts each output element over its kernel's input features and
+    window, ``kernel size / output features`` whatever the dimension numbers' layout
+    (HWIO, OIHW, or the swapped ones of its own gradients) and group counts.
+    """
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = 1
+        for d in lhs_contract:
+            k *= int(lhs[d])
+        return 2.0 * aval_size(eqn.outvars[0].aval) * k
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out_features = int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
+        return (
+            2.0 * aval_size(eqn.outvars[0].aval) * (aval_size(eqn.invars[1].aval) // out_features)
+        )
+    return None

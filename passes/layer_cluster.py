@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import aval_nbytes, aval_size, sub_jaxprs
+from meshshard.jaxpr_util import aval_nbytes, aval_size, contraction_flops, sub_jaxprs
 
 __all__ = [
     "HEAVY",
@@ -55,17 +55,12 @@ MAX_AUTO_LAYERS = 16
 
 
 def eqn_flops(eqn) -> float:
-    """FLOPs of one equation: ``2 * out * contracted`` for a dot, one per output element
-    otherwise; equations holding sub-jaxprs (pjit, remat, custom_jvp) count their body."""
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64))
-        return 2.0 * aval_size(eqn.outvars[0].aval) * k
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape
-        return 2.0 * aval_size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
+    """FLOPs of one equation: ``2 * out * contracted`` for a dot or a convolution, one per
+    output element otherwise; equations holding sub-jaxprs (pjit, remat, custom_jvp)
+    count their body."""
+    heavy = contraction_flops(eqn)
+    if heavy is not None:
+        return heavy
     subs = list(sub_jaxprs(eqn))
     if subs:
         return float(sum(eqn_flops(e) for j in subs for e in j.eqns))

@@ -46,7 +46,7 @@ import numpy as np
 
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize, var_ids
+from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, itemsize, var_ids
 from meshshard.passes.shard_costs import REDUCE_KINDS, Comm, LogicalMesh
 from meshshard.passes.shard_rules import (
     ELEMENTWISE,
@@ -184,11 +184,7 @@ class _Problem:
 
 
 def _flops(eqn) -> float:
-    if eqn.primitive.name != "dot_general":
-        return 0.0
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    ls = eqn.invars[0].aval.shape
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(ls[d] for d in lc)
+    return contraction_flops(eqn) or 0.0
 
 
 def _strategy_cost(eqn, s: Strategy, mesh: LogicalMesh) -> float:

@@ -302,6 +302,103 @@ def _dot_general(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return out
 
 
+def _conv(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """A convolution splits like a matmul along its non-spatial dims: the batch (data
+    parallel), the kernel's output features (tensor parallel), or the input features it
+    contracts (the output all-reduced: the kernel gradient of a batch-split layer, whose
+    dimension numbers put the batch there).  Windows run over the spatial dims, which
+    stay whole; a grouped convolution splits its batch only."""
+    dn = eqn.params["dimension_numbers"]
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    out_shape = _shape(eqn.outvars[0])
+    if eqn.params["batch_group_count"] != 1:
+        return _replicated(eqn, mesh)
+    # roles: (size, lhs dims, rhs dims, out dims, contracted)
+    roles = [(ls[dn.lhs_spec[0]], (dn.lhs_spec[0],), (), (dn.out_spec[0],), False)]
+    if eqn.params["feature_group_count"] == 1:
+        roles.append((rs[dn.rhs_spec[0]], (), (dn.rhs_spec[0],), (dn.out_spec[1],), False))
+        roles.append((ls[dn.lhs_spec[1]], (dn.lhs_spec[1],), (dn.rhs_spec[1],), (), True))
+    itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
+    out = []
+    for groups in _assignments(len(roles), mesh):
+        if any(roles[r][0] % mesh.size(a) for r, a in groups.items()):
+            continue
+        lhs, rhs, res = [()] * len(ls), [()] * len(rs), [()] * len(out_shape)
+        reduce_axes: tuple[str, ...] = ()
+        for r, axes in groups.items():
+            _, la, ra, oa, contracted = roles[r]
+            for lay, dims in ((lhs, la), (rhs, ra), (res, oa)):
+                for d in dims:
+                    lay[d] = axes
+            if contracted:
+                reduce_axes += axes
+        out_lay = tuple(res)
+        comms = ()
+        if reduce_axes:
+            nbytes = math.prod(out_shape) * itemsize / shards(out_lay, mesh)
+            comms = (Comm("all-reduce", tuple(a for a in mesh.axes if a in reduce_axes), nbytes),)
+        split = math.prod(mesh.size(a) for a in groups.values())
+        name = f"lhs{_name(tuple(lhs))} rhs{_name(tuple(rhs))}"
+        out.append(Strategy(name, (out_lay,), (tuple(lhs), tuple(rhs)), comms, split))
+    return out
+
+
+def _along(eqn, mesh: LogicalMesh, free: Sequence[int]) -> list[Strategy]:
+    """Split only the ``free`` dims, which the equation maps one to one from every array
+    operand of the output's rank to the output (scalars stay whole): the batch and
+    feature dims of a pooling window, a pad or a reversal that leaves them alone."""
+    out_shape = _shape(eqn.outvars[0])
+    arrays = [v for v in eqn.invars if len(_shape(v)) == len(out_shape) and out_shape]
+    if any(_shape(v)[d] != out_shape[d] for v in arrays for d in free):
+        return _replicated(eqn, mesh)
+    out = []
+    for lay in layouts(out_shape, mesh):
+        if any(axes for d, axes in enumerate(lay) if d not in free):
+            continue
+        ins = tuple(
+            None if _is_literal(v) else lay if len(_shape(v)) == len(out_shape) else _whole(v)
+            for v in eqn.invars
+        )
+        outs = tuple(lay for _ in eqn.outvars)
+        out.append(Strategy(_name(lay), outs, ins, (), shards(lay, mesh)))
+    return out
+
+
+def _window(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """Pooling (``reduce_window_*``) and its gradient (``select_and_scatter_add``): the
+    dims whose window is one element, unstrided and unpadded split freely."""
+    p = eqn.params
+    rank = len(p["window_dimensions"])
+    ones = (1,) * rank
+    free = [
+        d
+        for d in range(rank)
+        if p["window_dimensions"][d] == 1
+        and p["window_strides"][d] == 1
+        and tuple(p["padding"][d]) == (0, 0)
+        and p.get("base_dilation", ones)[d] == 1
+        and p.get("window_dilation", ones)[d] == 1
+    ]
+    return _along(eqn, mesh, free)
+
+
+def _pad(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    free = [d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) == (0, 0, 0)]
+    return _along(eqn, mesh, free)
+
+
+def _rev(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    reversed_dims = set(eqn.params["dimensions"])
+    return _along(
+        eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d not in reversed_dims]
+    )
+
+
+def _cumulative(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    axis = eqn.params["axis"]
+    return _along(eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d != axis])
+
+
 def _broadcast_in_dim(eqn, mesh: LogicalMesh) -> list[Strategy]:
     out_shape = tuple(eqn.params["shape"])
     in_shape = _shape(eqn.invars[0])
@@ -422,6 +519,17 @@ def is_elementwise_call(eqn) -> bool:
     return True
 
 
+#: Pooling windows and the max-pool gradient.
+WINDOWED = frozenset(
+    {
+        "reduce_window_sum",
+        "reduce_window_max",
+        "reduce_window_min",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+    }
+)
+
 CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint"})
 #: Calls a custom derivative's body may wrap (``jax.nn.relu`` is ``jit(max(x, 0))``
 #: there): the inlining pass does not reach inside ``custom_jvp_call``.
@@ -453,6 +561,11 @@ STRATEGY_RULES: dict[str, Rule] = {
     "squeeze": _squeeze,
     "gather": _gather,
     "scatter-add": _scatter_add,
+    "conv_general_dilated": _conv,
+    **{p: _window for p in WINDOWED},
+    "pad": _pad,
+    "rev": _rev,
+    **{p: _cumulative for p in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
 }
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshshard.cluster import ClusterSpec
-from meshshard.passes.layer_cluster import aval_nbytes, eqn_flops
+from meshshard.passes.layer_cluster import HEAVY, aval_nbytes, eqn_flops
 from meshshard.passes.shard_costs import LogicalMesh
 
 __all__ = ["LayerStats", "StageCost", "CostOptions", "layer_stats", "AnalyticCost"]
@@ -197,11 +197,11 @@ _NONLINEAR = ("exp", "tanh", "logistic", "erf", "log", "rsqrt", "integer_pow")
 
 def _saved(eqns, derived: set) -> int:
     """Bytes the backward pass keeps (an estimate, as JAX's AD saves): each activation
-    read by a matmul once, and the outputs of nonlinear functions."""
+    read by a matmul or a convolution once, and the outputs of nonlinear functions."""
     seen: set = set()
     total = 0
     for e in eqns:
-        if e.primitive.name == "dot_general":
+        if e.primitive.name in HEAVY:
             vals = [v for v in e.invars if not hasattr(v, "val") and v not in derived]
         elif e.primitive.name in _NONLINEAR:
             vals = list(e.outvars)

@@ -39,6 +39,7 @@ import numpy as np
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, itemsize, var_ids
+from meshshard.passes.layer_cluster import HEAVY
 from meshshard.passes.meshes import logical_shapes
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import solve_stage
@@ -291,7 +292,7 @@ class IlpCost(AnalyticCost):
         seen: dict = {}
         for i in eqns:
             e = self.jaxpr.eqns[i]
-            if e.primitive.name == "dot_general":
+            if e.primitive.name in HEAVY:
                 vals = [v for v in e.invars if not is_literal(v) and v not in self._derived]
             elif e.primitive.name in _NONLINEAR:
                 vals = list(e.outvars)

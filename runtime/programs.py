@@ -108,10 +108,14 @@ def build_programs(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
         )
         phased = spec.name.part is not None
-        donate = tuple(
-            i
-            for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
-            if g.kind is BufferKind.ACCUMULATORS and not phased  # a later phase reads A
+        donate = _usable_donations(
+            [
+                i
+                for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
+                if g.kind is BufferKind.ACCUMULATORS and not phased  # a later phase reads A
+            ],
+            _flat_arrays(plan, spec.inputs, mesh_id, in_sh),
+            _flat_arrays(plan, spec.outputs, mesh_id, out_sh),
         )
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(
@@ -161,3 +165,34 @@ def _local(plan: Plan, spec, mesh: Mesh) -> Local | None:
 
 def _flat_groups(plan: Plan, groups: Sequence[BufferRef], mesh_id: int) -> list[BufferRef]:
     return [g for g in groups for _ in _specs_for(plan, g, mesh_id)]
+
+
+def _flat_arrays(plan: Plan, groups: Sequence[BufferRef], mesh_id: int, shardings) -> list:
+    """(shape, dtype, sharding) of each flat array of ``groups`` as the program holds it."""
+    out = []
+    for g in groups:
+        if g.kind is BufferKind.TRANSFER:
+            tensors = (plan.transfer(g).tensor,)
+        elif g.kind is BufferKind.REDUCTION:
+            tensors = (plan.reduction(g).tensor,)
+        else:
+            tensors = plan.buffer(g).tensors
+        for t, shape in zip(tensors, stored_shapes(plan, g, mesh_id), strict=True):
+            out.append((tuple(t.shape if shape is None else shape), str(t.dtype)))
+    return [(*a, s) for a, s in zip(out, shardings, strict=True)]
+
+
+def _usable_donations(candidates: Sequence[int], ins: Sequence, outs: Sequence) -> tuple:
+    """The candidate inputs XLA can reuse: each needs an output of its own with the same
+    shape, dtype and sharding (a replicated accumulator of an update whose outputs are
+    all sharded has none).  Donating only those keeps the step's memory the same and
+    spares the user JAX's "Some donated buffers were not usable" warning per program."""
+    free: dict = {}
+    for key in outs:
+        free[key] = free.get(key, 0) + 1
+    usable = []
+    for i in candidates:
+        if free.get(ins[i], 0):
+            free[ins[i]] -= 1
+            usable.append(i)
+    return tuple(usable)
