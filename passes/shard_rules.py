@@ -394,6 +394,35 @@ def _rev(eqn, mesh: LogicalMesh) -> list[Strategy]:
     )
 
 
+def _slice(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    shape, p = _shape(eqn.invars[0]), eqn.params
+    strides = p["strides"] or (1,) * len(shape)
+    free = [
+        d
+        for d in range(len(shape))
+        if p["start_indices"][d] == 0 and p["limit_indices"][d] == shape[d] and strides[d] == 1
+    ]
+    return _along(eqn, mesh, free)
+
+
+def _dynamic_slice(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    shape = _shape(eqn.invars[0])
+    sizes = eqn.params["slice_sizes"]
+    return _along(eqn, mesh, [d for d in range(len(shape)) if sizes[d] == shape[d]])
+
+
+def _dynamic_update_slice(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    shape, update = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    return _along(eqn, mesh, [d for d in range(len(shape)) if update[d] == shape[d]])
+
+
+def _joined(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """``concatenate`` and ``split`` (``jnp.split`` of a fused QKV projection) along one
+    dim: the others split freely."""
+    axis = eqn.params["dimension"] if "dimension" in eqn.params else eqn.params["axis"]
+    return _along(eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d != axis])
+
+
 def _cumulative(eqn, mesh: LogicalMesh) -> list[Strategy]:
     axis = eqn.params["axis"]
     return _along(eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d != axis])
@@ -565,6 +594,11 @@ STRATEGY_RULES: dict[str, Rule] = {
     **{p: _window for p in WINDOWED},
     "pad": _pad,
     "rev": _rev,
+    "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
+    "concatenate": _joined,
+    "split": _joined,
     **{p: _cumulative for p in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
 }
 

@@ -246,3 +246,25 @@ def test_only_all_reduces_no_later_all_reduce_depends_on_combine():
     weight_grads = [i for i in dots if jaxpr.eqns[i].outvars[0].aval.shape == (64, 64)]
     assert len(dots) == 5 and len(weight_grads) == 2
     assert set(weight_grads) <= found and not (set(dots) - set(weight_grads)) & found
+
+
+def test_slices_splits_and_concatenations_split_the_dims_they_take_whole():
+    from meshshard.passes.shard_rules import strategies
+
+    def f(x):
+        q, k, v = jnp.split(x, 3, axis=-1)  # a fused QKV projection
+        head = jax.lax.dynamic_slice_in_dim(x, 2, 4, axis=1)
+        return (
+            jnp.concatenate([q, k], axis=-1),
+            v[:, 1:],
+            jax.lax.dynamic_update_slice_in_dim(x, head, 1, axis=1),
+        )
+
+    jx = jax.make_jaxpr(f)(jnp.ones((8, 12))).jaxpr
+    names = set()
+    for e in jx.eqns:
+        split_dims = {d for s in strategies(e, MESH) for d, axes in enumerate(s.outs[0]) if axes}
+        assert split_dims == {0}, e.primitive.name  # the rows; never the sliced dim
+        assert all(s.comms == () for s in strategies(e, MESH))
+        names.add(e.primitive.name)
+    assert {"split", "concatenate", "slice", "dynamic_slice", "dynamic_update_slice"} <= names
