@@ -416,15 +416,23 @@ def _dynamic_update_slice(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return _along(eqn, mesh, [d for d in range(len(shape)) if update[d] == shape[d]])
 
 
+def _along_all_but(param: str) -> Rule:
+    """Rule for an equation working along the dim named by ``eqn.params[param]`` (a
+    cumulative sum, a sort, ``top_k`` of router scores, the last dim where the parameter
+    is absent): every other dim splits freely."""
+
+    def rule(eqn, mesh: LogicalMesh) -> list[Strategy]:
+        along = eqn.params.get(param, -1)
+        rank = len(_shape(eqn.outvars[0]))
+        return _along(eqn, mesh, [d for d in range(rank) if d != along % rank])
+
+    return rule
+
+
 def _joined(eqn, mesh: LogicalMesh) -> list[Strategy]:
     """``concatenate`` and ``split`` (``jnp.split`` of a fused QKV projection) along one
     dim: the others split freely."""
     axis = eqn.params["dimension"] if "dimension" in eqn.params else eqn.params["axis"]
-    return _along(eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d != axis])
-
-
-def _cumulative(eqn, mesh: LogicalMesh) -> list[Strategy]:
-    axis = eqn.params["axis"]
     return _along(eqn, mesh, [d for d in range(len(_shape(eqn.outvars[0]))) if d != axis])
 
 
@@ -599,7 +607,11 @@ STRATEGY_RULES: dict[str, Rule] = {
     "dynamic_update_slice": _dynamic_update_slice,
     "concatenate": _joined,
     "split": _joined,
-    **{p: _cumulative for p in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")},
+    **{
+        p: _along_all_but("axis") for p in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+    },
+    "top_k": _along_all_but("axis"),
+    "sort": _along_all_but("dimension"),
 }
 
 

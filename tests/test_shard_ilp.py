@@ -268,3 +268,20 @@ def test_slices_splits_and_concatenations_split_the_dims_they_take_whole():
         assert all(s.comms == () for s in strategies(e, MESH))
         names.add(e.primitive.name)
     assert {"split", "concatenate", "slice", "dynamic_slice", "dynamic_update_slice"} <= names
+
+
+def test_router_top_k_and_sorts_split_the_dims_they_do_not_order():
+    from meshshard.passes.shard_rules import strategies
+
+    def route(scores):
+        gate, idx = jax.lax.top_k(scores, 2)
+        keys, order = jax.lax.sort((scores, jnp.zeros(scores.shape, jnp.int32)), dimension=1)
+        return gate, idx, keys, order, jax.lax.sort(scores, dimension=0)
+
+    jx = jax.make_jaxpr(route)(jnp.ones((8, 4))).jaxpr
+    seen = {}
+    for e in jx.eqns:
+        if e.primitive.name in ("top_k", "sort"):
+            got = {d for s in strategies(e, MESH) for d, axes in enumerate(s.outs[0]) if axes}
+            seen.setdefault(e.primitive.name, []).append(got)
+    assert seen == {"top_k": [{0}], "sort": [{0}, {1}]}  # never the dim they order
