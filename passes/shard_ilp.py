@@ -390,13 +390,17 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
                     )
             continue
         strat = strat_of[i]
-        if strat[0].name == "replicated" and name not in ("iota",) and eqn.outvars:
-            notes.append(f"{name} runs replicated (no sharding rule)")
         n = len(nodes)
         outs = tuple(ids[o] for o in eqn.outvars if not is_dropvar(o))
         shapes = tuple(
             (tuple(o.aval.shape), o.aval.dtype) for o in eqn.outvars if not is_dropvar(o)
         )
+        if (
+            strat[0].name == "replicated"
+            and name != "iota"
+            and any(len(layouts(shape, mesh)) > 1 for shape, _ in shapes)
+        ):  # a scalar (a PRNG key's seed) has nothing to split: not worth a note
+            notes.append(f"{name} runs replicated (no sharding rule)")
         cost = np.array([_strategy_cost(eqn, s, mesh) for s in strat])
         factor = amortize.get(i, 1.0) if amortize else 1.0
         if factor != 1.0:

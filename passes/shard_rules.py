@@ -429,6 +429,22 @@ def _along_all_but(param: str) -> Rule:
     return rule
 
 
+def _tile(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """``jnp.tile``: a dim repeated once splits with its operand; a dim of one element
+    repeated (a class token tiled over the batch) splits the output only."""
+    reps = eqn.params["reps"]
+    operand, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    if len(reps) != len(operand):
+        return _replicated(eqn, mesh)
+    out = []
+    for lay in layouts(out_shape, mesh):
+        if any(axes and reps[d] != 1 and operand[d] != 1 for d, axes in enumerate(lay)):
+            continue
+        ins = (tuple(axes if reps[d] == 1 else () for d, axes in enumerate(lay)),)
+        out.append(Strategy(_name(lay), (lay,), ins, (), shards(lay, mesh)))
+    return out
+
+
 def _joined(eqn, mesh: LogicalMesh) -> list[Strategy]:
     """``concatenate`` and ``split`` (``jnp.split`` of a fused QKV projection) along one
     dim: the others split freely."""
@@ -606,6 +622,7 @@ STRATEGY_RULES: dict[str, Rule] = {
     "dynamic_slice": _dynamic_slice,
     "dynamic_update_slice": _dynamic_update_slice,
     "concatenate": _joined,
+    "tile": _tile,
     "split": _joined,
     **{
         p: _along_all_but("axis") for p in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")

@@ -285,3 +285,29 @@ def test_router_top_k_and_sorts_split_the_dims_they_do_not_order():
             got = {d for s in strategies(e, MESH) for d, axes in enumerate(s.outs[0]) if axes}
             seen.setdefault(e.primitive.name, []).append(got)
     assert seen == {"top_k": [{0}], "sort": [{0}, {1}]}  # never the dim they order
+
+
+def test_a_tiled_class_token_splits_with_the_batch():
+    from meshshard.passes.shard_rules import strategies
+
+    def f(cls, x):  # a ViT's class token repeated over the batch
+        return jnp.concatenate([jnp.tile(cls, (x.shape[0], 1, 1)), x], axis=1)
+
+    jx = jax.make_jaxpr(f)(jnp.ones((1, 1, 8)), jnp.ones((8, 5, 8))).jaxpr
+    (tile,) = [e for e in jx.eqns if e.primitive.name == "tile"]
+    by_out = {s.outs[0]: s for s in strategies(tile, MESH)}
+    rows = by_out[(("device",), (), ())]
+    assert rows.ins == (((), (), ()),) and rows.comms == ()  # the token whole, rows split
+    assert by_out[((), (), ("device",))].ins == (((), (), ("device",)),)
+
+
+def test_only_equations_with_something_to_split_are_noted_as_replicated():
+    def f(seed, x):
+        key = jax.random.key(seed)  # scalar key ops: nothing to split
+        return jnp.fft.fft(x).real + jax.random.uniform(key, ())
+
+    from meshshard.passes.inline import inline_calls
+
+    closed = inline_calls(jax.make_jaxpr(f)(jnp.int32(0), jnp.ones((8, 8))))
+    notes = [n for n in solve_stage(closed, MESH, CLUSTER).notes if "runs replicated" in n]
+    assert notes == ["fft runs replicated (no sharding rule)"]
