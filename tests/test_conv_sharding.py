@@ -1,6 +1,6 @@
 """Convolutional models under the sharding ILP: rules for convolutions, pooling, pads,
-reversals and cumulative sums, their FLOPs, and a CNN that runs data parallel through
-its convolutions (they ran replicated, every device computing the whole batch)."""
+reversals and cumulative sums, their FLOPs, and a CNN whose plan splits its convolutions
+(it modelled them replicated, predicting all-gathers of every activation)."""
 
 import warnings
 
