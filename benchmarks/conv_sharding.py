@@ -72,20 +72,6 @@ def _model_and_batch(batch_size: int):
     return state, batch
 
 
-def train_step(state, batch):
-    """Cross-entropy classification step."""
-    import optax
-
-    import meshshard
-
-    def loss_fn(params):
-        logits = state.apply_fn({"params": params}, batch["x"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-
 def main(argv=None) -> dict:
     """Measure the four rows and print them as a table (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,6 +86,7 @@ def main(argv=None) -> dict:
     from meshshard.passes import shard_rules
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
     from tests.conftest import with_fabric_costs
+    from tests.test_conv_sharding import cnn_step as train_step
 
     state, batch = _model_and_batch(args.batch_size)
     without = {k: shard_rules.STRATEGY_RULES.pop(k) for k in CONV_RULES}
