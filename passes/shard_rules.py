@@ -261,63 +261,13 @@ def _name(layout: Layout) -> str:
     return str(to_spec(layout))
 
 
-def _dot_general(eqn, mesh: LogicalMesh) -> list[Strategy]:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
-    rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
-    # roles: batch pairs, contracting pairs, lhs free dims, rhs free dims
-    roles = (
-        [("b", ls[a], (a,), (b,)) for a, b in zip(lb, rb, strict=True)]
-        + [("c", ls[a], (a,), (b,)) for a, b in zip(lc, rc, strict=True)]
-        + [("l", ls[a], (a,), ()) for a in lf]
-        + [("r", rs[b], (), (b,)) for b in rf]
-    )
-    out_shape = _shape(eqn.outvars[0])
-    itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
-    out = []
-    for groups in _assignments(len(roles), mesh):
-        if any(roles[r][1] % mesh.size(a) for r, a in groups.items()):
-            continue
-        lhs, rhs = [()] * len(ls), [()] * len(rs)
-        reduce_axes: tuple[str, ...] = ()
-        for r, axes in groups.items():
-            kind, _, la, ra = roles[r]
-            for d in la:
-                lhs[d] = axes
-            for d in ra:
-                rhs[d] = axes
-            if kind == "c":
-                reduce_axes += axes
-        by_kind = {k: [groups.get(i, ()) for i, x in enumerate(roles) if x[0] == k] for k in "blr"}
-        out_lay = tuple(by_kind["b"] + by_kind["l"] + by_kind["r"])
-        reduce_axes = tuple(a for a in mesh.axes if a in reduce_axes)
-        comms = ()
-        if reduce_axes:
-            nbytes = math.prod(out_shape) * itemsize / shards(out_lay, mesh)
-            comms = (Comm("all-reduce", reduce_axes, nbytes),)
-        split = math.prod(mesh.size(a) for a in groups.values())
-        name = f"lhs{_name(tuple(lhs))} rhs{_name(tuple(rhs))}"
-        out.append(Strategy(name, (out_lay,), (tuple(lhs), tuple(rhs)), comms, split))
-    return out
-
-
-def _conv(eqn, mesh: LogicalMesh) -> list[Strategy]:
-    """A convolution splits like a matmul along its non-spatial dims: the batch (data
-    parallel), the kernel's output features (tensor parallel), or the input features it
-    contracts (the output all-reduced: the kernel gradient of a batch-split layer, whose
-    dimension numbers put the batch there).  Windows run over the spatial dims, which
-    stay whole; a grouped convolution splits its batch only."""
-    dn = eqn.params["dimension_numbers"]
+def _contraction(eqn, mesh: LogicalMesh, roles) -> list[Strategy]:
+    """Strategies of a two-operand contraction (a matmul, a convolution) from its roles
+    ``(size, lhs dims, rhs dims, out dims, contracted)``: each assignment of mesh axes to
+    roles that divide splits those dims, and splitting a contracted role all-reduces the
+    output."""
     ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
     out_shape = _shape(eqn.outvars[0])
-    if eqn.params["batch_group_count"] != 1:
-        return _replicated(eqn, mesh)
-    # roles: (size, lhs dims, rhs dims, out dims, contracted)
-    roles = [(ls[dn.lhs_spec[0]], (dn.lhs_spec[0],), (), (dn.out_spec[0],), False)]
-    if eqn.params["feature_group_count"] == 1:
-        roles.append((rs[dn.rhs_spec[0]], (), (dn.rhs_spec[0],), (dn.out_spec[1],), False))
-        roles.append((ls[dn.lhs_spec[1]], (dn.lhs_spec[1],), (dn.rhs_spec[1],), (), True))
     itemsize = dtype_bytes(eqn.outvars[0].aval.dtype)
     out = []
     for groups in _assignments(len(roles), mesh):
@@ -341,6 +291,39 @@ def _conv(eqn, mesh: LogicalMesh) -> list[Strategy]:
         name = f"lhs{_name(tuple(lhs))} rhs{_name(tuple(rhs))}"
         out.append(Strategy(name, (out_lay,), (tuple(lhs), tuple(rhs)), comms, split))
     return out
+
+
+def _dot_general(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    lf = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(rs)) if d not in rc and d not in rb]
+    # the output holds the batch pairs, then the lhs free dims, then the rhs free dims
+    nb, nl = len(lb), len(lf)
+    roles = (
+        [(ls[a], (a,), (b,), (i,), False) for i, (a, b) in enumerate(zip(lb, rb, strict=True))]
+        + [(ls[a], (a,), (b,), (), True) for a, b in zip(lc, rc, strict=True)]
+        + [(ls[a], (a,), (), (nb + i,), False) for i, a in enumerate(lf)]
+        + [(rs[b], (), (b,), (nb + nl + i,), False) for i, b in enumerate(rf)]
+    )
+    return _contraction(eqn, mesh, roles)
+
+
+def _conv(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    """A convolution splits like a matmul along its non-spatial dims: the batch (data
+    parallel), the kernel's output features (tensor parallel), or the input features it
+    contracts (the output all-reduced: the kernel gradient of a batch-split layer, whose
+    dimension numbers put the batch there).  Windows run over the spatial dims, which
+    stay whole; a grouped convolution splits its batch only."""
+    dn = eqn.params["dimension_numbers"]
+    ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    if eqn.params["batch_group_count"] != 1:
+        return _replicated(eqn, mesh)
+    roles = [(ls[dn.lhs_spec[0]], (dn.lhs_spec[0],), (), (dn.out_spec[0],), False)]
+    if eqn.params["feature_group_count"] == 1:
+        roles.append((rs[dn.rhs_spec[0]], (), (dn.rhs_spec[0],), (dn.out_spec[1],), False))
+        roles.append((ls[dn.lhs_spec[1]], (dn.lhs_spec[1],), (dn.rhs_spec[1],), (), True))
+    return _contraction(eqn, mesh, roles)
 
 
 def _along(eqn, mesh: LogicalMesh, free: Sequence[int]) -> list[Strategy]:
