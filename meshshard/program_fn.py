@@ -213,14 +213,7 @@ def reduction_identity(op: str, shape, dtype) -> np.ndarray:
 def combine_partials(op: str, a, b):
     """Two partial results of one all-reduce combined by ``op``: what a worker running
     several meshes' update programs (interleaved chunks) contributes once."""
-    if op == "sum":
-        return a + b
-    return {
-        "max": jnp.maximum,
-        "min": jnp.minimum,
-        "and": jnp.logical_and,
-        "or": jnp.logical_or,
-    }[op](a, b)
+    return _REDUCERS[op](a, b)
 
 
 def _reductions(g_eqn) -> tuple:

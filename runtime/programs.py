@@ -55,13 +55,18 @@ class CompiledProgram:
         return result
 
 
+def _tensors(plan: Plan, ref: BufferRef) -> tuple[TensorSpec, ...]:
+    """The arrays of buffer group, transfer or all-reduce ``ref``."""
+    if ref.kind is BufferKind.TRANSFER:
+        return (plan.transfer(ref).tensor,)
+    if ref.kind is BufferKind.REDUCTION:
+        return (plan.reduction(ref).tensor,)
+    return plan.buffer(ref).tensors
+
+
 def group_contents(plan: Plan, ref: BufferRef) -> BufferGroup:
     """Buffer group, transfer or all-reduce ``ref`` with the var ids it holds."""
-    if ref.kind is BufferKind.TRANSFER:
-        return BufferGroup(ref, (plan.transfer(ref).tensor.var,))
-    if ref.kind is BufferKind.REDUCTION:
-        return BufferGroup(ref, (plan.reduction(ref).tensor.var,))
-    return BufferGroup(ref, tuple(t.var for t in plan.buffer(ref).tensors))
+    return BufferGroup(ref, tuple(t.var for t in _tensors(plan, ref)))
 
 
 def _specs_for(plan: Plan, group: BufferRef, mesh_id: int) -> tuple[Spec, ...]:
@@ -171,13 +176,7 @@ def _flat_arrays(plan: Plan, groups: Sequence[BufferRef], mesh_id: int, sharding
     """(shape, dtype, sharding) of each flat array of ``groups`` as the program holds it."""
     out = []
     for g in groups:
-        if g.kind is BufferKind.TRANSFER:
-            tensors = (plan.transfer(g).tensor,)
-        elif g.kind is BufferKind.REDUCTION:
-            tensors = (plan.reduction(g).tensor,)
-        else:
-            tensors = plan.buffer(g).tensors
-        for t, shape in zip(tensors, stored_shapes(plan, g, mesh_id), strict=True):
+        for t, shape in zip(_tensors(plan, g), stored_shapes(plan, g, mesh_id), strict=True):
             out.append((tuple(t.shape if shape is None else shape), str(t.dtype)))
     return [(*a, s) for a, s in zip(out, shardings, strict=True)]
 
