@@ -313,16 +313,33 @@ def _conv(eqn, mesh: LogicalMesh) -> list[Strategy]:
     """A convolution splits like a matmul along its non-spatial dims: the batch (data
     parallel), the kernel's output features (tensor parallel), or the input features it
     contracts (the output all-reduced: the kernel gradient of a batch-split layer, whose
-    dimension numbers put the batch there).  Windows run over the spatial dims, which
-    stay whole; a grouped convolution splits its batch only."""
+    dimension numbers put the batch there).  A grouped convolution whose groups read one
+    input feature each (depthwise, with any channel multiplier) splits its batch or whole
+    groups (a depthwise layer's channels need no communication); other grouped ones run
+    replicated, as XLA runs them.  A kernel gradient (``batch_group_count``) splits the
+    same groups or the contracted batch.  Windows run over the spatial dims, which stay
+    whole."""
     dn = eqn.params["dimension_numbers"]
     ls, rs = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    if eqn.params["batch_group_count"] != 1:
+    feature_groups = eqn.params["feature_group_count"]
+    batch_groups = eqn.params["batch_group_count"]
+    contracted = (ls[dn.lhs_spec[1]], (dn.lhs_spec[1],), (dn.rhs_spec[1],), (), True)
+    kernel_out = (dn.rhs_spec[0],), (dn.out_spec[1],)
+    if batch_groups != 1:
+        # each group of output features reads its own contiguous block of the lhs batch
+        return _contraction(
+            eqn, mesh, [(batch_groups, (dn.lhs_spec[0],), *kernel_out, False), contracted]
+        )
+    if feature_groups != 1 and rs[dn.rhs_spec[1]] != 1:
+        # XLA's partitioners (Shardy and GSPMD alike) all-gather such a convolution's
+        # input whatever its split unless each group reads one input feature
         return _replicated(eqn, mesh)
     roles = [(ls[dn.lhs_spec[0]], (dn.lhs_spec[0],), (), (dn.out_spec[0],), False)]
-    if eqn.params["feature_group_count"] == 1:
-        roles.append((rs[dn.rhs_spec[0]], (), (dn.rhs_spec[0],), (dn.out_spec[1],), False))
-        roles.append((ls[dn.lhs_spec[1]], (dn.lhs_spec[1],), (dn.rhs_spec[1],), (), True))
+    if feature_groups == 1:
+        roles += [(rs[dn.rhs_spec[0]], (), *kernel_out, False), contracted]
+    else:
+        # groups are contiguous blocks of the lhs features and of the kernel's outputs
+        roles.append((feature_groups, (dn.lhs_spec[1],), *kernel_out, False))
     return _contraction(eqn, mesh, roles)
 
 
@@ -486,16 +503,18 @@ def _prefix(shape: Sequence[int]) -> list[int]:
 
 def _reshape(eqn, mesh: LogicalMesh) -> list[Strategy]:
     """A split dim survives a reshape when it leads the same group of elements on both
-    sides (equal products of the dims before it) and its split divides both sizes."""
-    if eqn.params.get("dimensions") is not None:
-        return _replicated(eqn, mesh)
-    ins_shape, out_shape = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    sides (equal products of the dims before it) and its split divides both sizes.  A
+    reshape with ``dimensions`` (a transpose, then the reshape: a grouped convolution's
+    kernel gradient) is matched on the transposed dims."""
+    order = eqn.params.get("dimensions") or tuple(range(len(_shape(eqn.invars[0]))))
+    ins_shape = tuple(_shape(eqn.invars[0])[d] for d in order)
+    out_shape = tuple(eqn.params["new_sizes"])
     pin, pout = _prefix(ins_shape), _prefix(out_shape)
     out = []
-    for lay in layouts(ins_shape, mesh):
+    for lay in layouts(_shape(eqn.invars[0]), mesh):
         out_lay = [()] * len(out_shape)
         ok = True
-        for d, axes in enumerate(lay):
+        for d, axes in enumerate(lay[o] for o in order):
             if not axes:
                 continue
             n = mesh.size(axes)

@@ -26,6 +26,7 @@ from tests.random_parity import check_step_parity
 CLUSTER = ClusterSpec()
 MESH = LogicalMesh.of((1, 4), CLUSTER)
 D = ("device",)
+CONV = "conv_general_dilated"
 
 
 def _eqns(fn, *args, name):
@@ -69,15 +70,69 @@ def test_the_kernel_gradient_of_a_batch_split_convolution_all_reduces():
     assert [(c.kind, c.nbytes) for c in split.comms] == [("all-reduce", K.size * 4)]
 
 
-def test_a_grouped_convolution_splits_its_batch_only():
-    (eqn,) = _eqns(
-        lambda x, k: _conv(x, k, feature_group_count=4),
-        X,
-        jnp.ones((3, 3, 1, 8)),
-        name="conv_general_dilated",
-    )
-    outs = {s.outs for s in strategies(eqn, MESH)}
-    assert outs == {(((), (), (), ()),), ((D, (), (), ()),)}
+def _grouped(groups, in_per_group, out_per_group):
+    """The convolutions of a grouped layer's step (forward, kernel and input gradients)."""
+    x = jnp.ones((4, 6, 6, groups * in_per_group))
+    k = jnp.ones((3, 3, in_per_group, groups * out_per_group))
+
+    def loss(x, k):
+        return jnp.sum(_conv(x, k, feature_group_count=groups) ** 2)
+
+    jx = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, k).jaxpr
+    return [e for e in jx.eqns if e.primitive.name in ("conv_general_dilated", "reshape")]
+
+
+def test_a_depthwise_convolution_splits_its_batch_or_whole_groups():
+    # one input and one output feature per group: whole groups need no communication,
+    # in the forward, the input gradient and the kernel gradient
+    fwd, kgrad, *rest = _grouped(16, 1, 1)
+    assert kgrad.params["batch_group_count"] == 16
+    outs = {s.outs: s for s in strategies(fwd, MESH)}
+    assert set(outs) == {(((), (), (), ()),), ((D, (), (), ()),), (((), (), (), D),)}
+    assert outs[(((), (), (), D),)].ins == (((), (), (), D), ((), (), (), D))
+    assert all(s.comms == () for s in outs.values())
+    by_ins = {s.ins: s for s in strategies(kgrad, MESH)}
+    groups = by_ins[(((), (), (), D), ((), (), (), D))]  # channels of x and of dy
+    assert groups.outs == (((), (), (), D),) and groups.comms == ()
+    batch = by_ins[((D, (), (), ()), (D, (), (), ()))]  # the batch, now contracted
+    assert batch.outs == (((), (), (), ()),) and [c.kind for c in batch.comms] == ["all-reduce"]
+    # the kernel's reshapes (one of them transposing) carry the group split through
+    for eqn in rest:
+        assert any(any(s.outs[0]) for s in strategies(eqn, MESH)), eqn
+
+
+def test_other_grouped_convolutions_run_replicated_as_xla_runs_them():
+    # two input features per group: XLA's partitioner gathers the input for any split
+    fwd, kgrad, *_, dgrad = _grouped(4, 2, 2)
+    assert {s.outs for s in strategies(fwd, MESH)} == {(((), (), (), ()),)}
+    assert {s.outs for s in strategies(dgrad, MESH)} == {(((), (), (), ()),)}
+    # its kernel gradient (batch groups) does split: each group reads its own block
+    assert any(s.outs[0][3] for s in strategies(kgrad, MESH))
+
+
+@pytest.mark.parametrize("shape", [(16, 1, 1), (8, 1, 2), (4, 2, 2)], ids=str)
+def test_grouped_convolution_strategies_compile_to_the_collectives_they_price(shape):
+    """Each strategy of a grouped layer's convolutions and reshapes, compiled by XLA with
+    its layouts: the program holds exactly the collectives the strategy predicts."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from meshshard.passes.shard_rules import to_spec
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("host", "device"))
+    for eqn in _grouped(*shape):
+        args = [jnp.ones(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        for s in strategies(eqn, MESH):
+
+            def run(*a, eqn=eqn):
+                return eqn.primitive.bind(*a, **eqn.params)
+
+            shard = [NamedSharding(mesh, PartitionSpec(*to_spec(lay))) for lay in s.ins]
+            out = NamedSharding(mesh, PartitionSpec(*to_spec(s.outs[0])))
+            hlo = jax.jit(run, in_shardings=shard, out_shardings=out).lower(*args).compile()
+            found = re.findall(r"(all-reduce|all-gather|all-to-all)(?:-start)?\(", hlo.as_text())
+            assert sorted(set(found)) == sorted({c.kind for c in s.comms}), (eqn, s.name)
 
 
 def test_convolution_flops_count_the_kernel_window_in_any_layout():
@@ -216,3 +271,75 @@ def test_a_convolutions_input_counts_as_a_saved_activation():
     (stats,) = layer_stats(jaxpr, [], params=[0])
     assert stats.act_bytes == X.size * 4  # was 0: only matmul operands were counted
     assert stats.flops_fwd >= 2 * (8 * 6 * 6 * 8) * (3 * 3 * 4)
+
+
+class BatchNormCNN(nn.Module):
+    """Alpa's conv test model (tests/shard_parallel/test_conv.py): stride-2 convolutions,
+    BatchNorm, ReLU and a stride-1 max-pool."""
+
+    layers: int = 3
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            x = nn.Conv(self.features, (3, 3), strides=(2, 2), use_bias=False)(x)
+            x = nn.relu(nn.BatchNorm(use_running_average=False)(x))
+            x = nn.max_pool(x, (2, 2), strides=(1, 1), padding="SAME")
+        return x
+
+
+def batch_norm_step(state, batch):
+    def loss_fn(params):
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        out, updates = state.apply_fn(variables, batch["x"], mutable=["batch_stats"])
+        return jnp.mean((out - batch["y"]) ** 2), updates
+
+    grads, updates = jax.grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+
+
+class BatchStatsState(train_state.TrainState):
+    batch_stats: dict
+
+
+def batch_norm_case(batch, image, features, layers=3):
+    """(state, batch) of :class:`BatchNormCNN` on ``batch`` random images."""
+    rng = np.random.default_rng(0)
+    side = image // 2**layers
+    data = {
+        "x": rng.standard_normal((batch, image, image, features)).astype(np.float32),
+        "y": rng.standard_normal((batch, side, side, features)).astype(np.float32),
+    }
+    model = BatchNormCNN(layers, features)
+    variables = model.init(jax.random.key(0), data["x"])
+    state = BatchStatsState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=optax.sgd(0.1, momentum=0.9),
+        batch_stats=variables["batch_stats"],
+    )
+    return state, data
+
+
+def test_a_convolution_reads_its_operands_so_the_ilp_prefers_its_batch_split():
+    """Splitting a convolution's output features leaves each device reading the whole
+    input; the ILP priced only FLOPs and writes, found the two splits tied, and chose the
+    output features for a BatchNorm CNN, which ran 1.8x slower than data parallel."""
+    from meshshard.passes.shard_ilp import _strategy_cost
+
+    (eqn,) = _eqns(_conv, jnp.ones((64, 16, 16, 16)), jnp.ones((3, 3, 16, 16)), name=CONV)
+    by_ins = {s.ins: s for s in strategies(eqn, MESH)}
+    batch = _strategy_cost(eqn, by_ins[((D, (), (), ()), ((), (), (), ()))], MESH)
+    features = _strategy_cost(eqn, by_ins[(((), (), (), ()), ((), (), (), D))], MESH)
+    read = 64 * 16 * 16 * 16 * 4 * (1 - 1 / 4) - 3 * 3 * 16 * 16 * 4 * (1 - 1 / 4)
+    assert features - batch == pytest.approx(read / MESH.memory_bandwidth)
+
+    state, data = batch_norm_case(128, 32, 16)
+    step = meshshard.parallelize(batch_norm_step, method=ShardParallel((1, 4)))
+    one_host = ClusterSpec(num_hosts=1, devices_per_host=4)
+    plan = step.lower(state, data, cluster=one_host, costs=False)
+    specs = {t.name: t.spec for b in plan.buffers for t in b.tensors}
+    assert specs["args[1]['x']"] == specs["args[1]['y']"] == ("device",)  # data parallel
+    kernels = [spec for name, spec in specs.items() if ".params[" in name and "kernel" in name]
+    assert len(kernels) == 3 and not any(kernels), specs

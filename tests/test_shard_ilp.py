@@ -200,7 +200,8 @@ def test_combinable_gradient_all_reduces_pay_one_latency(monkeypatch):
     from meshshard.jaxpr_util import var_ids
     from meshshard.passes import shard_ilp
 
-    closed = jax.make_jaxpr(_four_gradients)(jnp.ones((256, 16)), *[jnp.ones((16, 16))] * 4)
+    # a batch where the split wins only when the four all-reduces share one latency
+    closed = jax.make_jaxpr(_four_gradients)(jnp.ones((128, 16)), *[jnp.ones((16, 16))] * 4)
     ids = var_ids(closed.jaxpr)
     whole = {ids[v]: () for v in (*closed.jaxpr.invars[1:], *closed.jaxpr.outvars)}
     sol = solve_stage(closed, MESH, CLUSTER, pins=whole)
