@@ -602,7 +602,7 @@ def _milp(problem: _Problem, budget: float | None, time_limit: float, gap: float
     for (n1, k1), (n2, k2) in problem.ties:
         lays1 = [st.outs[k1] for st in nodes[n1].strategies]
         lays2 = [st.outs[k2] for st in nodes[n2].strategies]
-        for lay in set(lays1) | set(lays2):
+        for lay in dict.fromkeys(lays1 + lays2):  # in a fixed order: HiGHS breaks ties by it
             ent = [(offsets[n1] + j, 1.0) for j, x in enumerate(lays1) if x == lay]
             ent += [(offsets[n2] + j, -1.0) for j, x in enumerate(lays2) if x == lay]
             row(ent, 0.0, 0.0)
