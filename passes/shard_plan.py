@@ -161,10 +161,11 @@ def zero_notes(traced: TracedStep, graph: StageGraph, mode: str) -> list[str]:
     if mode != "zero2":
         return []
     fwd = _read_by_gradients(traced, graph)
-    state = [
+    read = {v for eqn in traced.jaxpr.eqns for v in eqn.invars if not is_literal(v)}
+    state = [  # leaves the step only passes through (Adafactor's unused slots) split nothing
         v
         for v, info in zip(traced.jaxpr.invars, traced.inputs, strict=False)
-        if not info.is_batch and not info.is_key and len(info.shape) > 0
+        if not info.is_batch and not info.is_key and len(info.shape) > 0 and v in read
     ]
     if not state or any(v not in fwd for v in state):
         return []
