@@ -177,6 +177,37 @@ def test_gradient_accumulation(one_host_cluster, mesh_shape):
     assert_trees_close(jax.jit(accumulate_step)(state, batch).params, got.params)
 
 
+@pytest.mark.jax_groups(1)  # one mesh across two host-actors
+@pytest.mark.ray
+def test_gradient_accumulation_multi_host(ray_cluster):
+    # origin: tests/shard_parallel/test_gradient_accumulation.py::
+    # test_gradient_accumulation_multi_host: the 2 x 2 mesh spans two host-actors (Ray),
+    # momentum SGD over 2 micro-batches, two steps; parity with the full-batch step
+    batch = {
+        "x": np.ones((256, 16), np.float32) * np.arange(256, dtype=np.float32)[:, None] / 256,
+        "y": np.ones((256, 16), np.float32),
+    }
+    model = TwoDense()
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.sgd(1e-2, momentum=0.9),
+    )
+    spec = ray_cluster.spec
+    with_fabric_costs(ray_cluster)  # so the ILP splits this small model's values
+    try:
+        step = meshshard.parallelize(
+            accumulate_step, method=ShardParallel((2, 2), num_micro_batches=2)
+        )
+        got = step(step(state, batch), batch)
+    finally:
+        ray_cluster.spec = spec
+    ref_step = jax.jit(accumulate_step)
+    assert_trees_close(ref_step(ref_step(state, batch), batch).params, got.params)
+    assert step.plan.meshes[0].hosts == (0, 1)
+    assert any(t.spec for b in step.plan.buffers for t in b.tensors), "nothing split"
+
+
 class ReluMLP(nn.Module):
     num_layers: int
     hidden: int
