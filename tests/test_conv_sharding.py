@@ -305,13 +305,18 @@ class BatchStatsState(train_state.TrainState):
 
 def batch_norm_case(batch, image, features, layers=3):
     """(state, batch) of :class:`BatchNormCNN` on ``batch`` random images."""
+    model = BatchNormCNN(layers, features)
+    return batch_stats_case(model, batch, image, features, image // 2**layers)
+
+
+def batch_stats_case(model, batch, image, features, out_side):
+    """(state, batch) of a model with ``batch_stats`` on ``batch`` random images, targets
+    of ``out_side`` x ``out_side`` x ``features``; momentum SGD."""
     rng = np.random.default_rng(0)
-    side = image // 2**layers
     data = {
         "x": rng.standard_normal((batch, image, image, features)).astype(np.float32),
-        "y": rng.standard_normal((batch, side, side, features)).astype(np.float32),
+        "y": rng.standard_normal((batch, out_side, out_side, features)).astype(np.float32),
     }
-    model = BatchNormCNN(layers, features)
     variables = model.init(jax.random.key(0), data["x"])
     state = BatchStatsState.create(
         apply_fn=model.apply,

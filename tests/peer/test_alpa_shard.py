@@ -147,6 +147,21 @@ class TwoDense(nn.Module):
         return nn.Dense(16)(nn.Dense(16)(x))
 
 
+def _two_dense_case():
+    """(state, batch) of Alpa's gradient-accumulation tests: two Dense layers, momentum SGD."""
+    batch = {
+        "x": np.ones((256, 16), np.float32) * np.arange(256, dtype=np.float32)[:, None] / 256,
+        "y": np.ones((256, 16), np.float32),
+    }
+    model = TwoDense()
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=model.init(jax.random.PRNGKey(0), batch["x"]),
+        tx=optax.sgd(1e-2, momentum=0.9),
+    )
+    return state, batch
+
+
 def accumulate_step(state, batch):
     def loss_fn(params):
         return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
@@ -160,16 +175,7 @@ def test_gradient_accumulation(one_host_cluster, mesh_shape):
     # test_gradient_accumulation_single_host (1x4) and ::test_gradient_accumulation_2d_mesh
     # (2x2): momentum SGD, 2 micro-batches, parity with the full-batch step.  Alpa counts
     # one gradient all-reduce per step, not per micro-batch: tests/test_shard_accumulate.py.
-    batch = {
-        "x": np.ones((256, 16), np.float32) * np.arange(256, dtype=np.float32)[:, None] / 256,
-        "y": np.ones((256, 16), np.float32),
-    }
-    model = TwoDense()
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=model.init(jax.random.PRNGKey(0), batch["x"]),
-        tx=optax.sgd(1e-2, momentum=0.9),
-    )
+    state, batch = _two_dense_case()
     step = meshshard.parallelize(
         accumulate_step, method=ShardParallel(mesh_shape, num_micro_batches=2)
     )
@@ -183,16 +189,7 @@ def test_gradient_accumulation_multi_host(ray_cluster):
     # origin: tests/shard_parallel/test_gradient_accumulation.py::
     # test_gradient_accumulation_multi_host: the 2 x 2 mesh spans two host-actors (Ray),
     # momentum SGD over 2 micro-batches, two steps; parity with the full-batch step
-    batch = {
-        "x": np.ones((256, 16), np.float32) * np.arange(256, dtype=np.float32)[:, None] / 256,
-        "y": np.ones((256, 16), np.float32),
-    }
-    model = TwoDense()
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=model.init(jax.random.PRNGKey(0), batch["x"]),
-        tx=optax.sgd(1e-2, momentum=0.9),
-    )
+    state, batch = _two_dense_case()
     spec = ray_cluster.spec
     with_fabric_costs(ray_cluster)  # so the ILP splits this small model's values
     try:
@@ -217,6 +214,20 @@ class ReluMLP(nn.Module):
         for _ in range(self.num_layers - 1):
             x = nn.relu(nn.Dense(self.hidden)(x))
         return nn.Dense(self.hidden)(x)
+
+
+def _mlp_case(tx, batch_size=256, hidden=32):
+    """(state, batch) of Alpa's 6-layer ReLU MLP tests on random data."""
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.standard_normal((batch_size, hidden)).astype(np.float32),
+        "y": rng.standard_normal((batch_size, hidden)).astype(np.float32),
+    }
+    model = ReluMLP(num_layers=6, hidden=hidden)
+    state = TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.PRNGKey(0), batch["x"]), tx=tx
+    )
+    return state, batch
 
 
 def jax_grad_step(state, batch):
@@ -253,17 +264,7 @@ def _kernel_specs(plan):
 )
 def test_n_layer_mlp(one_host_cluster, batch_size, hidden, parallel):
     with_fabric_costs(one_host_cluster)
-    rng = np.random.default_rng(0)
-    batch = {
-        "x": rng.standard_normal((batch_size, hidden)).astype(np.float32),
-        "y": rng.standard_normal((batch_size, hidden)).astype(np.float32),
-    }
-    model = ReluMLP(num_layers=6, hidden=hidden)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=model.init(jax.random.PRNGKey(0), batch["x"]),
-        tx=optax.adam(1e-2),
-    )
+    state, batch = _mlp_case(optax.adam(1e-2), batch_size, hidden)
     step = meshshard.parallelize(jax_grad_step, method=ShardParallel((1, 4)))
     got = step(state, batch)
     assert_trees_close(jax.jit(jax_grad_step)(state, batch).params, got.params, rtol=1e-4)
@@ -298,17 +299,7 @@ def test_n_layer_mlp_zero(one_host_cluster, mode, step):
     # origin: tests/shard_parallel/test_mlp.py::test_n_layer_mlp_data_parallel_reduce_scatter
     # (Zero2Parallel) and ::..._zero_stage_3 (Zero3Parallel): the optimizer state (zero2),
     # and the parameters too (zero3), are split over the devices; parity with jax.jit
-    rng = np.random.default_rng(0)
-    batch = {
-        "x": rng.standard_normal((256, 32)).astype(np.float32),
-        "y": rng.standard_normal((256, 32)).astype(np.float32),
-    }
-    model = ReluMLP(num_layers=6, hidden=32)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=model.init(jax.random.PRNGKey(0), batch["x"]),
-        tx=optax.adam(1e-2),
-    )
+    state, batch = _mlp_case(optax.adam(1e-2))
     ref = jax.jit(step)(state, batch)
     step = meshshard.parallelize(step, method=ShardParallel((1, 4), sharding=mode))
     got = step(state, batch)
@@ -374,24 +365,11 @@ class DepthwiseCNN(nn.Module):
 
 
 def _conv_case(kind, batch, image, features, layers):
-    from tests.test_conv_sharding import BatchStatsState, batch_norm_case
+    from tests.test_conv_sharding import batch_norm_case, batch_stats_case
 
     if kind != "depthwise":
         return batch_norm_case(batch, image, features, layers)
-    rng = np.random.default_rng(0)
-    data = {
-        "x": rng.standard_normal((batch, image, image, features)).astype(np.float32),
-        "y": rng.standard_normal((batch, image, image, features)).astype(np.float32),
-    }
-    model = DepthwiseCNN(features)
-    variables = model.init(jax.random.PRNGKey(0), data["x"])
-    state = BatchStatsState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=optax.sgd(0.1, momentum=0.9),
-        batch_stats=variables["batch_stats"],
-    )
-    return state, data
+    return batch_stats_case(DepthwiseCNN(features), batch, image, features, image)
 
 
 @pytest.mark.parametrize(
@@ -441,17 +419,7 @@ def test_n_layer_mlp_zero2_adafactor(one_host_cluster):
     # test_n_layer_mlp_data_parallel_reduce_scatter_adafactor: Adafactor's factored second
     # moments (a row and a column vector per kernel) and the biases' are split over the
     # devices; parity with jax.jit.  With meshshard.grad (jax.grad gets the note above).
-    rng = np.random.default_rng(0)
-    batch = {
-        "x": rng.standard_normal((256, 32)).astype(np.float32),
-        "y": rng.standard_normal((256, 32)).astype(np.float32),
-    }
-    model = ReluMLP(num_layers=6, hidden=32)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=model.init(jax.random.PRNGKey(0), batch["x"]),
-        tx=optax.adafactor(1e-2, min_dim_size_to_factor=4),
-    )
+    state, batch = _mlp_case(optax.adafactor(1e-2, min_dim_size_to_factor=4))
     ref = jax.jit(grad_step)(state, batch)
     step = meshshard.parallelize(grad_step, method=ShardParallel((1, 4), sharding="zero2"))
     assert_trees_close(ref.params, step(state, batch).params, rtol=1e-4)
