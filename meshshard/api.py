@@ -19,6 +19,7 @@ from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.plan import Plan
+from meshshard.replay import check_replay, load_plan
 from meshshard.static_args import WithStatic, dynamic_positions, static_key, static_positions
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class ParallelizedFunction:
         trace: str | None = None,
         _one_2bw_variant: bool = False,
         static_argnums: Sequence[int] | str = "auto",
+        plan: Plan | str | os.PathLike | None = None,
     ):
         if trace is not None and not isinstance(trace, str | os.PathLike):
             raise MeshshardInputError(
@@ -57,6 +59,7 @@ class ParallelizedFunction:
             )
         self.fn = fn
         self.method = method
+        self.given_plan = load_plan(plan)
         self.donate_argnums = tuple(donate_argnums)
         self.batch_argnums = tuple(batch_argnums)
         # parallelize's default names the second argument; a step of one argument
@@ -154,6 +157,17 @@ class ParallelizedFunction:
             cluster = running.spec if running is not None else ClusterSpec()
         fn, args = physical_call(_layered(self.fn, self.method), args)
         batch_argnums = self._batch_for(args)
+        if self.given_plan is not None:  # the plan the calls run, once it is this step's
+            from meshshard.passes.trace import trace_step
+
+            traced = trace_step(
+                fn,
+                _abstract(args, batch_argnums),
+                batch_argnums=tuple(batch_argnums),
+                num_micro_batches=self.method.num_micro_batches,
+            )
+            check_replay(self.given_plan, traced.fingerprint, self.method, cluster)
+            return self.given_plan
         plan, _ = plan_step(
             fn,
             _abstract(args, batch_argnums),
@@ -268,7 +282,12 @@ class ParallelizedFunction:
         variant = self._variants.get(key)
         if variant is None:
             variant = ParallelizedFunction(
-                WithStatic(self.fn, key), self.method, donate, batch, static_argnums=()
+                WithStatic(self.fn, key),
+                self.method,
+                donate,
+                batch,
+                static_argnums=(),
+                plan=self.given_plan,
             )
             variant.trace_log = self.trace_log
             self._variants[key] = variant
@@ -287,6 +306,7 @@ class ParallelizedFunction:
         data, and ``flat``: their leaves and tree structure, when the caller has them),
         compiling it on first use."""
         from meshshard.passes.pipeline import plan_step
+        from meshshard.passes.trace import trace_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
 
@@ -314,13 +334,23 @@ class ParallelizedFunction:
                 return exe
             t0 = time.perf_counter()
             fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
-            plan, traced = plan_step(
-                fn,
-                abstract,
-                method=self.method,
-                cluster=cluster.spec,
-                batch_argnums=batch_argnums,
-            )
+            if self.given_plan is not None:  # run the plan given, once it is this step's
+                traced = trace_step(
+                    fn,
+                    abstract,
+                    batch_argnums=tuple(batch_argnums),
+                    num_micro_batches=self.method.num_micro_batches,
+                )
+                check_replay(self.given_plan, traced.fingerprint, self.method, cluster.spec)
+                plan = self.given_plan
+            else:
+                plan, traced = plan_step(
+                    fn,
+                    abstract,
+                    method=self.method,
+                    cluster=cluster.spec,
+                    batch_argnums=batch_argnums,
+                )
             exe = Executable(
                 plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
             )
@@ -402,6 +432,7 @@ def parallelize(
     batch_argnums: Sequence[int] = DEFAULT_BATCH_ARGNUMS,
     trace: str | None = None,
     static_argnums: Sequence[int] | str = "auto",
+    plan: Plan | str | os.PathLike | None = None,
 ):
     """Parallelize a train step ``fn(state, batch, ...)`` with ``method``.
 
@@ -421,11 +452,20 @@ def parallelize(
     reach ``fn`` as the Python values themselves (a mode string, a flag), each distinct
     value compiled once, as with ``jax.jit``; the default ``"auto"`` makes static the
     arguments that cannot be arrays (strings, booleans, enums, plain objects).
+    ``plan`` (a :class:`Plan`, its JSON text or a JSON file's path, from an earlier
+    ``step.plan.to_json()``) runs that plan instead of planning again, after checking it
+    was made for this step, ``method`` and a cluster of this size.
     """
 
     def make(f):
         return ParallelizedFunction(
-            f, method, donate_argnums, batch_argnums, trace, static_argnums=static_argnums
+            f,
+            method,
+            donate_argnums,
+            batch_argnums,
+            trace,
+            static_argnums=static_argnums,
+            plan=plan,
         )
 
     return make if fn is None else make(fn)
