@@ -84,6 +84,11 @@ class ParallelizedFunction:
         self.pipelined = False  # run calls pipelined: 2BW's steady step (meshshard.two_bw)
         self._two_bw = None
         stale = isinstance(method, PipeshardParallel) and method.schedule == "2bw"
+        if stale and self.given_plan is not None:
+            raise MeshshardInputError(
+                "plan= cannot run schedule='2bw': a 2BW step runs several programs (its "
+                "first and steady steps), each planned on its own; drop plan="
+            )
         if stale and not _one_2bw_variant:
             from meshshard.two_bw import TwoBWStep
 

@@ -65,6 +65,9 @@ def test_a_plan_of_another_program_method_or_cluster_is_refused(tmp_path):
         lower(plan=str(tmp_path / "missing.json"))
     with pytest.raises(MeshshardInputError, match="plan must be a Plan"):
         lower(plan=3)
+    with pytest.raises(MeshshardInputError, match="cannot run schedule='2bw'"):
+        two_bw = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, schedule="2bw")
+        meshshard.parallelize(gpt.train_step, method=two_bw, plan=plan)
 
 
 @pytest.mark.ray
