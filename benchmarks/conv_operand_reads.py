@@ -23,11 +23,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from benchmarks.step_timing import blocked_times  # noqa: E402
 
 ROUNDS = 3
 #: (name, batch, image side, features, layers)
@@ -36,18 +37,6 @@ CASES = (
     ("data: batch 64 of 32x32x32, 3 layers", 64, 32, 32, 3),
     ("model: batch 8 of 16x16x256, 4 layers", 8, 16, 256, 4),
 )
-
-
-def _timed(step, state, data, n: int) -> list[float]:
-    """Seconds of each of ``n`` calls of ``step`` (the step returns the state only)."""
-    import jax
-
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(state, data))
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def _kernels(step) -> str:
@@ -85,7 +74,7 @@ def main(argv=None) -> dict:
                 steps["auto, reads not priced"] = meshshard.parallelize(
                     batch_norm_step, method=meshshard.ShardParallel((1, 4))
                 )
-                _timed(steps["auto, reads not priced"], state, data, 1)
+                blocked_times(steps["auto, reads not priced"], state, data, 1)
             finally:
                 shard_ilp._operand_reads = reads
             steps["auto, reads priced"] = meshshard.parallelize(
@@ -96,10 +85,10 @@ def main(argv=None) -> dict:
             )
             times: dict[str, list[float]] = {name: [] for name in steps}
             for step in steps.values():
-                _timed(step, state, data, 1)
+                blocked_times(step, state, data, 1)
             for r in range(ROUNDS):
                 for name, step in steps.items():
-                    times[name] += _timed(step, state, data, args.steps)
+                    times[name] += blocked_times(step, state, data, args.steps)
                 print(f"{case}: round {r + 1}/{ROUNDS} done", file=sys.stderr, flush=True)
             ref = statistics.median(times["data_parallel"])
             for name, t in times.items():

@@ -21,24 +21,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.peer_torch_pipe import BATCH, MODEL, SEQ  # noqa: E402
+from benchmarks.step_timing import blocked_times  # noqa: E402
 
 SPLITS = (1, 2, 4, 8)
-
-
-def _block(step, state, batch, n: int) -> list[float]:
-    import jax
-
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(state, batch))
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def measure(steps: int, rounds: int) -> list[dict]:
@@ -62,12 +51,12 @@ def measure(steps: int, rounds: int) -> list[dict]:
     for m in SPLITS:
         batch = gpt.make_batch(BATCH // m, seq_len=SEQ, vocab=MODEL["vocab"])
         state = gpt.make_state(model, batch["inputs"])
-        _block(step, state, batch, 3)  # compile and warm up
+        blocked_times(step, state, batch, 3)  # compile and warm up
         cases[m] = (state, batch, [])
     per_round = -(-steps // rounds)
     for _ in range(rounds):
         for state, batch, times in cases.values():
-            times.extend(_block(step, state, batch, per_round))
+            times.extend(blocked_times(step, state, batch, per_round))
     full = statistics.median(cases[1][2])
     rows = []
     for m, (_, _, times) in cases.items():

@@ -5,6 +5,19 @@ from __future__ import annotations
 import time
 
 
+def blocked_times(step, state, batch, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``step`` on the same arguments, each until all
+    its results are ready (for steps that return no loss to wait on)."""
+    import jax
+
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(state, batch))
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def time_calls(step, state, batches) -> tuple[float, list[float]]:
     """Seconds of the first call on ``batches[0]`` (planning, compiling, and any actor
     restart) and of each later call, each until its loss is on the driver; asserts the
