@@ -83,6 +83,25 @@ def test_mlp_inference_micro_batches(threads_cluster):
     assert step.plan.schedule.name == "inference"
 
 
+@pytest.mark.parametrize(
+    "method",
+    [
+        PipeshardParallel(num_micro_batches=1, stages="auto", sharding="auto"),
+        PipeshardParallel(num_micro_batches=2, stages="auto"),
+    ],
+    ids=["auto-sharding-m1", "m2"],
+)
+def test_mlp_inference_auto_stages(threads_cluster, method):
+    # origin: tests/pipeline_parallel/test_inference_auto.py::test_mlp (schedule
+    # "inference", stages and meshes chosen by the stage DP)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(mlp.MLP(num_layers=4), batch["x"])
+    step = meshshard.parallelize(mlp_inference_step, method=method)
+    got = step(state, batch)
+    assert_trees_close(jax.jit(mlp_inference_step)(state, batch), got)
+    assert step.plan.schedule.name == "inference"
+
+
 def global_norm_and_all_le_step(state, batch):
     def loss_fn(params):
         return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
