@@ -185,10 +185,11 @@ class ParallelizedFunction:
         return plan
 
     def _stage_dp_measurable(self) -> bool:
-        """True for ``stages="auto"`` not yet planned from measured stage times."""
+        """True for ``stages="auto"`` not yet planned from measured stage times (a plan
+        given with ``plan=`` is run as given, never planned again)."""
         m = self.method
         auto = isinstance(m, PipeshardParallel) and m.stages == "auto"
-        return auto and not m.stage_times and self._two_bw is None
+        return auto and not m.stage_times and self._two_bw is None and self.given_plan is None
 
     def _plan_from_measured_stages(self, args) -> None:
         """``stages="auto"`` with ``profile=True``: the stage DP's first plan (analytic

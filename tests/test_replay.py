@@ -79,3 +79,17 @@ def test_a_plan_made_without_a_cluster_runs_on_ray(ray_cluster):
     )
     step = meshshard.parallelize(gpt.train_step, method=method, plan=plan.to_json())
     assert_trees_close(jax.jit(gpt.train_step)(state, batch), step(state, batch))
+
+
+@pytest.mark.slow
+def test_profiling_a_given_automatic_plan_times_it_without_planning_again(threads_cluster):
+    # stages="auto" with profile=True plans again from the measured stage times; a plan
+    # given with plan= is what runs, so it is timed as it is (it was refused as made
+    # with another method: the re-plan had changed the method's stage_times)
+    state, batch = _case()
+    method = PipeshardParallel(num_micro_batches=2, stages="auto")
+    plan = meshshard.parallelize(gpt.train_step, method=method).lower(state, batch, costs=False)
+    step = meshshard.parallelize(gpt.train_step, method=method, plan=plan)
+    assert step.lower(state, batch, profile=True) == plan
+    assert step.method == method  # not planned again from the measured stage times
+    assert step.program_times and set(step.program_times) <= {str(p.name) for p in plan.programs}
