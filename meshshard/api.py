@@ -153,7 +153,6 @@ class ParallelizedFunction:
             self.program_times = self.profile(*args)
             if self._stage_dp_measurable():
                 self._plan_from_measured_stages(args)
-        from meshshard.passes.pipeline import plan_step
 
         if cluster is None:
             from meshshard.runtime.cluster import current_cluster
@@ -162,27 +161,34 @@ class ParallelizedFunction:
             cluster = running.spec if running is not None else ClusterSpec()
         fn, args = physical_call(_layered(self.fn, self.method), args)
         batch_argnums = self._batch_for(args)
-        if self.given_plan is not None:  # the plan the calls run, once it is this step's
-            from meshshard.passes.trace import trace_step
-
-            traced = trace_step(
-                fn,
-                _abstract(args, batch_argnums),
-                batch_argnums=tuple(batch_argnums),
-                num_micro_batches=self.method.num_micro_batches,
-            )
-            check_replay(self.given_plan, traced.fingerprint, self.method, cluster)
-            return self.given_plan
-        plan, _ = plan_step(
-            fn,
-            _abstract(args, batch_argnums),
-            method=self.method,
-            cluster=cluster,
-            batch_argnums=batch_argnums,
-            costs=costs,
-        )
-        self._lowered = plan
+        plan, _ = self._plan_for(fn, _abstract(args, batch_argnums), batch_argnums, cluster, costs)
+        if self.given_plan is None:
+            self._lowered = plan
         return plan
+
+    def _plan_for(self, fn, abstract, batch_argnums, cluster: ClusterSpec, costs: bool = False):
+        """(plan, trace) of ``fn`` on ``abstract``: the plan given with ``plan=`` once it
+        is this step's (only traced, never planned again), else a new plan."""
+        from meshshard.passes.pipeline import plan_step
+        from meshshard.passes.trace import trace_step
+
+        if self.given_plan is None:
+            return plan_step(
+                fn,
+                abstract,
+                method=self.method,
+                cluster=cluster,
+                batch_argnums=batch_argnums,
+                costs=costs,
+            )
+        traced = trace_step(
+            fn,
+            abstract,
+            batch_argnums=tuple(batch_argnums),
+            num_micro_batches=self.method.num_micro_batches,
+        )
+        check_replay(self.given_plan, traced.fingerprint, self.method, cluster)
+        return self.given_plan, traced
 
     def _stage_dp_measurable(self) -> bool:
         """True for ``stages="auto"`` not yet planned from measured stage times (a plan
@@ -311,8 +317,6 @@ class ParallelizedFunction:
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
         data, and ``flat``: their leaves and tree structure, when the caller has them),
         compiling it on first use."""
-        from meshshard.passes.pipeline import plan_step
-        from meshshard.passes.trace import trace_step
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
 
@@ -340,23 +344,7 @@ class ParallelizedFunction:
                 return exe
             t0 = time.perf_counter()
             fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
-            if self.given_plan is not None:  # run the plan given, once it is this step's
-                traced = trace_step(
-                    fn,
-                    abstract,
-                    batch_argnums=tuple(batch_argnums),
-                    num_micro_batches=self.method.num_micro_batches,
-                )
-                check_replay(self.given_plan, traced.fingerprint, self.method, cluster.spec)
-                plan = self.given_plan
-            else:
-                plan, traced = plan_step(
-                    fn,
-                    abstract,
-                    method=self.method,
-                    cluster=cluster.spec,
-                    batch_argnums=batch_argnums,
-                )
+            plan, traced = self._plan_for(fn, abstract, batch_argnums, cluster.spec)
             exe = Executable(
                 plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
             )
