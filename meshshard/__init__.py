@@ -11,6 +11,7 @@ from meshshard.api import ParallelizedFunction, parallelize  # noqa: E402
 from meshshard.autodiff import grad, value_and_grad  # noqa: E402
 from meshshard.checkpoint import CheckpointManager, restore, save  # noqa: E402
 from meshshard.cluster import ClusterSpec  # noqa: E402
+from meshshard.dynamic_scale import DynamicScale  # noqa: E402
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError  # noqa: E402
 from meshshard.methods import (  # noqa: E402
     DataParallel,
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointManager",
     "ClusterSpec",
     "DataParallel",
+    "DynamicScale",
     "FollowParallel",
     "MeshshardInputError",
     "MeshshardRuntimeError",

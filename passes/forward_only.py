@@ -118,7 +118,8 @@ def check_forward_only(traced, num_stages: int) -> None:
             f"transposed equations) instead of meshshard.grad, so meshshard sees no backward "
             f"pass to pipeline over {num_stages} stage(s) with num_micro_batches={m}; compute "
             "the gradients with meshshard.grad or meshshard.value_and_grad, or run the step "
-            "with one stage and num_micro_batches=1"
+            "with one stage and num_micro_batches=1 (Flax's DynamicScale.value_and_grad is "
+            "jax.value_and_grad: use meshshard.DynamicScale, the same class for meshshard)"
         )
 
 
