@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from jax.extend import source_info_util
+
 from meshshard._compat import DropVar, JaxprEqn, Literal
 from meshshard.primitives import boundary_p
 
@@ -14,9 +16,15 @@ def is_marker(eqn: JaxprEqn, *kinds: str) -> bool:
 
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence) -> list:
-    """Evaluate one equation on concrete values or tracers; returns its outputs as a list."""
+    """Evaluate one equation on concrete values or tracers; returns its outputs as a list.
+
+    The new equation keeps ``eqn``'s traceback, so messages can name the user's line
+    that made it (as ``jax.core.eval_jaxpr`` does), however often passes re-trace it."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    keep_source = source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+    )
+    with keep_source, eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
