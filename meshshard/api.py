@@ -482,12 +482,14 @@ def _warn_guessed_reductions(traced) -> None:
 def _warn_unmet_requests(plan) -> None:
     """Say so when a mesh's devices do not divide the micro-batch (its batch values run
     whole on every device there: no data parallelism), or when ``sharding="zero2"``
-    found no optimizer state to split: what the user asked for did not happen."""
+    found no optimizer state to split: what the user asked for did not happen; and when
+    a micro-batch's activation statistics stand in for the full batch's."""
+    from meshshard.passes.batch_coupling import NOTE as COUPLED
     from meshshard.passes.shard_plan import ZERO_UNSPLIT
     from meshshard.passes.sharding import UNSPLIT_BATCH
 
     for note in plan.notes:
-        if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT)):
+        if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT, COUPLED)):
             log.warning("%s", note)
 
 

@@ -114,7 +114,7 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
     if full is None or not same_program(micro, full):
         return none
     mj, fj = micro.jaxpr, full.jaxpr
-    data = _data_only(mj, is_batch)
+    data = data_only(mj, is_batch)
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
     where = {v: (i, k) for i, e in enumerate(mj.eqns) for k, v in enumerate(e.outvars)}
 
@@ -126,7 +126,7 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
 
     if _recomputed_inside(mj, data & dep):
         return none
-    declared = _declared_slices(mj)
+    declared = declared_slices(mj)
     found = []
     for e in mj.eqns:
         if is_marker(e) or (_pure(e) and all(statistic(o) for o in _outs(e))):
@@ -210,7 +210,7 @@ def _pure(e) -> bool:
     return not e.effects and not is_marker(e)
 
 
-def _data_only(jaxpr, is_batch) -> set:
+def data_only(jaxpr, is_batch) -> set:
     """Vars computed from batch inputs, constants and literals alone (per position
     through layer boundaries)."""
     data = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
@@ -223,7 +223,7 @@ def _data_only(jaxpr, is_batch) -> set:
     return data
 
 
-def _declared_slices(jaxpr) -> set:
+def declared_slices(jaxpr) -> set:
     """Every var some value with a declared reduction is computed from."""
     roots = [e.invars[0] for e in jaxpr.eqns if e.primitive is aux_reduce_p]
     for e in jaxpr.eqns:
@@ -240,7 +240,7 @@ def _declared_slices(jaxpr) -> set:
 
 def _dead(jaxpr, replaced: set, data: set) -> frozenset[int]:
     """Equations no one reads once the ``replaced`` vars are inputs: those computing
-    ``data`` values (:func:`_data_only`) that only the statistics' own computation read."""
+    ``data`` values (:func:`data_only`) that only the statistics' own computation read."""
     live = {v for v in jaxpr.outvars if not is_literal(v) and v not in replaced}
     dead = set()
     for i in range(len(jaxpr.eqns) - 1, -1, -1):

@@ -212,6 +212,7 @@ def _assemble(st: CompileState) -> CompileState:
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
+    notes += traced.coupled
     notes += unsplit_batch_notes(traced, st.meshes)
     notes += zero_notes(traced, graph, sharding_mode(st.method))
     plan = Plan(

@@ -38,6 +38,7 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal
+from meshshard.passes.batch_coupling import coupled_statistics
 from meshshard.passes.batch_statistics import (
     PATH,
     Statistics,
@@ -96,6 +97,9 @@ class TracedStep:
     #: the driver's program for the batch statistics the step reads as inputs after its
     #: own leaves (:mod:`~meshshard.passes.batch_statistics`), or None
     statistics: Statistics | None = None
+    #: plan notes naming batch reductions of activations used on the batch again, which
+    #: each micro-batch computes for itself (:mod:`~meshshard.passes.batch_coupling`)
+    coupled: tuple[str, ...] = ()
 
     @property
     def jaxpr(self):
@@ -249,6 +253,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         for k, v in enumerate(micro.jaxpr.invars[len(is_batch) :])
     ]
     flags = is_batch + [False] * len(stat_infos)  # per input of micro: a batch leaf?
+    coupled = coupled_statistics(micro, full, flags) if m > 1 else ()
     draws = find_batch_draws(micro, full, m)
     pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink)
     reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m)
@@ -283,6 +288,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         transposed=forward_only and transposed,
         out_key_impls=tuple(getattr(fn, "out_impls", ())),
         statistics=statistics,
+        coupled=coupled,
     )
 
 

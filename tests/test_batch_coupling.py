@@ -1,0 +1,134 @@
+"""passes/batch_coupling.py: a step that reduces activations over the batch and uses the
+result on every example (batch norm, a branch on a batch mean, centring) is named in the
+plan's notes, with the user's line, and warned of at compile time: with micro-batches
+each uses its own statistic, so the step is not jax.jit's.  Steps whose batch reductions
+are the loss, metrics, gradients or statistics of the data alone get no note."""
+
+import logging
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import meshshard
+from examples import gpt
+from meshshard import DataParallel, PipeshardParallel
+from meshshard.passes.batch_coupling import NOTE
+from tests import test_batch_norm, test_moe
+
+pytestmark = pytest.mark.slow  # traces each step twice
+
+
+class Coupled(nn.Module):
+    """An MLP whose hidden layer is coupled over the batch, as ``how`` says."""
+
+    how: str
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(x)
+        if self.how == "branch":
+            h = jax.lax.cond(h.mean() > 0, lambda a: 2.0 * a, lambda a: 0.5 * a, h)  # LINE-branch
+        elif self.how == "centre":
+            h = h - h.mean(axis=0)  # LINE-centre
+        meshshard.mark_pipeline_boundary()
+        return nn.Dense(1)(jnp.tanh(h))
+
+
+def mse_step(state, batch):
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def masked_step(state, batch):
+    """A token-weighted mean: its count is a statistic of the batch data alone."""
+
+    def loss_fn(params):
+        err = (state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2
+        return jnp.sum(err[:, 0] * batch["mask"]) / jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def _case(how):
+    r = np.random.RandomState(0)
+    batch = {
+        "x": r.randn(8, 4).astype(np.float32),
+        "y": r.randn(8, 1).astype(np.float32),
+        "mask": (r.rand(8) > 0.3).astype(np.float32),
+    }
+    model = Coupled(how)
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    return state, batch
+
+
+def _line(tag):
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if f"# LINE-{tag}" in text)
+
+
+def _coupled_notes(step, state, batch, method):
+    plan = meshshard.parallelize(step, method=method).lower(state, batch)
+    return [n for n in plan.notes if n.startswith(NOTE)]
+
+
+TWO_STAGES = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
+
+
+@pytest.mark.parametrize("how", ["branch", "centre"])
+def test_a_coupled_layer_is_named_with_its_line(how):
+    state, batch = _case(how)
+    notes = _coupled_notes(mse_step, state, batch, TWO_STAGES)
+    assert len(notes) == 1, notes
+    assert f"test_batch_coupling.py:{_line(how)} (Coupled.__call__)" in notes[0]
+    assert "num_micro_batches=1" in notes[0]
+    # one micro-batch: the statistic is the whole batch's, as under jax.jit
+    one = PipeshardParallel(num_micro_batches=1, stages=[(1, 1), (1, 1)])
+    assert _coupled_notes(mse_step, state, batch, one) == []
+
+
+def test_batch_norm_gets_one_note_per_line():
+    state = test_batch_norm._state()
+    batch = test_batch_norm.BATCHES[0]
+    method = DataParallel(mesh_shape=(1, 1), num_micro_batches=2)
+    notes = _coupled_notes(test_batch_norm.train_step, state, batch, method)
+    assert len(notes) == 1, notes  # both blocks' batch norms are one line of ConvBlock
+    assert "test_batch_norm.py:" in notes[0] and "(ConvBlock.__call__)" in notes[0]
+    assert "reductions (reduce_sum" in notes[0]
+    # inference mode normalises by the running averages: no batch statistic
+    assert _coupled_notes(test_batch_norm.eval_step, state, batch, method) == []
+
+
+def test_losses_metrics_and_data_statistics_are_not_coupling():
+    state, batch = _case("none")
+    assert _coupled_notes(mse_step, state, batch, TWO_STAGES) == []
+    assert _coupled_notes(masked_step, state, batch, TWO_STAGES) == []
+    b = gpt.make_batch(batch_size=8)
+    four = PipeshardParallel(num_micro_batches=4, stages=[(1, 1)] * 2)
+    assert (
+        _coupled_notes(gpt.train_step, gpt.make_state(gpt.GPT(num_layers=2), b["inputs"]), b, four)
+        == []
+    )
+    # a declared mean is gradient accumulation's semantics, asked for: no note
+    declared = test_moe.make_step(loss_reduce="mean")
+    assert _coupled_notes(declared, test_moe._state(), test_moe._batches()[0], TWO_STAGES) == []
+
+
+def test_the_note_is_warned_at_compile_time(threads_cluster, caplog):
+    state, batch = _case("branch")
+    step = meshshard.parallelize(mse_step, method=TWO_STAGES)
+    with caplog.at_level(logging.WARNING, logger="meshshard"):
+        _, loss = step(state, batch)
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith(NOTE)]
+    assert len(warned) == 1 and f"test_batch_coupling.py:{_line('branch')}" in warned[0]
+    assert np.isfinite(float(loss))
