@@ -250,6 +250,9 @@ def fetch(tree):
 class Executable:
     """Runs one plan on a backend; call it like the original step function."""
 
+    #: held by the class, which outlives the module's globals at interpreter exit
+    _releaser = RELEASER
+
     def __init__(
         self, plan: Plan, backend: Backend, fn, abstract_args, batch_argnums, donate_argnums=()
     ):
@@ -480,10 +483,11 @@ class Executable:
             self.backend.release()
 
     def release_soon(self) -> None:
-        """Like :meth:`release`, done by the releaser thread (safe from a finalizer)."""
+        """Like :meth:`release`, done by the releaser thread (safe from a finalizer, even
+        one run while the interpreter tears this module's globals down)."""
         if not getattr(self, "released", True):
             self.released = True
-            RELEASER.call(self.backend.release)
+            self._releaser.call(self.backend.release)
 
     def __del__(self):
         self.release_soon()

@@ -125,6 +125,52 @@ def test_exit_with_a_live_replicated_step_does_not_abort():
     assert_exits_cleanly(EXIT_WITH_LIVE_STEP, "loss True", runs=3, cwd=root)
 
 
+#: A script whose step, called at two batch sizes (two executables), outlives its closed
+#: cluster to the end of the program: the executables' finalizers run while the
+#: interpreter clears module globals.  It printed ``Exception ignored in: <function
+#: Executable.__del__>`` and an AttributeError on every run before the releaser was held
+#: by the class.
+EXIT_WITH_STEPS_ALIVE = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+    import numpy as np
+    import meshshard
+    from examples import mlp
+    from meshshard import PipeshardParallel
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
+    with use_cluster(ThreadsCluster(4, 2)):
+        step = meshshard.parallelize(
+            mlp.train_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 2)
+        )
+        step(state, batch)
+        step(state, {k: np.concatenate([v, v]) for k, v in batch.items()})
+    print("stepped", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_steps_alive_at_exit_are_finalized_quietly():
+    root = __file__.rsplit("/tests/", 1)[0]
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_STEPS_ALIVE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "stepped", proc.stderr[-2000:]
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
+        -2000:
+    ]
+
+
 #: A script that makes a threads cluster with ``use_cluster`` and never closes it, its
 #: last pipelined (2BW) step still in flight: the step is held until the exit hooks have
 #: begun (then 20 ms more), so its worker threads run XLA programs while the interpreter
