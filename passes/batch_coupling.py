@@ -17,8 +17,8 @@ statistic; an equation that reads the statistic and outputs batch-shaped values 
 on the batch*.  Not reported: statistics of the batch data alone (their full-batch value
 is taken by :mod:`~meshshard.passes.batch_statistics`), values whose reduction the user
 declared (``loss_reduce``, ``aux_reduce``: gradient accumulation's semantics, asked
-for), and reductions inside a user's ``jax.checkpoint``, scan or custom derivative
-(only the step's own equations are read).
+for).  A reduction inside a user's ``jax.checkpoint``, scan or custom derivative is
+found in its body, paired with the full-batch trace's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import meshshard
 import meshshard.passes as meshshard_passes
 import meshshard.runtime as meshshard_runtime
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, is_marker
+from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs
 from meshshard.passes.batch_statistics import data_only, declared_slices
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import marker_reductions, same_program
@@ -68,12 +68,22 @@ def coupled_statistics(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch) -
         return ()
     stop = ends[0] if ends else len(mj.eqns)
     flags = list(is_batch) + [False] * (len(mj.invars) - len(is_batch))
+    used: dict = {}  # id -> equation that reduced the batch, in order
+    _find(mj, fj, stop, flags, data_only(mj, flags), declared_slices(mj), used)
+    by_line: dict[str, list[str]] = {}
+    for eqn in used.values():
+        by_line.setdefault(user_line(eqn), []).append(eqn.primitive.name)
+    return tuple(_note(line, prims) for line, prims in by_line.items())
+
+
+def _find(mj, fj, stop: int, flags, data: set, declared: set, used: dict) -> None:
+    """Add to ``used`` each equation of ``mj.eqns[:stop]`` (paired with ``fj``'s) that
+    reduces activations over the batch for a value used on the batch again, looking
+    inside the bodies of a user's ``jax.checkpoint``, scan or custom derivative too.
+    ``flags``: per input of ``mj``, whether it depends on the batch."""
     dep = batch_dependent(mj, flags, stop)
-    data = data_only(mj, flags)
-    declared = declared_slices(mj)
-    origin: dict = {}  # statistic var -> index of the equation that reduced the batch
-    used: dict[int, None] = {}
-    for i, (em, ef) in enumerate(zip(mj.eqns[:stop], fj.eqns[:stop], strict=True)):
+    origin: dict = {}  # statistic var -> the equation that reduced the batch
+    for em, ef in zip(mj.eqns[:stop], fj.eqns[:stop], strict=True):
         if is_marker(em):  # the identity per position
             for a, o in zip(em.invars, em.outvars, strict=False):
                 if not is_literal(a) and a in origin:
@@ -83,15 +93,26 @@ def coupled_statistics(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch) -
         outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
         read = [origin[v] for v in em.invars if not is_literal(v) and v in origin]
         if outs:
-            used.update((k, None) for k in read)
+            used.update((id(k), k) for k in read)
         elif read:
             origin.update((o, read[0]) for o in em.outvars)
         elif ins and any(_activation(o, dep, data, declared) for o in em.outvars):
-            origin.update((o, i) for o in em.outvars)
-    by_line: dict[str, list[str]] = {}
-    for i in used:
-        by_line.setdefault(user_line(mj.eqns[i]), []).append(mj.eqns[i].primitive.name)
-    return tuple(_note(line, prims) for line, prims in by_line.items())
+            origin.update((o, em) for o in em.outvars)
+        if ins and outs:
+            for bm, bf in _bodies(em, ef):
+                inner_flags = [not is_literal(v) and v in dep for v in em.invars]
+                inner_data = data_only(bm, [not is_literal(v) and v in data for v in em.invars])
+                _find(bm, bf, len(bm.eqns), inner_flags, inner_data, set(), used)
+
+
+def _bodies(em, ef):
+    """The paired sub-jaxprs of ``em`` and ``ef`` whose inputs are the equation's own
+    (a checkpoint's, a scan's, a custom derivative's; not a cond's branches)."""
+    for bm, bf in zip(sub_jaxprs(em), sub_jaxprs(ef), strict=False):
+        if len(bm.invars) == len(em.invars) and [e.primitive for e in bm.eqns] == [
+            e.primitive for e in bf.eqns
+        ]:
+            yield bm, bf
 
 
 def _activation(v, dep, data, declared) -> bool:

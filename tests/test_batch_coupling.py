@@ -23,6 +23,24 @@ from tests import test_batch_norm, test_moe
 pytestmark = pytest.mark.slow  # traces each step twice
 
 
+class Centre(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h - h.mean(axis=0)  # LINE-remat
+
+
+class Residual(nn.Module):
+    """A block for ``nn.scan``: per example, or centred on the batch's mean."""
+
+    centre: bool = False
+
+    @nn.compact
+    def __call__(self, h, _):
+        if self.centre:
+            h = h - h.mean(axis=0)  # LINE-scan_centre
+        return h + nn.Dense(16)(jnp.tanh(h)), None
+
+
 class Coupled(nn.Module):
     """An MLP whose hidden layer is coupled over the batch, as ``how`` says."""
 
@@ -35,6 +53,13 @@ class Coupled(nn.Module):
             h = jax.lax.cond(h.mean() > 0, lambda a: 2.0 * a, lambda a: 0.5 * a, h)  # LINE-branch
         elif self.how == "centre":
             h = h - h.mean(axis=0)  # LINE-centre
+        elif self.how == "remat":  # inside a checkpoint's body, and its recomputation
+            h = nn.remat(Centre)()(h)
+        elif self.how in ("scan", "scan_centre"):  # found inside the scan's body
+            layers = nn.scan(
+                Residual, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+            )
+            h, _ = layers(centre=self.how == "scan_centre")(h, None)
         meshshard.mark_pipeline_boundary()
         return nn.Dense(1)(jnp.tanh(h))
 
@@ -85,12 +110,13 @@ def _coupled_notes(step, state, batch, method):
 TWO_STAGES = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
 
 
-@pytest.mark.parametrize("how", ["branch", "centre"])
+@pytest.mark.parametrize("how", ["branch", "centre", "remat", "scan_centre"])
 def test_a_coupled_layer_is_named_with_its_line(how):
     state, batch = _case(how)
     notes = _coupled_notes(mse_step, state, batch, TWO_STAGES)
     assert len(notes) == 1, notes
-    assert f"test_batch_coupling.py:{_line(how)} (Coupled.__call__)" in notes[0]
+    where = {"remat": "Centre", "scan_centre": "Residual"}.get(how, "Coupled")
+    assert f"test_batch_coupling.py:{_line(how)} ({where}.__call__)" in notes[0]
     assert "num_micro_batches=1" in notes[0]
     # one micro-batch: the statistic is the whole batch's, as under jax.jit
     one = PipeshardParallel(num_micro_batches=1, stages=[(1, 1), (1, 1)])
@@ -111,6 +137,8 @@ def test_batch_norm_gets_one_note_per_line():
 
 def test_losses_metrics_and_data_statistics_are_not_coupling():
     state, batch = _case("none")
+    assert _coupled_notes(mse_step, state, batch, TWO_STAGES) == []
+    state, batch = _case("scan")  # the scan's body reads no batch statistic
     assert _coupled_notes(mse_step, state, batch, TWO_STAGES) == []
     assert _coupled_notes(masked_step, state, batch, TWO_STAGES) == []
     b = gpt.make_batch(batch_size=8)
