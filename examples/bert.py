@@ -90,9 +90,8 @@ def make_state(model: Encoder, batch, seed: int = 0, tx=None) -> KeyedState:
     )
 
 
-def train_step(state: KeyedState, batch):
-    """One MLM step with dropout; the dropout key is split each step."""
-    key, dropout_key = jax.random.split(state.key)
+def loss_of(state: KeyedState, batch, dropout_key):
+    """The MLM loss as a function of the parameters, with dropout drawn from ``dropout_key``."""
 
     def loss_fn(params):
         logits = state.apply_fn(
@@ -104,7 +103,13 @@ def train_step(state: KeyedState, batch):
         )
         return mlm_loss(logits, batch)
 
-    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return loss_fn
+
+
+def train_step(state: KeyedState, batch):
+    """One MLM step with dropout; the dropout key is split each step."""
+    key, dropout_key = jax.random.split(state.key)
+    loss, grads = meshshard.value_and_grad(loss_of(state, batch, dropout_key))(state.params)
     return state.apply_gradients(grads=grads).replace(key=key), loss
 
 

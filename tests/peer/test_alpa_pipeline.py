@@ -253,17 +253,7 @@ class ScaledBertState(bert.KeyedState):
 
 def bert_dynamic_scale_step(state, batch):
     key, dropout_key = jax.random.split(state.key)
-
-    def loss_fn(params):
-        logits = state.apply_fn(
-            {"params": params},
-            batch["tokens"],
-            batch["segments"],
-            batch["padding"],
-            rngs={"dropout": dropout_key},
-        )
-        return bert.mlm_loss(logits, batch)
-
+    loss_fn = bert.loss_of(state, batch, dropout_key)
     dyn, finite, loss, grads = state.dynamic_scale.value_and_grad(loss_fn)(state.params)
     new = state.apply_gradients(grads=grads)
     keep = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
