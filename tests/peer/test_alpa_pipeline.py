@@ -16,6 +16,7 @@ from jax import lax
 import meshshard
 from examples import bert, mlp
 from meshshard import ClusterSpec, PipeshardParallel
+from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close
 
@@ -361,3 +362,39 @@ def test_bert_inference_micro_batches(threads_cluster):
     )
     assert_trees_close(jax.jit(bert_inference_step)(state, batch), step(state, batch), rtol=1e-4)
     assert step.plan.schedule.name == "inference"
+
+
+def test_bert_inference_auto_stages():
+    # origin: tests/pipeline_parallel/test_inference_auto.py::test_bert (schedule
+    # "inference", manual layers, stages chosen by the stage DP on (1, 2) submeshes of
+    # one 4-device host, the sharding inside each chosen by the ILP; one micro-batch)
+    batch = bert.make_batch(batch_size=8)
+    state = bert.make_state(bert.Encoder(d_model=16, num_heads=2, num_layers=2, dropout=0.0), batch)
+    method = PipeshardParallel(
+        num_micro_batches=1, stages="auto", sharding="auto", submeshes=[(1, 2)]
+    )
+    step = meshshard.parallelize(bert_inference_step, method=method)
+    with use_cluster(ThreadsCluster(1, 4)):
+        got = step(state, batch)
+        assert_trees_close(jax.jit(bert_inference_step)(state, batch), got, rtol=1e-4)
+    assert step.plan.schedule.name == "inference"
+    assert [tuple(m.shape) for m in step.plan.meshes] == [(1, 2), (1, 2)]
+
+
+def test_mlp_inference_auto_stages_from_measured_stages():
+    # origin: tests/pipeline_parallel/test_inference_auto.py::test_mlp_1d (as test_mlp,
+    # with the stage DP's layer costs profiled: Alpa's layer_profile_mode="individual"
+    # times each layer alone; lower(profile=True) times the first plan's stages on the
+    # cluster and plans again from them)
+    batch = mlp.make_batch(batch_size=16)
+    state = mlp.make_state(mlp.MLP(num_layers=4), batch["x"])
+    method = PipeshardParallel(num_micro_batches=1, stages="auto", submeshes=[(1, 2)])
+    step = meshshard.parallelize(mlp_inference_step, method=method)
+    with use_cluster(ThreadsCluster(1, 4)):
+        plan = step.lower(state, batch, profile=True)
+        got = step(state, batch)
+        assert_trees_close(jax.jit(mlp_inference_step)(state, batch), got)
+    assert step.plan.fingerprint == plan.fingerprint
+    assert any(n.startswith("stage DP costs from 2 measured stage(s)") for n in step.plan.notes)
+    assert step.plan.schedule.name == "inference"
+    assert [tuple(m.shape) for m in step.plan.meshes] == [(1, 2), (1, 2)]
