@@ -6,7 +6,9 @@ one strategy from the rule table (:mod:`meshshard.passes.shard_rules`); an opera
 arrives in another layout than its consumer's strategy needs pays a resharding edge.
 Elementwise equations with one array operand (and pipeline markers, and
 ``meshshard.shard`` pins) *follow* their operand: they share its decision variable,
-which keeps a GPT block at a few hundred ILP nodes.
+which keeps a GPT block at a few hundred ILP nodes.  A pin fixes its group's variable;
+a second pin of another layout on the same group gets a node of its own, read through
+a resharding edge, so every pin holds.
 
 Objective (seconds): per strategy, compute divided by its split plus its collectives
 (alpha-beta per mesh axis, :mod:`meshshard.passes.shard_costs`); per edge, the
@@ -288,6 +290,19 @@ def _input_node(v, vid: int, mesh: LogicalMesh) -> _Node:
     return _Node(-1, (vid,), strat, tie, ((shape, v.aval.dtype),))
 
 
+def _pin_node(i: int, v, vid: int, lay: Layout) -> _Node:
+    """A pinned value whose operand's group (the values that follow one variable) another
+    pin already fixes to another layout: its own node, in the pinned layout only, read
+    from its operand through a resharding edge."""
+    return _Node(
+        i,
+        (vid,),
+        [Strategy("pin", (lay,), (lay,))],
+        np.zeros(1),
+        ((tuple(v.aval.shape), v.aval.dtype),),
+    )
+
+
 #: Reductions an all-reduce applies per primitive (XLA combines only equal reductions).
 _REDUCTION = {"reduce_max": "max", "reduce_min": "min", "reduce_prod": "mul"}
 
@@ -404,11 +419,18 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
                     source[ids[o]] = (len(nodes), 0)
                     nodes.append(_input_node(o, ids[o], mesh))
                     continue
-                source[ids[o]] = source[ids[a]]
+                src = source[ids[a]]
                 if name == "meshshard_shard":
-                    pin_on[source[ids[a]]] = _pin_layout(
+                    lay = _pin_layout(
                         eqn.params["spec"], tuple(a.aval.shape), mesh, _pin_name(eqn, ids[o])
                     )
+                    if pin_on.get(src, lay) != lay:  # its group is pinned otherwise already
+                        source[ids[o]] = (len(nodes), 0)
+                        nodes.append(_pin_node(i, o, ids[o], lay))
+                        edges.append(_edge(nodes, *src, len(nodes) - 1, 0, ids[a], a, mesh))
+                        continue
+                    pin_on[src] = lay
+                source[ids[o]] = src
             continue
         strat = strat_of[i]
         n = len(nodes)

@@ -3,9 +3,12 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import meshshard
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import var_ids
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import estimate_stage_cost, solve_stage
 from meshshard.passes.shard_rules import layouts, reshard_comms
@@ -100,6 +103,23 @@ def test_pins_are_respected_and_bad_pins_named():
         r"devices of mesh host=1xdevice=4, which does not divide it; layouts that fit: P\(\)",
     ):
         solve_stage(odd, MESH, CLUSTER, pins={0: ("device",)})
+
+
+def test_different_pins_on_values_of_one_follower_group_all_hold():
+    # elementwise results of one operand share its layout variable; each pin still holds
+    # (before: the last pin fixed the whole group, and the others were silently dropped)
+    def fn(a):
+        return (
+            meshshard.shard(a * 2, P("host", None)),
+            meshshard.shard(a + 1, P()),
+            meshshard.shard(a / 2, P(None, "device")),
+        )
+
+    closed = jax.make_jaxpr(fn)(jnp.ones((8, 8)))
+    sol = solve_stage(closed, LogicalMesh.of((2, 2), CLUSTER), CLUSTER)
+    ids = var_ids(closed.jaxpr)
+    got = [sol.specs[ids[v]] for v in closed.jaxpr.outvars]
+    assert got == [("host",), (), (None, "device")], sol.specs
 
 
 def test_greedy_estimate_is_a_feasible_upper_bound():
