@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training.train_state import TrainState
+from jax.sharding import PartitionSpec as P
 
 import meshshard
 from meshshard import ShardParallel
@@ -430,3 +431,99 @@ def test_n_layer_mlp_zero2_adafactor(one_host_cluster):
         if "opt_state" in t.name and t.shape == (32,) and t.name.startswith("args[0]")
     ]
     assert len(moments) == 18 and all(moments), moments  # v_row, v_col of 6 kernels, 6 v
+
+
+# origin: tests/shard_parallel/test_manual.py. Alpa's ManualShardingOption gives specs to
+# a step's inputs and outputs over its mesh axes ("data", "model") with the solver off,
+# and reads each device's parameter and result shapes from the HLO. meshshard pins
+# values with meshshard.shard over the axes ("host", "device") of a 2x2 view of one host,
+# and the plan's buffers hold each array's spec. Alpa's None (unspecified, so replicated
+# with its solver off) is pinned as P() here, since meshshard's solver stays on.
+MANUAL_2X2 = ShardParallel((1, 4), logical_shape=(2, 2))
+AXIS_SIZE = {"host": 2, "device": 2}
+
+
+def _local_shape(tensor) -> tuple[int, ...]:
+    """The shape each device of the 2x2 view holds of ``tensor``."""
+    spec = tuple(tensor.spec) + (None,) * (len(tensor.shape) - len(tuple(tensor.spec)))
+    out = []
+    for n, entry in zip(tensor.shape, spec, strict=True):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(n // int(np.prod([AXIS_SIZE[a] for a in axes])))
+    return tuple(out)
+
+
+def _tensor(plan, ref, index):
+    return next(b for b in plan.buffers if b.name == ref).tensors[index]
+
+
+def _input_shapes(plan) -> list[tuple[int, ...]]:
+    return [_local_shape(_tensor(plan, *i.slots[0])) for i in plan.inputs if i.slots]
+
+
+def _output_shapes(plan) -> list[tuple[int, ...]]:
+    return [_local_shape(_tensor(plan, *o.slots[0])) for o in plan.outputs]
+
+
+@pytest.mark.parametrize(
+    "specs, shapes",
+    [
+        ((P(None, "device"), P(None, "device")), [(6, 2), (6, 2)]),
+        ((P("host", None), P("host", "device")), [(3, 4), (3, 2)]),
+        ((P(), P("host", None)), [(6, 4), (3, 4)]),
+    ],
+)
+def test_manual_set_input(one_host_cluster, specs, shapes):
+    # origin: tests/shard_parallel/test_manual.py::test_set_input
+    def fn(a, b):
+        return meshshard.shard(a, specs[0]) + meshshard.shard(b, specs[1])
+
+    a, b = jnp.arange(24.0).reshape(6, 4), jnp.ones((6, 4))
+    step = meshshard.parallelize(fn, method=MANUAL_2X2, batch_argnums=())
+    assert_trees_close(jax.jit(fn)(a, b), step(a, b))
+    assert _input_shapes(step.plan) == shapes
+
+
+def test_manual_set_output(one_host_cluster):
+    # origin: tests/shard_parallel/test_manual.py::test_set_output
+    specs = (P("host", None), P(), P(None, "device"), P("host", "device"))
+
+    def fn(a):
+        outs = (a**2, a + 1, a * 2, a / 2)
+        return tuple(meshshard.shard(x, s) for x, s in zip(outs, specs, strict=True))
+
+    a = jnp.arange(24.0).reshape(6, 4)
+    step = meshshard.parallelize(fn, method=MANUAL_2X2, batch_argnums=())
+    assert_trees_close(jax.jit(fn)(a), step(a))
+    assert _output_shapes(step.plan) == [(3, 4), (6, 4), (6, 2), (3, 2)]
+
+
+def test_manual_gradient_accumulation(one_host_cluster):
+    # origin: tests/shard_parallel/test_manual.py::test_grad_acc (2 micro-batches; Alpa
+    # checks the per-device shapes of the accumulation's and the update's inputs and
+    # results: the parameters as pinned, the batch split over micro-batches and "data")
+    param_specs = (P(None, "device"), P("device"), P("device", None), P(None))
+
+    def fn(params, batch):
+        params = tuple(meshshard.shard(p, s) for p, s in zip(params, param_specs, strict=True))
+        x, tgt = (meshshard.shard(v, P("host", None)) for v in batch)
+
+        def loss_fn(params):
+            w1, b1, w2, b2 = params
+            y = jax.nn.relu(x @ w1 + b1)
+            z = jax.nn.softmax(y @ w2 + b2)
+            return jnp.mean((z - tgt) ** 2)
+
+        grads = meshshard.grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - g, params, grads)
+
+    r = np.random.RandomState(0)
+    params = tuple(r.randn(*s).astype(np.float32) for s in [(6, 8), (8,), (8, 10), (10,)])
+    batch = (r.randn(64, 6).astype(np.float32), r.rand(64, 10).astype(np.float32))
+    method = ShardParallel((1, 4), logical_shape=(2, 2), num_micro_batches=2)
+    step = meshshard.parallelize(fn, method=method)
+    assert_trees_close(jax.jit(fn)(params, batch), step(params, batch))
+    pinned = [(6, 4), (4,), (4, 10), (10,)]
+    # batch 64 / 2 micro-batches / 2 on "host"
+    assert _input_shapes(step.plan) == pinned + [(16, 6), (16, 10)]
+    assert _output_shapes(step.plan) == pinned
