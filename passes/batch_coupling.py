@@ -37,7 +37,7 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs
 from meshshard.passes.batch_statistics import data_only, declared_slices
 from meshshard.passes.hoist import batch_dependent
-from meshshard.passes.reductions import marker_reductions, same_program
+from meshshard.passes.reductions import batch_shape_changes, marker_reductions, same_program
 
 __all__ = ["NOTE", "coupled_statistics"]
 
@@ -89,8 +89,7 @@ def _find(mj, fj, stop: int, flags, data: set, declared: set, used: dict) -> Non
                 if not is_literal(a) and a in origin:
                     origin[o] = origin[a]
             continue
-        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
-        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+        ins, outs = batch_shape_changes(em, ef)
         read = [origin[v] for v in em.invars if not is_literal(v) and v in origin]
         if outs:
             used.update((id(k), k) for k in read)
@@ -117,10 +116,6 @@ def _bodies(em, ef):
 
 def _activation(v, dep, data, declared) -> bool:
     return v in dep and v not in data and v not in declared
-
-
-def _shape(v) -> tuple:
-    return tuple(getattr(v.aval, "shape", ()))
 
 
 def _note(line: str, prims: list[str]) -> str:

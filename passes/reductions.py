@@ -447,9 +447,16 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
     fj = full.jaxpr
     for i, em in _slice(micro.jaxpr, var):
         ef = fj.eqns[i]
-        ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
-        outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
-        yield em, ef, ins, outs
+        yield em, ef, *batch_shape_changes(em, ef)
+
+
+def batch_shape_changes(em, ef) -> tuple[bool, bool]:
+    """Whether the inputs, and whether the outputs, of equation ``em`` of the micro-batch
+    trace change shape in its twin ``ef`` of the full-batch trace: inputs that do and
+    outputs that do not make a reduction over the batch."""
+    ins = any(_shape(a) != _shape(b) for a, b in zip(em.invars, ef.invars, strict=True))
+    outs = any(_shape(a) != _shape(b) for a, b in zip(em.outvars, ef.outvars, strict=True))
+    return ins, outs
 
 
 def _slice(jaxpr, var):
