@@ -32,14 +32,20 @@ EXIT_DURING_CLEANUP = textwrap.dedent(
 )
 
 
-def assert_exits_cleanly(script: str, expect: str, runs: int, cwd: str | None = None) -> None:
-    """Run ``script`` in a fresh interpreter ``runs`` times: exit code 0, output ``expect``."""
+def assert_exits_cleanly(
+    script: str, expect: str, runs: int, cwd: str | None = None, quiet: bool = False
+) -> None:
+    """Run ``script`` in a fresh interpreter ``runs`` times: exit code 0, output ``expect``
+    (and with ``quiet``, no traceback or ignored exception on stderr)."""
     for _ in range(runs):
         proc = subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert proc.stdout.strip() == expect
+        if quiet:
+            assert "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+            assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.fast
@@ -158,17 +164,7 @@ EXIT_WITH_STEPS_ALIVE = textwrap.dedent(
 @pytest.mark.slow
 def test_steps_alive_at_exit_are_finalized_quietly():
     root = __file__.rsplit("/tests/", 1)[0]
-    proc = subprocess.run(
-        [sys.executable, "-c", EXIT_WITH_STEPS_ALIVE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "stepped", proc.stderr[-2000:]
-    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[
-        -2000:
-    ]
+    assert_exits_cleanly(EXIT_WITH_STEPS_ALIVE, "stepped", runs=1, cwd=root, quiet=True)
 
 
 #: A script that makes a threads cluster with ``use_cluster`` and never closes it, its
