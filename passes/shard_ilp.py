@@ -22,7 +22,10 @@ points of the program (those with the most live bytes when everything is replica
 the bytes one device holds of every live value (inputs live throughout) fit
 ``memory_budget``.  HiGHS
 (``scipy.optimize.milp``) solves it with a time limit; its gap is reported.  When it
-finds no solution in time a greedy pass decides instead and the solution says so.
+stops before optimality, the plan kept is the cheapest of its incumbent, a greedy pass,
+seeded greedy passes and, on a mesh of two split axes, HiGHS's plans for each axis
+alone and for both as one (far smaller problems), each mapped onto the mesh and
+improved by local search; the solution says which it kept.
 
     >>> import jax, jax.numpy as jnp
     >>> from meshshard.cluster import ClusterSpec
@@ -41,8 +44,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -181,6 +184,7 @@ class _Problem:
     notes: list[str]
     scope: tuple = ()  # (jaxpr, equation indices, var ids): to recompute memory rows
     ties: list[tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=list)
+    tied_vids: tuple = ()  # the (var id, var id) pairs ``ties`` was made of
     #: combiner group (axes, reduction, dtype) -> seconds paid once when any member runs
     combine: dict = field(default_factory=dict)
 
@@ -752,15 +756,90 @@ def _seed_preset(problem: _Problem, seed: Mapping[int, Spec], mesh: LogicalMesh)
     return preset
 
 
-def _best_candidate(problem, mesh, budget, ilp_choice, seeds) -> tuple[list[int], str, float]:
-    """(choice, label, objective): the cheapest of the ILP's incumbent, the greedy plan
-    and each seeded greedy plan (all after local search) that fits ``budget`` and keeps
-    every tie."""
+#: Seconds HiGHS has at least for each one-axis problem (:func:`_one_axis_plans`).
+ONE_AXIS_MIN_SECONDS = 1.0
+#: Name of the one axis of a mesh whose split axes are taken together (:func:`_one_axis_meshes`).
+_FLAT = "flat"
+
+
+def _one_axis_meshes(mesh: LogicalMesh) -> list[tuple[str, LogicalMesh, Callable]]:
+    """(label, mesh with one split axis, map of its layouts onto ``mesh``'s) for a mesh
+    of several split axes: each axis alone (the others size 1) and all of them as one
+    axis.  Their problems are far smaller (a BERT block on 2 x 2: 13k variables, not
+    174k), so HiGHS solves them where it stops early on the whole mesh, and each of
+    their plans is a plan of ``mesh``: candidates that bound the answer by the best
+    plan that splits over one axis, or over all devices as one."""
+    axes = tuple(a for a, n in zip(mesh.axes, mesh.shape, strict=True) if n > 1)
+    if len(axes) < 2:
+        return []
+    out = []
+    for a in axes:
+        shape = tuple(s if ax == a else 1 for ax, s in zip(mesh.axes, mesh.shape, strict=True))
+        out.append((f"{a}-axis", replace(mesh, shape=shape), lambda lay: lay))
+    pos = [mesh.axes.index(a) for a in axes]
+    flat = replace(
+        mesh,
+        axes=(_FLAT,),
+        shape=(mesh.size(axes),),
+        alpha=(max(mesh.alpha[i] for i in pos),),
+        beta=(max(mesh.beta[i] for i in pos),),
+    )
+    out.append(("all-axes", flat, lambda lay: tuple(axes if _FLAT in d else d for d in lay)))
+    return out
+
+
+def _translated(problem: _Problem, sub: _Problem, sub_choice, to_mesh: Callable) -> dict:
+    """node -> strategy of ``problem`` that a plan of the same jaxpr on a one-axis mesh
+    chose (its layouts mapped by ``to_mesh``); nodes with no such strategy are left out."""
+    index = {(n.eqn, n.outs): k for k, n in enumerate(problem.nodes)}
+    preset = {}
+    for node, j in zip(sub.nodes, sub_choice, strict=True):
+        k = index.get((node.eqn, node.outs))
+        if k is None:
+            continue
+        s = node.strategies[j]
+        outs = tuple(to_mesh(lay) for lay in s.outs)
+        ins = tuple(None if lay is None else to_mesh(lay) for lay in s.ins)
+        target = problem.nodes[k].strategies
+        fits = [i for i, t in enumerate(target) if t.outs == outs and t.ins == ins]
+        fits = fits or [i for i, t in enumerate(target) if t.outs == outs]
+        if fits:
+            preset[k] = min(fits, key=lambda i: problem.nodes[k].cost[i])
+    return preset
+
+
+def _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, time_limit, gap) -> list:
+    """(label, preset) of the plans HiGHS finds on each of :func:`_one_axis_meshes`
+    (pins given to ``solve_stage`` left out: the whole mesh's pinned nodes have one
+    strategy each; a mesh that a ``meshshard.shard`` pin inside the step cannot be
+    placed on is skipped)."""
+    out = []
+    for label, small, to_mesh in _one_axis_meshes(mesh):
+        try:
+            sub = _build(jaxpr, small, eqns, {}, amortize)
+        except MeshshardInputError:  # a pin in the step names an axis this mesh lacks
+            continue
+        sub.ties = _ties(sub, problem.tied_vids)
+        choice, _, _ = _milp(sub, None, time_limit, gap)
+        if choice is None:
+            choice = _improve(sub, _greedy(sub))
+        out.append((label, _translated(problem, sub, choice, to_mesh)))
+    return out
+
+
+def _best_candidate(
+    problem, mesh, budget, ilp_choice, seeds, plans=()
+) -> tuple[list[int], str, float]:
+    """(choice, label, objective): the cheapest of the ILP's incumbent, the greedy plan,
+    each seeded greedy plan and each one-axis plan (all after local search) that fits
+    ``budget`` and keeps every tie."""
     cands = [] if ilp_choice is None else [("the ILP's incumbent", list(ilp_choice))]
     cands.append(("greedy + local search", _improve(problem, _greedy(problem))))
     for label, seed in seeds:
         preset = _seed_preset(problem, seed, mesh)
         cands.append((f"{label} seed + local search", _improve(problem, _greedy(problem, preset))))
+    for label, preset in plans:
+        cands.append((f"{label} plan + local search", _improve(problem, _greedy(problem, preset))))
     best = None
     for label, choice in cands:
         objective, _, memory = _evaluate(problem, choice, mesh)
@@ -837,11 +916,8 @@ def solve_stage(
     jaxpr = _jaxpr(jaxpr)
     problem = _build(jaxpr, mesh, eqns, {}, amortize)
     _apply_pins(problem, pins or {}, jaxpr, mesh)
-    problem.ties = [
-        (problem.source[a], problem.source[b])
-        for a, b in tied
-        if a in problem.source and b in problem.source and problem.source[a] != problem.source[b]
-    ]
+    problem.tied_vids = tuple(tied)
+    problem.ties = _ties(problem, tied)
     if memory_budget is None and cluster is not None:
         memory_budget = cluster.device_memory
     need = _min_memory(problem)
@@ -860,11 +936,34 @@ def solve_stage(
         status, fallback = "optimal", False
         gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     else:  # stopped early (or no plan): keep the best of the incumbent and heuristics
-        choice, label, objective = _best_candidate(problem, mesh, memory_budget, choice, seeds)
+        sub_limit = max(time_limit / 4, ONE_AXIS_MIN_SECONDS)
+        plans = _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, sub_limit, mip_rel_gap)
+        choice, label, objective = _best_candidate(
+            problem, mesh, memory_budget, choice, seeds, plans
+        )
         fallback = label != "the ILP's incumbent"
         status = f"stopped: {res.message}; kept {label}"
         gap = _gap(objective, getattr(res, "mip_dual_bound", None))
+        elapsed = time.perf_counter() - t0  # the one-axis solves too
     return _solution(problem, choice, mesh, size, elapsed, gap, fallback, status)
+
+
+def _ties(problem: _Problem, tied) -> list:
+    """The (node, output) pairs of the var id pairs ``tied`` that can hold: both sides
+    in separate nodes, sharing a layout.  A pin can rule that out (a state pinned one
+    way in and another way out): the pin holds, the tie is dropped, and the next step
+    reads the value resharded, where the tie made the ILP infeasible."""
+    out = []
+    for a, b in tied:
+        if a not in problem.source or b not in problem.source:
+            continue
+        (n1, k1), (n2, k2) = problem.source[a], problem.source[b]
+        if (n1, k1) == (n2, k2):
+            continue
+        lays1 = {s.outs[k1] for s in problem.nodes[n1].strategies}
+        if any(s.outs[k2] in lays1 for s in problem.nodes[n2].strategies):
+            out.append(((n1, k1), (n2, k2)))
+    return out
 
 
 def _gap(objective: float, bound) -> float:
