@@ -349,6 +349,7 @@ class ParallelizedFunction:
                 plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
             )
             exe.set_out_tree(traced.out_tree)
+            exe.traced = traced  # for compiled_collectives()
             exe.statistics = traced.statistics  # the full batch's, each call (see __call__)
             self.last_compile_seconds = time.perf_counter() - t0
             _warn_guessed_reductions(traced)
@@ -407,6 +408,23 @@ class ParallelizedFunction:
         if not self._executables:
             return self._lowered
         return list(self._executables.values())[-1].plan
+
+    def compiled_collectives(self) -> dict[str, tuple]:
+        """The collectives XLA compiled into each program of the plan the last call ran:
+        program name (``"s0.F"``) -> :class:`meshshard.hlo_collectives.Collective` tuple
+        (kind, dtype, shape, bytes, replica groups), as the runtime compiles it.  Checks
+        what XLA does against the plan's predicted comm (Alpa's ``get_hlo_text`` read
+        with ``count_communication_primitives``).  Compiles, never runs, on this
+        process's devices: a mesh of N devices needs N of them here."""
+        from meshshard.profiling import program_collectives
+
+        exe = self.executable
+        if exe is None or getattr(exe, "traced", None) is None:
+            raise MeshshardInputError(
+                "compiled_collectives(): this step has not run yet; call it once, then ask "
+                "for the collectives of the plan that call compiled"
+            )
+        return program_collectives(exe.plan, exe.traced)
 
     @property
     def executable(self):

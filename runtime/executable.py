@@ -288,6 +288,8 @@ class Executable:
         #: the driver's program for the full batch's statistics the step reads as inputs
         #: after the user's leaves (set by ``parallelize``; None: there are none)
         self.statistics = None
+        #: the step's trace (set by ``parallelize``), for its compiled collectives
+        self.traced = None
         self._inflight: deque = deque()  # _InFlight of submitted pipelined steps
         self._seq = itertools.count()
 

@@ -102,6 +102,29 @@ def test_replicated_program_has_no_collectives(mesh):
     assert collectives_of(c) == ()
 
 
+def test_a_parallelized_step_reports_the_collectives_xla_compiled():
+    """``step.compiled_collectives()``: each program's collectives as the runtime compiles
+    it, here a data-parallel matmul's gradient all-reduce; before the first call it says
+    to call the step."""
+    import meshshard
+    from meshshard.errors import MeshshardInputError
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+    with use_cluster(ThreadsCluster(1, 2)):
+        par = meshshard.parallelize(step, method=meshshard.DataParallel((1, 2)))
+        with pytest.raises(MeshshardInputError, match="call it once"):
+            par.compiled_collectives()
+        par(jnp.ones((8, 8)), jnp.ones((16, 8)))
+        got = par.compiled_collectives()
+    assert list(got) == [str(p.name) for p in par.plan.programs_run()]
+    (program,) = got.values()
+    assert count_by_kind(program) == {"all-reduce": 1}
+    assert bytes_by_kind(program) == {"all-reduce": 8 * 8 * 4}
+
+
 @pytest.mark.parametrize(
     "text, n, want",
     [
