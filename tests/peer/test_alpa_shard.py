@@ -700,3 +700,58 @@ def test_bert_layers(one_host_cluster, batch_size, seq_len, hidden, parallel):
         for name, spec in kernels.items():
             want = (None, "device") if any(f"['{c}']" in name for c in columns) else ("device",)
             assert spec == want, (name, kernels)
+
+
+class MoELM(nn.Module):
+    """Token and position embeddings, a dense transformer layer, the MoE block, logits."""
+
+    vocab: int = 32
+
+    @nn.compact
+    def __call__(self, ids, positions):
+        x = nn.Embed(self.vocab, 64)(ids) + nn.Embed(ids.shape[1], 64)(positions)
+        attn = nn.MultiHeadDotProductAttention(num_heads=16, use_bias=False, deterministic=True)
+        x = nn.LayerNorm()(x + attn(x, x))
+        x = nn.LayerNorm()(x + nn.Dense(64)(jax.nn.gelu(nn.Dense(256)(x))))
+        return nn.Dense(self.vocab)(MoEBlock()(x))
+
+
+def moe_lm_step(state, batch):
+    def loss_fn(params):
+        logits = state.apply_fn(params, batch["ids"], batch["positions"])
+        mask = jnp.where(batch["labels"] > 0, 1.0, 0.0)
+        labels = jax.nn.one_hot(batch["labels"], logits.shape[-1])
+        loss = -jnp.sum(labels * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+        return (mask * loss).sum() / mask.sum()
+
+    return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+
+def test_moe_lm(one_host_cluster):
+    # origin: tests/shard_parallel/test_moe.py::test_moe_lm (an MoE language model with
+    # Adafactor, weight decay masked to matrices, a label-masked cross-entropy): parity,
+    # the experts split along the expert dim, the gate whole, 4 all-to-alls
+    with_fabric_costs(one_host_cluster)
+    rng = np.random.default_rng(0)
+    batch = {
+        "ids": rng.integers(0, 32, (64, 16)).astype(np.int32),
+        "positions": np.tile(np.arange(16, dtype=np.int32), (64, 1)),
+        "labels": rng.integers(0, 32, (64, 16)).astype(np.int32),
+    }
+    model = MoELM()
+    tx = optax.adafactor(
+        learning_rate=1e-2,
+        weight_decay_rate=1e-3,
+        weight_decay_mask=lambda tree: jax.tree.map(lambda x: x.ndim > 1, tree),
+        min_dim_size_to_factor=4,
+    )
+    params = model.init(jax.random.PRNGKey(0), batch["ids"], batch["positions"])
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    step = meshshard.parallelize(moe_lm_step, method=ShardParallel((1, 4)))
+    got = step(state, batch)
+    assert_trees_close(jax.jit(moe_lm_step)(state, batch).params, got.params, rtol=1e-4)
+    specs = {k: v for k, v in _param_specs(step.plan).items() if "GShardMoE" in k}
+    assert specs["['MoEBlock_0']['GShardMoE_0']['wi']"] == ("device",), specs
+    assert specs["['MoEBlock_0']['GShardMoE_0']['wo']"] == ("device",), specs
+    assert specs["['MoEBlock_0']['GShardMoE_0']['wg']"] == (), specs
+    assert len(_collectives(step)["all-to-all"]) == 4
