@@ -191,3 +191,19 @@ def contraction_flops(eqn: JaxprEqn) -> float | None:
             2.0 * aval_size(eqn.outvars[0].aval) * (aval_size(eqn.invars[1].aval) // out_features)
         )
     return None
+
+
+def without_markers(closed):
+    """``closed`` with every pipeline marker replaced by its operands: the step as one
+    program, for a step that runs on one stage and one micro-batch (markers are
+    identities until a pass gives one a ``scale``)."""
+
+    def hook(i, eqn, env, extra) -> bool:
+        if eqn.primitive is not boundary_p:
+            return False
+        for dst, src in zip(eqn.outvars, eqn.invars, strict=True):
+            if not is_dropvar(dst):
+                env[dst] = read_var(env, src)
+        return True
+
+    return retrace(closed, hook)

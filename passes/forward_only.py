@@ -104,6 +104,19 @@ def has_transposed_eqns(closed: ClosedJaxpr) -> bool:
     return walk(closed.jaxpr)
 
 
+def several_grads_message(grad_calls: int, asked: str) -> str:
+    """Why a step that calls ``meshshard.grad`` more than once cannot run as ``asked``
+    (``"num_micro_batches=2"``, ``"2 stages"``)."""
+    return (
+        f"the train step calls meshshard.grad {grad_calls} times (e.g. a GAN's "
+        f"discriminator and generator updates), and {asked} asks for a pipeline, which "
+        "accumulates one gradient per step; such a step runs only with one stage and "
+        "num_micro_batches=1 (ShardParallel, DataParallel or PipeshardParallel with one "
+        "stage), as one program; else combine the losses into one function or make each "
+        "update its own step"
+    )
+
+
 def check_forward_only(traced, num_stages: int) -> None:
     """Refuse a step that differentiates with ``jax.grad`` when it would be pipelined.
 
@@ -112,6 +125,9 @@ def check_forward_only(traced, num_stages: int) -> None:
     results: not a pipelined backward.  One micro-batch on one stage runs it as is.
     """
     m = traced.num_micro_batches
+    if traced.grad_calls > 1 and (m > 1 or num_stages > 1):
+        asked = f"num_micro_batches={m}" if m > 1 else f"{num_stages} stages"
+        raise MeshshardInputError(several_grads_message(traced.grad_calls, asked))
     if traced.transposed and (m > 1 or num_stages > 1):
         raise MeshshardInputError(
             f"this step differentiates with jax.grad or jax.value_and_grad (its jaxpr holds "

@@ -37,7 +37,7 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_literal
+from meshshard.jaxpr_util import is_literal, is_marker, without_markers
 from meshshard.passes.batch_coupling import coupled_statistics
 from meshshard.passes.batch_statistics import (
     PATH,
@@ -51,6 +51,7 @@ from meshshard.passes.forward_only import (
     has_transposed_eqns,
     is_forward_only,
     output_reductions,
+    several_grads_message,
 )
 from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
@@ -100,6 +101,9 @@ class TracedStep:
     #: plan notes naming batch reductions of activations used on the batch again, which
     #: each micro-batch computes for itself (:mod:`~meshshard.passes.batch_coupling`)
     coupled: tuple[str, ...] = ()
+    #: how many times the step calls meshshard.grad; a step that calls it more than
+    #: once (a GAN's two updates) runs as one program, its markers removed
+    grad_calls: int = 1
 
     @property
     def jaxpr(self):
@@ -229,6 +233,11 @@ def _cached(key) -> TracedStep | None:
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     """:func:`trace_step` without the cache."""
     full, full_out, transposed = _trace(fn, treedef, full_abs)
+    grad_calls = sum(is_marker(e, "grad_end") for e in full.jaxpr.eqns)
+    if grad_calls > 1:
+        if m > 1:
+            raise MeshshardInputError(several_grads_message(grad_calls, f"num_micro_batches={m}"))
+        full, transposed = without_markers(full), True  # one program, as under jax.grad
     keys = key_inputs(full.jaxpr)
     is_batch = [b and i not in keys for i, b in enumerate(in_batch)]
     micro_abs = [
@@ -289,6 +298,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         out_key_impls=tuple(getattr(fn, "out_impls", ())),
         statistics=statistics,
         coupled=coupled,
+        grad_calls=grad_calls,
     )
 
 
