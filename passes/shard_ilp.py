@@ -76,6 +76,11 @@ __all__ = [
 
 #: Identity primitives whose outputs are their operands (markers, sharding pins).
 ALIAS_PRIMITIVES = frozenset({"pipeline_boundary", "meshshard_shard"})
+#: Primitives that make, split or convert PRNG keys: a few words each (``nn.RNN`` splits
+#: a key for its carry), whose replicated runs are not worth a plan note.
+KEY_PLUMBING = frozenset(
+    {"random_seed", "random_split", "random_fold_in", "random_wrap", "random_unwrap"}
+)
 MEMORY_POINTS = 16
 #: Inputs held sharded save memory: between plans of equal time, the one holding fewer
 #: input bytes per device wins (priced at this fraction of reading them once).
@@ -445,6 +450,7 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
         if (
             strat[0].name == "replicated"
             and name != "iota"
+            and name not in KEY_PLUMBING
             and any(len(layouts(shape, mesh)) > 1 for shape, _ in shapes)
         ):  # a scalar (a PRNG key's seed) has nothing to split: not worth a note
             notes.append(f"{name} runs replicated (no sharding rule)")
