@@ -3,7 +3,6 @@ back inside the loss, differentiated with ``meshshard.value_and_grad``.  Its par
 are an ``nnx.State`` pytree, and a ``mark_pipeline_boundary()`` in its ``__call__``
 cuts it into stages as in a Linen model."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -12,7 +11,7 @@ from flax import nnx
 
 import meshshard
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
-from tests.conftest import assert_trees_close
+from tests.random_parity import check_step_parity
 
 TX = optax.adamw(1e-2)
 
@@ -60,13 +59,6 @@ def test_an_nnx_model_trains_equal_to_jit(method, stages):
         "y": rng.standard_normal((16, 4)).astype(np.float32),
     }
     state = (PARAMS, TX.init(PARAMS))
-    ref_step = jax.jit(nnx_step)
     with use_cluster(ThreadsCluster(4, 2)):
-        step = meshshard.parallelize(nnx_step, method=method)
-        got, ref = state, state
-        for _ in range(2):
-            got, got_loss = step(got, batch)
-            ref, ref_loss = ref_step(ref, batch)
-        assert_trees_close(ref, meshshard.fetch(got), rtol=1e-4)
-        assert_trees_close(ref_loss, got_loss, rtol=1e-4)
-        assert len(step.plan.stages) == stages
+        step = check_step_parity(nnx_step, method, state, [batch, batch], rtol=1e-4)
+    assert len(step.plan.stages) == stages

@@ -13,7 +13,7 @@ import pytest
 import meshshard
 from meshshard import MeshshardInputError
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
-from tests.conftest import assert_trees_close
+from tests.random_parity import check_step_parity
 
 GEN = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(8)])
 DISC = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(1)])
@@ -61,15 +61,8 @@ def _case():
 )
 def test_a_gan_step_runs_as_one_program_equal_to_jit(method):
     state, batch = _case()
-    ref_step = jax.jit(gan_step)
     with use_cluster(ThreadsCluster(1, 2)):
-        step = meshshard.parallelize(gan_step, method=method)
-        got, ref = state, state
-        for _ in range(2):
-            got, got_losses = step(got, batch)
-            ref, ref_losses = ref_step(ref, batch)
-        assert_trees_close(ref, meshshard.fetch(got), rtol=1e-4)
-        assert_trees_close(ref_losses, got_losses, rtol=1e-4)
+        check_step_parity(gan_step, method, state, [batch, batch], rtol=1e-4)
 
 
 @pytest.mark.parametrize(
