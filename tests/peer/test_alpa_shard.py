@@ -603,18 +603,9 @@ def _param_specs(plan) -> dict[str, tuple]:
     }
 
 
-@pytest.mark.parametrize("logical", [None, (2, 2)], ids=["1x4", "2x2"])
-def test_moe_layer(one_host_cluster, logical):
-    # origin: tests/shard_parallel/test_moe.py::test_moe_layer and ::test_moe_layer_2d
-    # (batch 64 x 16 tokens, hidden 64, 16 heads, groups of 32 tokens, 16 experts):
-    # the experts' weights split over every device along the expert dim, the gate weight
-    # whole, and XLA's program holds 4 all-to-alls (dispatch and combine, forward and
-    # backward) and one combined gradient all-reduce.  Alpa also finds the attention
-    # weights whole and no other collective; here the solver may split Adam's update of
-    # an attention kernel over the devices (ZeRO-style) and all-gather the result: on this
-    # machine's memory bandwidth (2.9 GB/s) the elementwise update of a 16 KiB kernel
-    # costs more than its all-gather, where Alpa's objective counts communication only
-    with_fabric_costs(one_host_cluster)
+def _moe_layer_step(logical):
+    """The MoE block's ``jax_grad_step`` run once under ``ShardParallel((1, 4))`` (viewed
+    as ``logical``), checked against ``jax.jit``; returns the step and its param specs."""
     rng = np.random.default_rng(0)
     batch = {k: rng.standard_normal((64, 16, 64)).astype(np.float32) for k in ("x", "y")}
     model = MoEBlock()
@@ -631,6 +622,32 @@ def test_moe_layer(one_host_cluster, logical):
     every = ("device",) if logical is None else (("host", "device"),)
     assert specs["['GShardMoE_0']['wi']"] == specs["['GShardMoE_0']['wo']"] == every, specs
     assert specs["['GShardMoE_0']['wg']"] == (), specs
+    return step, specs
+
+
+def test_moe_layer(one_host_cluster):
+    # origin: tests/shard_parallel/test_moe.py::test_moe_layer (batch 64 x 16 tokens,
+    # hidden 64, 16 heads, groups of 32 tokens, 16 experts; on this machine's measured
+    # collective costs): the experts' weights split along the expert dim, the attention
+    # and gate weights whole, and XLA's program holds 4 all-to-alls (dispatch and
+    # combine, forward and backward), one combined gradient all-reduce and nothing else
+    step, specs = _moe_layer_step(None)
+    attention = [k for k in specs if "Attention" in k]
+    assert len(attention) == 4 and all(not any(specs[k]) for k in attention), specs
+    found = {kind: len(sizes) for kind, sizes in _collectives(step).items()}
+    assert found == {"all-to-all": 4, "all-reduce": 1}, found
+
+
+def test_moe_layer_2d(one_host_cluster):
+    # origin: tests/shard_parallel/test_moe.py::test_moe_layer_2d (the same layer on a
+    # 2 x 2 mesh): the experts split over both axes, 4 all-to-alls and one all-reduce.
+    # Planned on the fabric's collective costs (on this machine's measured ones the
+    # solver takes 2-D layouts whose reshards XLA compiles with collective-permutes), where
+    # a 16 KiB all-gather costs less than Adam's elementwise update of an attention kernel
+    # at this machine's memory bandwidth: the solver may split that update and all-gather
+    # the kernel, which Alpa's communication-only objective never does
+    with_fabric_costs(one_host_cluster)
+    step, _ = _moe_layer_step((2, 2))
     found = _collectives(step)
     assert len(found.pop("all-to-all")) == 4 and len(found.pop("all-reduce")) == 1, found
     kernel = 64 * 64 * 4  # bytes of one attention kernel (16 heads x 4 of hidden 64)
