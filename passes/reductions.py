@@ -258,8 +258,31 @@ def _ranks_the_batch(em, ef) -> bool:
     return _along_axis(em) in _batch_axes(em, ef)
 
 
+#: How :func:`_order_statistic_why` names a random shuffle of the batch.
+SHUFFLE = "a random permutation of the batch"
+
+
+def _is_shuffle(em) -> bool:
+    """Whether sort ``em`` orders values by unsigned random bits, as
+    ``jax.random.permutation`` and ``jax.random.shuffle`` do: a random shuffle."""
+    ops = em.invars
+    return (
+        em.primitive.name == "sort"
+        and em.params.get("num_keys") == 1
+        and len(ops) == 2
+        and str(getattr(ops[0].aval, "dtype", "")) == "uint32"
+    )
+
+
 def _order_statistic_why(em) -> str:
     """Why a value ranked by ``em`` along the batch combines no way over micro-batches."""
+    if _is_shuffle(em):
+        return (
+            f"it mixes examples: {SHUFFLE} (jax.random.permutation, as mixup or cutmix "
+            f"draws its partner examples; a sort by random bits along axis "
+            f"{_along_axis(em)}) pairs examples from anywhere in the batch, so no "
+            "micro-batch can compute its share"
+        )
     return (
         f"it mixes examples: {em.primitive.name} runs along the batch dimension (axis "
         f"{_along_axis(em)}) of a per-example value: an order statistic over the batch (a "
@@ -579,6 +602,12 @@ def _refuse_an_order_statistic(micro: ClosedJaxpr, full: ClosedJaxpr, loss) -> N
     median, a quantile, the k largest per-example losses): declaring its reduction would
     combine the micro-batches' own statistics, which differ from the batch's."""
     why = order_statistic(micro, full, loss)
+    if why and SHUFFLE in why:
+        raise MeshshardInputError(
+            f"meshshard cannot tell how the loss combines over micro-batches: {why}; shuffle "
+            "or mix the examples before the step (in the input pipeline), or run it with "
+            "num_micro_batches=1"
+        )
     if why:
         raise MeshshardInputError(
             f"meshshard cannot tell how the loss combines over micro-batches: {why}; compute "

@@ -304,6 +304,35 @@ def test_an_order_statistic_loss_is_refused_naming_it_and_the_fix(make_loss, m, 
         assert misleading not in msg
 
 
+def test_a_mixup_step_is_refused_naming_the_shuffle_not_a_sort():
+    """Mixup pairs each example with a random partner from the whole batch
+    (``jax.random.permutation``, which sorts random bits): it was refused as "an order
+    statistic ... (a sort, median, quantile or top-k)", which the step does not compute."""
+    state = sgd_state(BATCHES[0]["x"])
+
+    def step(state, batch):
+        perm = jax.random.permutation(jax.random.key(0), batch["x"].shape[0])
+        x = 0.7 * batch["x"] + 0.3 * batch["x"][perm]
+        y = 0.7 * batch["y"] + 0.3 * batch["y"][perm]
+
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(MeshshardInputError) as info:
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+    msg = str(info.value)
+    assert "it mixes examples: a random permutation of the batch (jax.random.permutation" in msg
+    assert msg.endswith(
+        "shuffle or mix the examples before the step (in the input pipeline), or run it "
+        "with num_micro_batches=1"
+    ), msg
+    assert "order statistic" not in msg
+
+
 def test_an_order_statistic_aux_value_takes_the_default_and_says_why():
     state = sgd_state(BATCHES[0]["x"])
 
