@@ -124,23 +124,12 @@ def _plan_row(label, fn, args, method, cluster, with_one_axis: bool) -> dict:
 
 
 def _mlp_rows() -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-
     from meshshard.cluster import ClusterSpec
     from meshshard.passes import shard_ilp
     from meshshard.passes.shard_costs import LogicalMesh
+    from tests.test_shard_ilp import tanh_mlp_jaxpr
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.mean(h**2)
-
-        return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws), strict=True)]
-
-    closed = jax.make_jaxpr(step)([jnp.ones((512, 512))] * 4, jnp.ones((16, 512)))
+    closed = tanh_mlp_jaxpr()
     cluster = ClusterSpec()
     mesh = LogicalMesh.of((2, 2), cluster)
     label = "MLP 4x512, 16 rows, 2x2, time_limit=0"
