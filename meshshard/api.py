@@ -419,7 +419,7 @@ class ParallelizedFunction:
         from meshshard.profiling import program_collectives
 
         exe = self.executable
-        if exe is None or getattr(exe, "traced", None) is None:
+        if exe is None or exe.traced is None:
             raise MeshshardInputError(
                 "compiled_collectives(): this step has not run yet; call it once, then ask "
                 "for the collectives of the plan that call compiled"

@@ -125,9 +125,8 @@ def check_forward_only(traced, num_stages: int) -> None:
     results: not a pipelined backward.  One micro-batch on one stage runs it as is.
     """
     m = traced.num_micro_batches
-    if traced.grad_calls > 1 and (m > 1 or num_stages > 1):
-        asked = f"num_micro_batches={m}" if m > 1 else f"{num_stages} stages"
-        raise MeshshardInputError(several_grads_message(traced.grad_calls, asked))
+    if traced.grad_calls > 1 and num_stages > 1:  # (more micro-batches: refused by the trace)
+        raise MeshshardInputError(several_grads_message(traced.grad_calls, f"{num_stages} stages"))
     if traced.transposed and (m > 1 or num_stages > 1):
         raise MeshshardInputError(
             f"this step differentiates with jax.grad or jax.value_and_grad (its jaxpr holds "

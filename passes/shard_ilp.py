@@ -189,7 +189,6 @@ class _Problem:
     notes: list[str]
     scope: tuple = ()  # (jaxpr, equation indices, var ids): to recompute memory rows
     ties: list[tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=list)
-    tied_vids: tuple = ()  # the (var id, var id) pairs ``ties`` was made of
     #: combiner group (axes, reduction, dtype) -> seconds paid once when any member runs
     combine: dict = field(default_factory=dict)
 
@@ -814,7 +813,7 @@ def _translated(problem: _Problem, sub: _Problem, sub_choice, to_mesh: Callable)
     return preset
 
 
-def _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, time_limit, gap) -> list:
+def _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, tied, time_limit, gap) -> list:
     """(label, preset) of the plans HiGHS finds on each of :func:`_one_axis_meshes`
     (pins given to ``solve_stage`` left out: the whole mesh's pinned nodes have one
     strategy each; a mesh that a ``meshshard.shard`` pin inside the step cannot be
@@ -825,7 +824,7 @@ def _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, time_limit, gap) -> li
             sub = _build(jaxpr, small, eqns, {}, amortize)
         except MeshshardInputError:  # a pin in the step names an axis this mesh lacks
             continue
-        sub.ties = _ties(sub, problem.tied_vids)
+        sub.ties = _ties(sub, tied)
         choice, _, _ = _milp(sub, None, time_limit, gap)
         if choice is None:
             choice = _improve(sub, _greedy(sub))
@@ -922,7 +921,6 @@ def solve_stage(
     jaxpr = _jaxpr(jaxpr)
     problem = _build(jaxpr, mesh, eqns, {}, amortize)
     _apply_pins(problem, pins or {}, jaxpr, mesh)
-    problem.tied_vids = tuple(tied)
     problem.ties = _ties(problem, tied)
     if memory_budget is None and cluster is not None:
         memory_budget = cluster.device_memory
@@ -943,7 +941,7 @@ def solve_stage(
         gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     else:  # stopped early (or no plan): keep the best of the incumbent and heuristics
         sub_limit = max(time_limit / 4, ONE_AXIS_MIN_SECONDS)
-        plans = _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, sub_limit, mip_rel_gap)
+        plans = _one_axis_plans(problem, jaxpr, mesh, eqns, amortize, tied, sub_limit, mip_rel_gap)
         choice, label, objective = _best_candidate(
             problem, mesh, memory_budget, choice, seeds, plans
         )
