@@ -239,16 +239,25 @@ def jax_grad_step(state, batch):
     return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
 
 
-def _kernel_specs(plan):
-    """``{Dense_k: spec}`` of the kernels in the step's parameter buffers."""
+def _param_specs(plan) -> dict[str, tuple]:
+    """``{path: spec}`` of the step's parameters (the optimizer state left out)."""
     from meshshard.refs import BufferKind
 
     return {
-        t.name.split("Dense_")[1].split("'")[0]: t.spec
+        t.name.split("['params']")[-1]: tuple(t.spec)
         for b in plan.buffers
         if b.name.kind is BufferKind.PARAMS
         for t in b.tensors
-        if "kernel" in t.name
+        if ".params[" in t.name and "opt_state" not in t.name
+    }
+
+
+def _kernel_specs(plan):
+    """``{Dense_k: spec}`` of the Dense kernels among the step's parameters."""
+    return {
+        k.split("Dense_")[1].split("'")[0]: v
+        for k, v in _param_specs(plan).items()
+        if "kernel" in k
     }
 
 
@@ -588,19 +597,6 @@ def _collectives(step) -> dict[str, list[int]]:
     for c in collectives:
         out.setdefault(c.kind, []).append(c.nbytes)
     return out
-
-
-def _param_specs(plan) -> dict[str, tuple]:
-    """``{path: spec}`` of the step's parameters (the optimizer state left out)."""
-    from meshshard.refs import BufferKind
-
-    return {
-        t.name.split("['params']")[-1]: tuple(t.spec)
-        for b in plan.buffers
-        if b.name.kind is BufferKind.PARAMS
-        for t in b.tensors
-        if ".params[" in t.name and "opt_state" not in t.name
-    }
 
 
 def _moe_layer_step(logical):
