@@ -28,7 +28,7 @@ from meshshard.refs import (
     TransferRef,
 )
 
-__all__ = ["ExtremeKeys", "Plan", "PlanFormatError", "SparseRows"]
+__all__ = ["GatheredAccumulator", "Plan", "PlanFormatError", "SparseRows"]
 
 
 def _set(obj, name: str, value) -> None:
@@ -610,15 +610,22 @@ class SparseRows:
 
 
 @dataclass(frozen=True)
-class ExtremeKeys:
-    """A tensor of a replicas' accumulator group combined by ``reduce`` ("max" or
-    "min": ``meshshard.aux_max`` / ``aux_min``), so the replicas must not add it up.
+class GatheredAccumulator:
+    """A tensor of a replicas' accumulator group that the replicas must not add up:
+    every member sends it whole (``nbytes``) in the group's all-gather and combines the
+    members' copies in member order by ``reduce``.
 
-    Its accumulator holds order keys (:mod:`meshshard.accumulate`: the maximum of the
-    keys is the maximum, or the minimum, of the values), so the replicas combine it by
-    the maximum of their keys: every member sends its keys (``nbytes``) in the group's
-    all-gather, and each takes the maximum in member order.  ``tensor`` is its position
-    in group ``group``'s tensors.
+    - ``max`` / ``min`` (``meshshard.aux_max`` / ``aux_min``): the accumulator holds
+      order keys (:mod:`meshshard.accumulate`: the maximum of the keys is the maximum, or
+      the minimum, of the values), so the members take the maximum of their keys.
+    - ``concat`` (per-example values, e.g. logits returned as aux): each member's
+      accumulator holds the rows of its own micro-batches at its end, and replica ``j``
+      runs the ``j``-th run of micro-batches, so the members' rows in member order are
+      the batch's rows in order.
+    - ``same`` (a value that does not depend on the batch): every member already holds
+      it, so it is kept as it is and sends nothing.
+
+    ``tensor`` is its position in group ``group``'s tensors.
     """
 
     group: BufferRef
@@ -627,11 +634,25 @@ class ExtremeKeys:
 
     def __post_init__(self) -> None:
         _set(self, "group", BufferRef.of(self.group))
-        if self.reduce not in ("max", "min"):
-            raise ValueError(f"ExtremeKeys reduce {self.reduce!r} is not 'max' or 'min'")
+        if self.reduce not in GATHERED_REDUCTIONS:
+            raise ValueError(
+                f"GatheredAccumulator reduce {self.reduce!r} is not one of {GATHERED_REDUCTIONS}"
+            )
 
     def __str__(self) -> str:
-        return f"{self.group}[{self.tensor}] by {self.reduce} (order keys, all-gathered)"
+        if self.reduce == "same":
+            return f"{self.group}[{self.tensor}] kept (the same on every replica, not sent)"
+        how = "rows in member order" if self.reduce == "concat" else "order keys"
+        return f"{self.group}[{self.tensor}] by {self.reduce} ({how}, all-gathered)"
+
+    @property
+    def sent(self) -> bool:
+        """Whether the members send it (all but ``same``)."""
+        return self.reduce != "same"
+
+
+#: How a :class:`GatheredAccumulator` combines the replicas' copies.
+GATHERED_REDUCTIONS = ("max", "min", "concat", "same")
 
 
 @dataclass(frozen=True)
@@ -654,8 +675,9 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     reductions: tuple[ReductionSpec, ...] = field(default=())
     sparse_rows: tuple[SparseRows, ...] = field(default=())
-    #: replicas' accumulators combined by max or min (all-gathered, never summed)
-    extremes: tuple[ExtremeKeys, ...] = field(default=())
+    #: replicas' accumulators combined by max, min or concatenation (all-gathered,
+    #: never summed)
+    gathered: tuple[GatheredAccumulator, ...] = field(default=())
 
     # --- lookups -------------------------------------------------------------------
     def program(self, ref: ProgramRef | str) -> ProgramSpec:
@@ -710,19 +732,20 @@ class Plan:
         group = ref.group
         return {r.tensor: r for r in self.sparse_rows if r.group == group}
 
-    def extreme_tensors(self, ref: BufferRef) -> dict[int, ExtremeKeys]:
-        """The tensors of accumulator group ``ref`` combined by max or min, by position."""
+    def gathered_tensors(self, ref: BufferRef) -> dict[int, GatheredAccumulator]:
+        """The tensors of accumulator group ``ref`` all-gathered, not summed (max, min or
+        concat: :class:`GatheredAccumulator`), by position."""
         group = ref.group
-        return {e.tensor: e for e in self.extremes if e.group == group}
+        return {e.tensor: e for e in self.gathered if e.group == group}
 
     def grad_nbytes(self, ref: BufferRef) -> tuple[int, int]:
         """(dense bytes all-reduced, bytes each member all-gathers: touched rows and
-        max/min keys) of the replicas' accumulator group ``ref``."""
+        max/min/concat accumulators) of the replicas' accumulator group ``ref``."""
         tensors = self.buffer(ref).tensors
-        rows, keys = self.sparse_tensors(ref), self.extreme_tensors(ref)
+        rows, keys = self.sparse_tensors(ref), self.gathered_tensors(ref)
         dense = sum(t.nbytes for i, t in enumerate(tensors) if i not in rows and i not in keys)
         gathered = sum(r.payload_nbytes(tensors[i]) for i, r in rows.items())
-        return dense, gathered + sum(tensors[i].nbytes for i in keys)
+        return dense, gathered + sum(tensors[i].nbytes for i, e in keys.items() if e.sent)
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -757,8 +780,8 @@ class Plan:
             out += ["", "all-reduces:"] + [f"  {r}" for r in self.reductions]
         if self.sparse_rows:
             out += ["", "sparse gradients:"] + [f"  {r}" for r in self.sparse_rows]
-        if self.extremes:
-            out += ["", "max/min accumulators:"] + [f"  {e}" for e in self.extremes]
+        if self.gathered:
+            out += ["", "gathered accumulators:"] + [f"  {e}" for e in self.gathered]
         out += ["", "inputs:"] + [f"  {i}" for i in self.inputs]
         out += ["", "outputs:"] + [f"  {o}" for o in self.outputs]
         out += ["", "schedule " + _indent(str(self.schedule)).lstrip()]

@@ -28,10 +28,14 @@ keeps identical weights.  The plan's schedule stays one replica's grid (``M/d``
 micro-batches on ``L`` meshes).  State inputs go to every replica; each step result is listed
 on every replica (a state result stays where the next step reads it).
 
-A max- or min-reduced accumulator (``aux_max`` / ``aux_min``) must not be summed: the
-plan lists it in ``extremes`` (:class:`~meshshard.plan.ExtremeKeys`) and issues a
-``COLL allgather A`` before the group's all-reduce; every member takes the maximum of the
-gathered order keys (:mod:`meshshard.runtime.replica_grads`).
+A max- or min-reduced accumulator (``aux_max`` / ``aux_min``) and per-example values
+concatenated over micro-batches (logits returned as aux, a forward-only step's
+predictions) must not be summed: the plan lists them in ``gathered``
+(:class:`~meshshard.plan.GatheredAccumulator`) and issues a ``COLL allgather A`` before
+the group's all-reduce; every member takes the maximum of the gathered order keys, or
+the members' rows in replica order (:mod:`meshshard.runtime.replica_grads`).  A value
+that does not depend on the batch (reduction ``same``) is listed there too: every
+replica keeps its own, equal copy instead of adding the others'.
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ from dataclasses import replace
 
 from meshshard.errors import MeshshardInputError
 from meshshard.instructions import Collective, Instruction, Load, Recv, Run, Send, Wait
-from meshshard.plan import ExtremeKeys, Plan, ReductionSpec, TransferSpec
+from meshshard.plan import (
+    GATHERED_REDUCTIONS,
+    GatheredAccumulator,
+    Plan,
+    ReductionSpec,
+    TransferSpec,
+)
 from meshshard.refs import BufferKind, BufferRef, CollectiveKind, Phase, ProgramRef, TransferRef
 
 __all__ = ["replicate_stages"]
@@ -153,7 +163,7 @@ def _with_allreduce(
 ) -> list[Instruction]:
     """``ins`` with ``COLL allreduce A`` + ``WAIT A`` before the first update phase
     reading each accumulator group ``A``, and a ``COLL allgather A`` first for a group in
-    ``gathered`` (it has max/min accumulators: :class:`~meshshard.plan.ExtremeKeys`)."""
+    ``gathered`` (it has accumulators not summed: :class:`~meshshard.plan.GatheredAccumulator`)."""
     out: list[Instruction] = []
     done: set[BufferRef] = set()
     for x in ins:
@@ -175,30 +185,33 @@ def _with_allreduce(
     return out
 
 
-def _extremes(plan: Plan, names, reductions: Mapping[int, str]) -> tuple[ExtremeKeys, ...]:
-    """Every replica's accumulator tensors combined by max or min (``reductions``: var
-    id -> reduction over micro-batches): the sum the rest of ``A`` takes would be wrong."""
+def _not_summed(
+    plan: Plan, names, reductions: Mapping[int, str]
+) -> tuple[GatheredAccumulator, ...]:
+    """Every replica's accumulator tensors combined by max, min or concatenation
+    (``reductions``: var id -> reduction over micro-batches): the sum the rest of ``A``
+    takes would be wrong."""
     return tuple(
-        ExtremeKeys(rn.buf(b.name), k, reductions[t.var])
+        GatheredAccumulator(rn.buf(b.name), k, reductions[t.var])
         for rn in names
         for b in plan.buffers
         if b.name.kind is BufferKind.ACCUMULATORS
         for k, t in enumerate(b.tensors)
-        if reductions.get(t.var) in ("max", "min")
+        if reductions.get(t.var) in GATHERED_REDUCTIONS
     )
 
 
 def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = None) -> Plan:
     """``plan`` run by ``d`` data-parallel replicas of its stages (module doc).
     ``reductions``: var id -> how each accumulator combines over micro-batches
-    (:func:`~meshshard.passes.reductions.accumulator_reductions`); a max or min one is
-    all-gathered and combined by its order keys (:class:`~meshshard.plan.ExtremeKeys`)."""
+    (:func:`~meshshard.passes.reductions.accumulator_reductions`); a max, min or concat
+    one is all-gathered, not summed (:class:`~meshshard.plan.GatheredAccumulator`)."""
     if d == 1:
         return plan
     _check(plan, d)
     names = [_Rename(plan, j, d) for j in range(d)]
-    extremes = _extremes(plan, names, reductions or {})
-    gathered = frozenset(e.group for e in extremes)
+    not_summed = _not_summed(plan, names, reductions or {})
+    gathered = frozenset(e.group for e in not_summed if e.sent)
     streams, meshes, programs, buffers, transfers, reductions = [], [], [], [], [], []
     for rn in names:
         for st in plan.streams:
@@ -233,10 +246,10 @@ def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = 
         f"{names[0].K - 1}; accumulators all-reduced over the replicas before each update; "
         "the schedule grid is one replica's"
     ]
-    if extremes:
+    if not_summed:
         notes.append(
-            f"data_parallel={d}: {len(extremes)} max/min accumulator(s) all-gathered and "
-            "combined by their order keys, not summed"
+            f"data_parallel={d}: {len(not_summed)} max/min/concat/same accumulator(s) "
+            "all-gathered and combined by their order keys or rows, or kept, not summed"
         )
     return replace(
         plan,
@@ -249,5 +262,5 @@ def replicate_stages(plan: Plan, d: int, reductions: Mapping[int, str] | None = 
         inputs=tuple(replace(i, slots=slots(i)) for i in plan.inputs),
         outputs=tuple(replace(o, slots=slots(o)) for o in plan.outputs),
         notes=plan.notes + tuple(notes),
-        extremes=extremes,
+        gathered=not_summed,
     )

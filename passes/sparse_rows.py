@@ -183,7 +183,7 @@ def find_sparse_rows(plan: Plan, traced: TracedStep) -> tuple[SparseRows, ...]:
     bounds: dict[int, int | None] = {}
     for group, (coll, stream) in sorted(_replica_allreduces(plan).items(), key=lambda g: str(g[0])):
         k = _accumulations(stream, group)
-        keys = plan.extreme_tensors(group)
+        keys = plan.gathered_tensors(group)
         for i, t in enumerate(plan.buffer(group).tensors):
             if not _candidate(t) or i in keys:
                 continue

@@ -17,9 +17,12 @@ gradient; :mod:`meshshard.passes.sparse_rows`) stay out of the flat vector: a
 payload (:func:`~meshshard.sparse_grads.pack_rows`), and ``WAIT A`` adds them up in
 member order in the dtype the transport's all-reduce sums in
 (:func:`~meshshard.sparse_grads.sum_rows`), so they equal the dense sum bit for bit.
-Max- and min-reduced accumulators (``plan.extremes``: ``aux_max`` / ``aux_min``) stay out
-of it too, since a sum of them is wrong: their bytes ride in the same all-gather and
-``WAIT A`` takes the maximum of the members' order keys (:func:`_max_keys`).
+Max- and min-reduced accumulators (``plan.gathered``: ``aux_max`` / ``aux_min``) and
+per-example values concatenated over micro-batches stay out of it too, since a sum of
+them is wrong: their bytes ride in the same all-gather and ``WAIT A`` takes the maximum
+of the members' order keys (:func:`_max_keys`) or the members' rows in order
+(:func:`_rows_in_order`).  A value that does not depend on the batch (``same``) is kept
+as each member holds it.
 
 Every member flattens the same tensors in the same order and issues the collectives on
 one channel per group (:func:`grads_channel`), in stream order, so the operations match;
@@ -115,8 +118,8 @@ def _flatten(arrays, tensors, dtype) -> np.ndarray:
 class _Pending:
     """One accumulator group's exchange in flight on this worker: the arrays, the flat
     vector of its dense tensors (made lazily), the positions that move as rows
-    (:class:`~meshshard.plan.SparseRows`) or as max/min keys
-    (:class:`~meshshard.plan.ExtremeKeys`) and the handles issued so far."""
+    (:class:`~meshshard.plan.SparseRows`) or whole, not summed
+    (:class:`~meshshard.plan.GatheredAccumulator`) and the handles issued so far."""
 
     def __init__(self, value, lazy_flat, n: int, sparse: dict, keys: dict):
         self.value = value
@@ -139,7 +142,7 @@ def _pending(step, name: BufferRef) -> _Pending:
         value = step.value(name)
         del step.buffers[name]
         sparse = interp.plan.sparse_tensors(name)
-        keys = interp.plan.extreme_tensors(name)
+        keys = interp.plan.gathered_tensors(name)
         tensors = interp._buffers_spec[name.group].tensors
         dense = [k for k in range(len(tensors)) if k not in sparse and k not in keys]
         dtype = _wire_dtype([tensors[k] for k in dense])
@@ -168,7 +171,7 @@ def issue_chunk(step, i: int, ins: Collective) -> None:
 
 def issue_gather(step, i: int, ins: Collective) -> None:
     """Issue the all-gather of ``ins.buffer``'s sparse tensors' touched rows and its
-    max/min accumulators' order keys: one fixed-size byte payload per member (each
+    max/min/concat accumulators' bytes: one fixed-size byte payload per member (each
     sparse tensor's :func:`~meshshard.sparse_grads.pack_rows`, then each key tensor's
     bytes, in position order)."""
     interp = step.interp
@@ -183,7 +186,7 @@ def issue_gather(step, i: int, ins: Collective) -> None:
             pack_rows(np.asarray(pend.value[k]), r.max_rows, f"{tensors[k].name} of {name}")
             for k, r in sorted(pend.sparse.items())
         ]
-        keys = [_bytes(np.asarray(pend.value[k])) for k in sorted(pend.keys)]
+        keys = [_bytes(np.asarray(pend.value[k])) for k in _sent(pend)]
         payload = np.concatenate([_bytes(p) for p in rows + keys])
         step.stamp("sent", key)
         return interp.transport.iallgather(payload, ins.group, chan)
@@ -214,9 +217,11 @@ def _dense(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
 
 def _gathered(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
     """The sparse tensors, summed over the members from their gathered rows, and the
-    max/min accumulators, combined over the members by :func:`_max_keys`."""
+    max/min/concat accumulators, combined over the members by :func:`_max_keys` or
+    :func:`_rows_in_order`."""
+    kept = {k: np.asarray(pend.value[k]) for k, e in pend.keys.items() if not e.sent}
     if pend.gather is None:
-        return {}
+        return kept
     handle, key = pend.gather
     payloads = handle.result().wait()
     step.stamp("arrived", key)
@@ -231,14 +236,23 @@ def _gathered(step, pend: _Pending, tensors) -> dict[int, np.ndarray]:
                 unpack_rows(raw[at : at + size], t.shape, t.dtype, r.max_rows)
             )
             at += size
-        for k in sorted(pend.keys):
+        for k in _sent(pend):
             t = tensors[k]
             keys.setdefault(k, []).append(raw[at : at + t.nbytes].view(t.dtype).reshape(t.shape))
             at += t.nbytes
     for k, parts in split.items():
         t = tensors[k]
         out[k] = sum_rows(parts, t.shape, t.dtype, sum_dtype(np.dtype(t.dtype)))
-    return out | {k: _max_keys(parts) for k, parts in keys.items()}
+    for k, parts in keys.items():
+        concat = pend.keys[k].reduce == "concat"
+        out[k] = _rows_in_order(parts) if concat else _max_keys(parts)
+    return out | kept
+
+
+def _sent(pend: _Pending) -> list[int]:
+    """Positions of the not-summed tensors the members send, in order (a ``same`` one is
+    kept as it is)."""
+    return sorted(k for k, e in pend.keys.items() if e.sent)
 
 
 def _max_keys(parts: list[np.ndarray]) -> np.ndarray:
@@ -249,6 +263,15 @@ def _max_keys(parts: list[np.ndarray]) -> np.ndarray:
     unsigned = np.dtype(f"u{dtype.itemsize}")
     top = np.maximum.reduce([p.view(unsigned) for p in parts])
     return np.asarray(top).view(dtype).reshape(parts[0].shape)
+
+
+def _rows_in_order(parts: list[np.ndarray]) -> np.ndarray:
+    """The members' concatenating accumulators combined: each holds the full batch's
+    shape with its own micro-batches' rows at its end (:func:`meshshard.accumulate.combine`),
+    and member ``j`` ran the ``j``-th run of micro-batches, so the batch's rows are each
+    member's last ``1/d`` of the rows, in member order."""
+    rows = parts[0].shape[0] // len(parts)
+    return np.concatenate([p[p.shape[0] - rows :] for p in parts])
 
 
 def wait_grads(step, name: BufferRef):

@@ -94,6 +94,24 @@ def test_pipelined_forward_only_with_micro_batches_matches_jit(threads_cluster, 
     assert last in {str(p.name) for p in plan.programs}
 
 
+@pytest.mark.parametrize("m", [2, 4])
+def test_forward_only_replicas_concatenate_their_rows(threads_cluster, m):
+    """Two data-parallel replicas each run half of the micro-batches.  Their per-example
+    results were summed like gradients: rows 0-7 of the logits came back as zeros and rows
+    8-15 as the sum of the two replicas' rows.  Now each replica's rows are all-gathered
+    and placed in micro-batch order, and the max, sum and mean equal jax.jit's too."""
+    state, batch = setup()
+    method = PipeshardParallel(num_micro_batches=m, stages=[(1, 1)] * 2, data_parallel=2)
+    step = meshshard.parallelize(metrics_step, method=method)
+    got = step(state, batch)
+    want = jax.jit(metrics_step)(state, batch)
+    best, want_best = float(got.pop("best")), float(want.pop("best"))
+    assert abs(best - want_best) <= 1e-5 * float(want["worst"]), (best, want_best)
+    assert_trees_close(want, got)
+    assert "concat" in {e.reduce for e in step.plan.gathered}
+    assert verify(step.plan) == []
+
+
 def test_forward_only_result_mixing_examples_is_refused():
     """A per-example result normalized by the batch's own mean is not a concatenation."""
     state, batch = setup()

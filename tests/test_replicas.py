@@ -199,15 +199,15 @@ def test_max_min_accumulators_are_gathered_not_summed(reduce):
     method = PipeshardParallel(**REPLICAS_1D)
     plan, _ = plan_step(aux_step(reduce), aux_args(), method=method, cluster=CLUSTER)
     assert verify(plan) == []
-    assert [(str(e.group), e.reduce) for e in plan.extremes] == [("A1", reduce), ("A3", reduce)]
-    for e in plan.extremes:
+    assert [(str(e.group), e.reduce) for e in plan.gathered] == [("A1", reduce), ("A3", reduce)]
+    for e in plan.gathered:
         t = plan.buffer(e.group).tensors[e.tensor]
         assert plan.grad_nbytes(e.group) == (plan.buffer(e.group).nbytes - t.nbytes, t.nbytes)
     w1 = [str(x) for x in plan.streams[1].instructions if isinstance(x, Collective)]
     assert w1 == ["COLL allgather A1 #0 [w1,w3]", "COLL allreduce A1 #0 [w1,w3]"]
-    assert f"max/min accumulators:\n  A1[{plan.extremes[0].tensor}] by {reduce}" in str(plan)
+    assert f"gathered accumulators:\n  A1[{plan.gathered[0].tensor}] by {reduce}" in str(plan)
     assert Plan.from_json(plan.to_json()) == plan
-    summed = replace(plan, extremes=(), streams=tuple(map(_without_gathers, plan.streams)))
+    summed = replace(plan, gathered=(), streams=tuple(map(_without_gathers, plan.streams)))
     for host in (1, 3):
         link = f"h{host}.nic0.out"
         moved = simulate(plan, CLUSTER).link(link).moved
@@ -238,7 +238,7 @@ def test_replicas_combine_max_min_aux_by_max_min(threads_cluster, reduce):
         params, out = step(params, batch)
         assert_trees_close(ref_out, jax.tree.map(np.asarray, out))
         assert_trees_close(ref, jax.tree.map(np.asarray, params))
-    assert len(step.plan.extremes) == 2
+    assert len(step.plan.gathered) == 2
 
 
 @pytest.mark.slow
