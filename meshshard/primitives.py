@@ -42,9 +42,9 @@ def _impl(*args, kind, index, **params):
 
 
 def _abstract_eval(*avals, kind, index, **params):
-    if kind != "out":
+    m = params.get("num_micro_batches")
+    if kind not in ("out", "grad_end") or m is None:
         return list(avals)
-    m = params["num_micro_batches"]
     return [
         a.update(shape=(a.shape[0] * m, *a.shape[1:])) if red == "concat" else a
         for a, (_, red, _) in zip(avals, params["reduce"], strict=True)

@@ -41,9 +41,6 @@ X, P, OUT, ACC = (
     BufferKind.ACCUMULATORS,
 )
 
-#: Primitives that let one example's value depend on other rows (never concatenated).
-_MIXING = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"})
-
 
 def is_forward_only(jaxpr) -> bool:
     """True for a step with no ``meshshard.grad`` (no ``grad_end`` marker)."""
@@ -171,11 +168,11 @@ def output_reductions(
 
 
 def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, str]:
-    from meshshard.passes.reductions import classify
+    from meshshard.passes.reductions import classify, concat_problem
 
     red, why = classify(micro, full, var, m, dep)
     if red == "batch":
-        problem = _concat_problem(micro, full, var, m)
+        problem = concat_problem(micro, full, var, m)
         if problem is None:
             return "concat", "traced: per-example values (concatenated over micro-batches)"
         why = problem
@@ -187,25 +184,6 @@ def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, s
         "(the batch as the first dimension), declare it with meshshard.aux_sum/aux_mean/"
         "aux_max/aux_min, or use num_micro_batches=1"
     )
-
-
-def _concat_problem(micro, full, var, m: int) -> str | None:
-    """Why ``var`` (which keeps the batch) is not per-example rows, or None if it is."""
-    from meshshard.passes.reductions import (
-        _normalizes,
-        _shape,
-        full_batch_shape,
-        paired_producers,
-    )
-
-    ms, fs = _shape(var), full_batch_shape(micro, full, var)
-    if not ms or fs != (ms[0] * m, *ms[1:]):
-        return f"it has the batch as a dimension other than the first ({list(fs)} on the batch)"
-    for em, ef, ins, outs in paired_producers(micro, full, var):
-        name = em.primitive.name
-        if (ins and not outs) or name in _MIXING or _normalizes(em, ef, m):
-            return f"each row depends on other rows of the batch ({name})"
-    return None
 
 
 def combine_outputs(closed: ClosedJaxpr, reduce: tuple, m: int) -> ClosedJaxpr:

@@ -171,6 +171,22 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
+#: Primitives that let one example's value depend on other rows (never concatenated).
+_MIXING = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"})
+
+
+def concat_problem(micro, full, var, m: int) -> str | None:
+    """Why ``var`` (which keeps the batch) is not per-example rows, or None if it is."""
+    ms, fs = _shape(var), full_batch_shape(micro, full, var)
+    if not ms or fs != (ms[0] * m, *ms[1:]):
+        return f"it has the batch as a dimension other than the first ({list(fs)} on the batch)"
+    for em, ef, ins, outs in paired_producers(micro, full, var):
+        name = em.primitive.name
+        if (ins and not outs) or name in _MIXING or _normalizes(em, ef, m):
+            return f"each row depends on other rows of the batch ({name})"
+    return None
+
+
 def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
     """Why the value mixes examples with one another, or ''.
 
@@ -565,12 +581,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
         elif not red:
             red, why = classify(micro, full, v, m, dep)
             if red == "batch":
-                raise MeshshardInputError(
-                    f"{label} returned by meshshard.grad {why}: meshshard combines the "
-                    "loss and aux values over micro-batches by mean, sum, max or min only; "
-                    "reduce it over the batch inside the loss function (e.g. a mean or a "
-                    "count), or use num_micro_batches=1"
-                )
+                red, why = _per_example(micro, full, v, m, label, why)
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
             if not red and label == "loss":
                 _refuse_an_order_statistic(micro, full, v)
@@ -597,6 +608,31 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
     return tuple(out)
 
 
+def _per_example(micro, full, v, m: int, label: str, why: str) -> tuple[str, str]:
+    """``("concat", why)`` for a value ``meshshard.grad`` returns that holds one row per
+    example (logits or predictions returned as aux): the micro-batches' rows, in order,
+    are the batch's.  Raises MeshshardInputError for a per-example loss and for a value
+    that keeps the batch some other way."""
+    if label == "loss":  # a scalar loss keeps the batch only under jax.vmap
+        raise MeshshardInputError(
+            f"the loss meshshard.grad differentiates {why.removeprefix('it ')}: per-example "
+            "losses, as meshshard.grad under jax.vmap gives (per-example gradients, e.g. "
+            "for DP-SGD); every gradient then keeps the batch, and micro-batches cannot "
+            "accumulate them; run the step with num_micro_batches=1 (pipeline stages and "
+            "data parallelism still apply)"
+        )
+    problem = concat_problem(micro, full, v, m)
+    if problem is None:
+        return "concat", "per-example values"
+    raise MeshshardInputError(
+        f"the {label} value meshshard.grad returns keeps the batch, but {problem}: "
+        "meshshard combines such a value over micro-batches by mean, sum, max or min, or "
+        "concatenates it when it holds one row per example (the batch as its first "
+        "dimension); reduce it over the batch inside the loss function, return per-example "
+        "rows, or use num_micro_batches=1"
+    )
+
+
 def _refuse_an_order_statistic(micro: ClosedJaxpr, full: ClosedJaxpr, loss) -> None:
     """Raise MeshshardInputError if ``loss`` is an order statistic over the batch (a
     median, a quantile, the k largest per-example losses): declaring its reduction would
@@ -617,10 +653,12 @@ def _refuse_an_order_statistic(micro: ClosedJaxpr, full: ClosedJaxpr, loss) -> N
         )
 
 
-def set_reductions(closed: ClosedJaxpr, reduce: tuple) -> ClosedJaxpr:
+def set_reductions(closed: ClosedJaxpr, reduce: tuple, m: int = 1) -> ClosedJaxpr:
     """``closed`` with the ``grad_end`` marker's ``reduce`` parameter replaced."""
     if reduce is None:
         return closed
+    if any(red == "concat" for _, red, _ in reduce):
+        return set_marker_params(closed, "grad_end", reduce=reduce, num_micro_batches=m)
     return set_marker_params(closed, "grad_end", reduce=reduce)
 
 

@@ -269,7 +269,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, flags + [True] * bool(draws))
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
-    closed = split_shared_gradients(set_reductions(closed, reduce))
+    closed = split_shared_gradients(set_reductions(closed, reduce, m))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)

@@ -4,7 +4,8 @@ The step returns the logits as aux and scores them against the batch's labels af
 grad.  ``passes/sink_metrics.py`` computes that per micro-batch, before the grad's
 marker, and combines the score like any aux value.  Before, every such step was refused:
 "the update part of the step reads the batch leaf" (one micro-batch), or "aux ... has
-the batch as a dimension" (several).
+the batch as a dimension" (several).  Per-example values (the logits themselves, which
+examples were right) are concatenated over the micro-batches, in order.
 """
 
 import flax.linen as nn
@@ -114,13 +115,97 @@ def test_the_metrics_pass_through_the_grad_marker(m):
     assert not batch_in & set(after)
 
 
-def test_per_example_values_after_the_grad_are_refused_with_micro_batches():
+@pytest.mark.parametrize(
+    "method",
+    [
+        PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
+        PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2, schedule="zb_h1"),
+        PipeshardParallel(num_micro_batches=4, stages=[(1, 1)] * 2, data_parallel=2),
+        DataParallel(mesh_shape=(1, 2), num_micro_batches=2),
+    ],
+    ids=["pipe-M2", "zb_h1-M4", "replicas-M4", "dp-M2"],
+)
+def test_per_example_values_after_the_grad_are_concatenated(threads_cluster, method):
+    """Per-example values derived from the aux logits (which examples were right) were
+    refused under micro-batches ("has the batch as a dimension"); each micro-batch's
+    rows now go into the batch's rows in order, also across data-parallel replicas,
+    whose summed gradients would have summed these rows."""
+    state, batches = _case()
+    par = check_step_parity(predictions_step, method, state, batches)
+    notes = "\n".join(par.plan.notes)
+    assert f"{LABEL} #0: concat over {method.num_micro_batches} micro-batches" in notes
+
+
+def aux_logits_step(state, batch):
+    """Returns the aux logits themselves, and the step's accuracy from them."""
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, logits
+
+    (loss, logits), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    return state.apply_gradients(grads=grads), {"loss": loss, "acc": accuracy, "logits": logits}
+
+
+def test_aux_logits_are_concatenated(threads_cluster):
+    state, batches = _case()
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 2)
+    par = check_step_parity(aux_logits_step, method, state, batches)
+    assert "aux: concat over 4 micro-batches (traced: per-example values)" in par.plan.notes
+
+
+def _refusal(step) -> str:
     state, batches = _case()
     par = meshshard.parallelize(
-        predictions_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+        step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
     )
-    with pytest.raises(MeshshardInputError, match=r"has the batch as a dimension"):
+    with pytest.raises(MeshshardInputError) as err:
         par.lower(state, batches[0], cluster=meshshard.ClusterSpec("sink-4x2", 4, 2))
+    return str(err.value)
+
+
+def test_batch_values_that_are_not_rows_are_refused():
+    """Logits with the batch second, and rows standardized by the batch's own mean, are
+    not one row per example: refused, naming what a micro-batch cannot reproduce."""
+
+    def transposed(state, batch):
+        new_state, _, right = predictions_step(state, batch)
+        return new_state, right[None, :]
+
+    def standardized(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"])
+            return jnp.mean(logits**2), logits - jnp.mean(logits, axis=0)
+
+        (loss, centred), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), centred
+
+    msg = _refusal(transposed)
+    assert "keeps the batch, but it has the batch as a dimension other than the first" in msg
+    assert "num_micro_batches=1" in msg
+    assert "each row depends on other rows of the batch" in _refusal(standardized)
+
+
+def test_per_example_gradients_are_refused_with_micro_batches():
+    """meshshard.grad under jax.vmap (DP-SGD's per-example gradients): every gradient
+    keeps the batch; the message names the case and the fix (one micro-batch)."""
+
+    def per_example(state, batch):
+        def loss1(params, x, y):
+            logits = state.apply_fn({"params": params}, x[None])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).sum()
+
+        grads = jax.vmap(meshshard.grad(loss1), in_axes=(None, 0, 0))(
+            state.params, batch["image"], batch["label"]
+        )
+        mean = jax.tree.map(lambda g: g.mean(0), grads)
+        return state.apply_gradients(grads=mean), jnp.float32(0)
+
+    msg = _refusal(per_example)
+    assert "the loss meshshard.grad differentiates has the batch as a dimension" in msg
+    assert "jax.vmap" in msg and "num_micro_batches=1" in msg
 
 
 def test_per_example_values_after_the_grad_with_one_micro_batch(threads_cluster):
@@ -148,8 +233,10 @@ def test_a_boolean_aux_value_with_one_micro_batch_stays_boolean(threads_cluster)
 
 
 @pytest.mark.ray
-def test_the_flax_example_step_equals_jit_on_ray(ray_cluster):
-    """The host-actors trace the step themselves and move the metrics alike."""
+def test_the_metrics_and_logits_equal_jit_on_ray(ray_cluster):
+    """The host-actors trace the step themselves and move the metrics alike; the two
+    replicas' logits rows cross processes in the all-gather and come back in order."""
     state, batches = _case()
-    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, schedule="1f1b")
-    check_step_parity(flax_example_step, method, state, batches)
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 1)] * 2, data_parallel=2)
+    par = check_step_parity(aux_logits_step, method, state, batches)
+    assert {e.reduce for e in par.plan.gathered} == {"concat"}

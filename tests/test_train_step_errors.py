@@ -61,19 +61,23 @@ def test_output_computed_from_the_batch_outside_the_grad(state):
         lower(step, state, BATCH)
 
 
-def test_aux_with_the_batch_as_a_dimension(state):
+def test_aux_with_the_batch_as_a_dimension_other_than_the_first(state):
+    """Per-example rows are concatenated over micro-batches; the batch as a second
+    dimension is not rows of examples, and is refused naming the aux value."""
+
     def step(state, batch):
         def loss_fn(p):
             pred = state.apply_fn({"params": p}, batch["x"])
-            return jnp.mean((pred - batch["y"]) ** 2), {"pred": pred}
+            return jnp.mean((pred - batch["y"]) ** 2), {"pred": pred.T}
 
         (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads), aux
 
     with pytest.raises(
         MeshshardInputError,
-        match=r"aux\['pred'\] returned by meshshard.grad it has the batch as a dimension "
-        r"\(\[4, 4\] per micro-batch\).*reduce it over the batch inside the loss function",
+        match=r"the aux\['pred'\] value meshshard.grad returns keeps the batch, but it has "
+        r"the batch as a dimension other than the first \(\[4, 8\] on the batch\).*reduce it "
+        r"over the batch inside the loss function",
     ):
         lower(step, state, BATCH)
 
