@@ -18,7 +18,15 @@ import numpy as np
 
 from meshshard import metrics, two_bw
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import aval_nbytes, aval_size, eval_eqns, is_marker, read_var, sub_jaxprs
+from meshshard.jaxpr_util import (
+    aval_nbytes,
+    aval_size,
+    eval_eqns,
+    is_literal,
+    is_marker,
+    read_var,
+    sub_jaxprs,
+)
 from meshshard.metrics import check_reduction
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
@@ -143,7 +151,8 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
         if is_marker(e, "mark", "fwd") and e.params["index"] == -1
     ]
     live = _live_across(jaxpr, marker_pos)
-    index_of = {pos: k for k, pos in enumerate(marker_pos)}
+    detached = _detached_markers(jaxpr, marker_pos, live)
+    index_of = {pos: k for k, pos in enumerate(p for p in marker_pos if p not in detached)}
     cuts = _auto_cuts(jaxpr, len(marker_pos))
     cut_live = _live_across(jaxpr, list(cuts), before=True)
     cut_index = {p: (k, cut_live[p]) for k, p in enumerate(cuts)}
@@ -155,10 +164,12 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
             vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=k)
             env.update(zip(crossing, vals, strict=True))
             return False  # then evaluate equation i itself
-        if i not in index_of:
+        if i not in index_of and i not in detached:
             return False
         for src, dst in zip(eqn.invars, eqn.outvars, strict=True):  # explicit-value form
             env[dst] = read_var(env, src)
+        if i in detached:  # nothing crossing it is differentiated: no boundary
+            return True
         crossing = [v for v in live[i] if _differentiable(v)]  # ints: no float0 cotangents
         vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=index_of[i])
         env.update(zip(crossing, vals, strict=True))
@@ -175,7 +186,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
             _eval_rematerialized(jaxpr, env, on_eqn, REMAT_POLICIES[policy], set(cut_index))
         out = jax.tree.unflatten(out_tree, [read_var(env, v) for v in jaxpr.outvars])
         loss, aux = out if has_aux else (out, None)
-        (loss,) = boundary_p.bind(loss, kind="loss", index=0)
+        (loss,) = boundary_p.bind(loss, kind="loss", index=0, detached=len(detached))
         return (loss, aux) if has_aux else loss
 
     return layered
@@ -372,6 +383,20 @@ def _data_statistics_first(run: list, data: dict, env: dict) -> list:
         stack += [a for a in e.invars if not hasattr(a, "val")]
     eval_eqns([e for e in run if id(e) in need], env)
     return [e for e in run if id(e) not in need]
+
+
+def _detached_markers(jaxpr, positions: list[int], live: dict[int, list]) -> frozenset[int]:
+    """The user markers none of whose crossing values the loss is differentiated through:
+    the layers of a model run under ``jax.lax.stop_gradient`` (a distillation teacher),
+    or of an aux-only computation.  They would have no backward mirror, so they mark no
+    pipeline boundary; their equations run in the layer they stand in between the others."""
+    if not positions or is_literal(jaxpr.outvars[0]):
+        return frozenset()
+    needed = {jaxpr.outvars[0]}  # the loss: the first output leaf
+    for e in reversed(jaxpr.eqns):
+        if e.primitive.name != "stop_gradient" and any(o in needed for o in e.outvars):
+            needed.update(v for v in e.invars if not is_literal(v) and _differentiable(v))
+    return frozenset(p for p in positions if not any(v in needed for v in live[p]))
 
 
 def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:

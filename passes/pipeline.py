@@ -45,7 +45,7 @@ from meshshard.passes.shard_plan import (
     zero_notes,
 )
 from meshshard.passes.sharding import build_buffers, unsplit_batch_notes
-from meshshard.passes.slicing import slice_layers
+from meshshard.passes.slicing import detached_notes, slice_layers
 from meshshard.passes.sparse_rows import find_sparse_rows, with_sparse_rows
 from meshshard.passes.split_backward import split_backward
 from meshshard.passes.stage_cost import step_layer_stats
@@ -212,6 +212,7 @@ def _assemble(st: CompileState) -> CompileState:
     if st.slicing.num_layers > 1 and isinstance(st.method, DataParallel):
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
+    notes += detached_notes(traced.jaxpr)
     notes += traced.coupled
     notes += unsplit_batch_notes(traced, st.meshes)
     notes += zero_notes(traced, graph, sharding_mode(st.method))

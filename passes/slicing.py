@@ -108,3 +108,18 @@ def slice_layers(jaxpr) -> LayerSlicing:
             layer.append(min(passed) if passed else num_layers - 1)
             phase.append(BWD)
     return LayerSlicing(num_layers, tuple(layer), tuple(phase), g)
+
+
+def detached_notes(jaxpr) -> list[str]:
+    """A plan note when ``meshshard.grad`` found pipeline boundaries that carry nothing
+    the loss is differentiated through (its ``loss`` marker's ``detached`` count)."""
+    n = sum(e.params.get("detached", 0) for e in jaxpr.eqns if is_marker(e, "loss"))
+    if not n:
+        return []
+    return [
+        f"{n} pipeline boundar{'y' if n == 1 else 'ies'} inside meshshard.grad carr"
+        f"{'ies' if n == 1 else 'y'} no value the loss is differentiated through (layers "
+        "under jax.lax.stop_gradient, such as a distillation teacher's, or aux-only "
+        "layers): not a stage boundary; those layers run in the stage of the layer "
+        "they stand in"
+    ]
