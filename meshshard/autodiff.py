@@ -186,7 +186,10 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
             _eval_rematerialized(jaxpr, env, on_eqn, REMAT_POLICIES[policy], set(cut_index))
         out = jax.tree.unflatten(out_tree, [read_var(env, v) for v in jaxpr.outvars])
         loss, aux = out if has_aux else (out, None)
-        (loss,) = boundary_p.bind(loss, kind="loss", index=0, detached=len(detached))
+        # ``detached`` only when there are some: a step's fingerprint (and so a saved
+        # plan's) stays what it was without them
+        extra = {"detached": len(detached)} if detached else {}
+        (loss,) = boundary_p.bind(loss, kind="loss", index=0, **extra)
         return (loss, aux) if has_aux else loss
 
     return layered
