@@ -463,6 +463,19 @@ class FollowParallel:
     def resharding(self) -> str:
         return "broadcast"
 
+    @property
+    def followed_replicas(self) -> int:
+        """The followed step's data-parallel replicas (``PipeshardParallel.data_parallel``)."""
+        return getattr(getattr(self.step, "method", None), "data_parallel", 1)
+
+    @property
+    def data_parallel(self) -> int:
+        """The followed step's replicas when this step's micro-batches divide among them
+        (each replica runs its share on its own copy of the parameters), else 1: the
+        followed plan's first replica alone, whose copies equal every other's."""
+        d = self.followed_replicas
+        return d if self.num_micro_batches % d == 0 else 1
+
     def __repr__(self) -> str:
         name = getattr(self.step, "__name__", type(self.step).__name__)
         return f"FollowParallel({name})"

@@ -121,7 +121,8 @@ def with_views(meshes: tuple[MeshSpec, ...], views, what: str) -> tuple[MeshSpec
 
 
 def follow_layout(method: FollowParallel, num_layers: int):
-    """The followed plan's layer groups and meshes; its stages must cover these layers."""
+    """The followed plan's layer groups and meshes (its first replica's, when its stages
+    have data-parallel replicas); its stages must cover these layers."""
     plan = method.plan
     groups = tuple(st.layers for st in plan.stages)
     have = sum(len(g) for g in groups)
@@ -139,7 +140,7 @@ def follow_layout(method: FollowParallel, num_layers: int):
             f"the followed step's {len(groups)} stages hold {have}; both steps must call "
             f"the same model (the same mark_pipeline_boundary() calls){why}"
         )
-    return groups, plan.meshes
+    return groups, plan.meshes[: len(plan.meshes) // method.followed_replicas]
 
 
 def _check_stage_count(num_stages: int, num_layers: int) -> None:

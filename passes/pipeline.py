@@ -91,7 +91,7 @@ def _layout(st: CompileState) -> CompileState:
         return replace(st, cluster=workers, layer_groups=groups, meshes=meshes, layout_notes=notes)
     cluster = st.cluster
     d = getattr(st.method, "data_parallel", 1)
-    if d > 1 and st.method.stages == "uniform":  # one replica's share of the hosts
+    if d > 1 and getattr(st.method, "stages", None) == "uniform":  # one replica's hosts
         cluster = replace(cluster, num_hosts=max(1, cluster.num_hosts // d))
     asked = requested_stages(st.method, cluster, st.slicing.num_layers)
     if asked is not None and is_forward_only(st.traced.jaxpr):

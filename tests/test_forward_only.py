@@ -200,10 +200,14 @@ def test_jax_grad_step_runs_on_one_stage_with_one_micro_batch():
     assert_trees_close((ref.params, ref_loss), (got.params, loss))
 
 
-@pytest.mark.parametrize("eval_m", [1, 4])
-def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch, eval_m):
+@pytest.mark.parametrize("eval_m,d", [(1, 1), (4, 1), (1, 2), (4, 2)])
+def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch, eval_m, d):
+    """``d=2``: the train step's stages have two data-parallel replicas (that failed
+    with "2 stages but 4 meshes"); the eval splits its micro-batches between them, or
+    runs on the first replica alone when they do not divide (one micro-batch)."""
     state, batch = setup()
-    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    stages = [(1, 2), (1, 2)] if d == 1 else [(1, 1), (1, 1)]
+    method = PipeshardParallel(num_micro_batches=4, stages=stages, data_parallel=d)
     with use_cluster(ThreadsCluster(4, 2)):
         train = meshshard.parallelize(mlp.train_step, method=method)
         got, _ = train(state, batch)
@@ -220,7 +224,8 @@ def test_eval_follows_train_step_placement_without_moving_parameters(monkeypatch
         monkeypatch.undo()
     ref_loss, ref_pred = jax.jit(eval_step)(ref, batch)
     assert_trees_close((ref_loss, ref_pred), (np.asarray(loss), np.asarray(pred)))
-    assert evaluate.plan.meshes == train.plan.meshes
+    replicas = d if eval_m % d == 0 else 1
+    assert evaluate.plan.meshes == train.plan.meshes[: len(train.plan.meshes) * replicas // d]
     assert evaluate.plan.method == "FollowParallel(train_step)"
     assert [st.layers for st in evaluate.plan.stages] == [st.layers for st in train.plan.stages]
     assert evaluate.plan.num_micro_batches == eval_m
