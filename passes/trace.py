@@ -232,7 +232,15 @@ def _cached(key) -> TracedStep | None:
 
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     """:func:`trace_step` without the cache."""
-    full, full_out, transposed = _trace(fn, treedef, full_abs)
+    for a, w, b in zip(full_abs, wheres, in_batch, strict=True):
+        if b and not a.shape:  # before tracing: the model would fail on it first
+            raise MeshshardInputError(_scalar_batch_leaf(w))
+    try:
+        full, full_out, transposed = _trace(fn, treedef, full_abs)
+    except Exception as exc:  # leaves of other lengths are the likelier fault: say so
+        if m > 1 and not isinstance(exc, MeshshardInputError):
+            _check_row_counts(full_abs, wheres, in_batch, m, cause=exc)
+        raise
     grad_calls = sum(is_marker(e, "grad_end") for e in full.jaxpr.eqns)
     if grad_calls > 1:
         if m > 1:
@@ -240,6 +248,8 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         full, transposed = without_markers(full), True  # one program, as under jax.grad
     keys = key_inputs(full.jaxpr)
     is_batch = [b and i not in keys for i, b in enumerate(in_batch)]
+    if m > 1:
+        _check_row_counts(full_abs, wheres, is_batch, m)
     micro_abs = [
         _micro_batch_shape(a, w, m) if b else a
         for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
@@ -369,12 +379,38 @@ def key_inputs(jaxpr) -> frozenset:
     )
 
 
+def _scalar_batch_leaf(where: str) -> str:
+    return (
+        f"batch leaf {where} is a scalar; batch leaves need a leading batch dimension "
+        "(pass scalars through a non-batch argument)"
+    )
+
+
+def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
+    """Raise MeshshardInputError (from ``cause``, the error tracing the step raised, if
+    any) unless every batch leaf has the same number of rows: micro-batches cut each
+    one's leading axis into ``m``, so a leaf of another length (a vector of class weights
+    carried in the batch dict) would be cut as well, and each micro-batch would silently
+    read a piece of it."""
+    rows: dict[int, list[str]] = {}
+    for a, w, b in zip(full_abs, wheres, is_batch, strict=True):
+        if b:
+            rows.setdefault(a.shape[0], []).append(w)
+    if len(rows) < 2:
+        return
+    common = max(rows, key=lambda n: len(rows[n]))
+    odd = ", ".join(f"{w} ({n} rows)" for n, ws in rows.items() if n != common for w in ws)
+    raise MeshshardInputError(
+        f"the batch leaves have different numbers of rows: {odd}, while "
+        f"{rows[common][0]} has {common}; num_micro_batches={m} cuts the leading axis of "
+        "every batch leaf, so each must have the batch size first; pass values that are "
+        "not per-example (class weights, a table) through a non-batch argument or a closure"
+    ) from cause
+
+
 def _micro_batch_shape(a, where: str, m: int):
     if len(a.shape) == 0:
-        raise MeshshardInputError(
-            f"batch leaf {where} is a scalar; batch leaves need a leading batch dimension "
-            "(pass scalars through a non-batch argument)"
-        )
+        raise MeshshardInputError(_scalar_batch_leaf(where))
     n = a.shape[0]
     if n % m:
         raise MeshshardInputError(

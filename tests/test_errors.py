@@ -36,6 +36,45 @@ def test_batch_not_divisible_by_micro_batches(setup):
         )
 
 
+def _class_weighted_step(state, batch):
+    """The loss weights each example by a class weight carried in the batch dict."""
+
+    def loss_fn(p):
+        pred = state.apply_fn({"params": p}, batch["x"])
+        w = batch["w"][jnp.arange(pred.shape[0]) % batch["w"].shape[0]]
+        return jnp.mean(w[:, None] * (pred - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_batch_leaves_of_other_lengths(setup):
+    """A 4-vector of class weights in the batch dict was cut into two 2-vectors like the
+    examples, and the step returned another loss than jax.jit (2.77 for 2.62), silently;
+    leaves that disagree with each other fail the trace, and were reported as JAX's
+    broadcasting error.  Both are now named, with the fix."""
+    _, batch, state = setup
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    weights = dict(batch, w=jnp.arange(1.0, 5.0))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"different numbers of rows: args\[1\]\['w'\] \(4 rows\), while "
+        r"args\[1\]\['x'\] has 16.*through a non-batch argument or a closure",
+    ):
+        lower(_class_weighted_step, method, state, weights)
+    with pytest.raises(MeshshardInputError, match=r"args\[1\]\['y'\] \(8 rows\)") as err:
+        lower(mlp.train_step, method, state, dict(batch, y=batch["y"][:8]))
+    assert "incompatible shapes" in str(err.value.__cause__)  # JAX's error, kept as the cause
+    lower(_class_weighted_step, DataParallel(mesh_shape=(1, 2)), state, weights)  # M=1: whole
+
+
+def test_scalar_batch_leaf(setup):
+    """Named before the model fails on it (Flax's Dense raised an IndexError)."""
+    _, batch, state = setup
+    with pytest.raises(MeshshardInputError, match=r"batch leaf args\[1\]\['x'\] is a scalar"):
+        lower(mlp.train_step, DataParallel(mesh_shape=(1, 2)), state, dict(batch, x=jnp.float32(1)))
+
+
 def test_more_stages_than_boundaries(setup):
     _, batch, state = setup
     with pytest.raises(
@@ -196,9 +235,30 @@ def test_multi_host_mesh_on_the_threads_backend_names_a_one_host_mesh(setup, thr
         step(state, batch)
 
 
+def test_code_that_assumes_the_full_batch_size_is_named(setup):
+    """The step traces at the full batch and fails at the micro-batch's size."""
+    _, batch, state = setup
+
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            return jnp.mean((pred - batch["y"].reshape(16, -1)) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"traces with the full batch but not with micro-batches .*"
+        r"args\[1\]\['x'\] 16 -> 8(?s:.*)must read it from the arrays' shapes",
+    ):
+        lower(step, DataParallel(num_micro_batches=2), state, batch)
+
+
 def test_a_batch_leaf_that_is_not_per_example_is_named(setup):
     """A per-feature vector in the batch dict traces at the full batch and fails at the
-    micro-batch: that was a bare JAX broadcasting error from inside the trace."""
+    micro-batch: that was a bare JAX broadcasting error from inside the trace, then an
+    error after the micro-batch trace; its row count now names it before that trace."""
     _, batch, state = setup
 
     def step(state, batch):
@@ -212,7 +272,6 @@ def test_a_batch_leaf_that_is_not_per_example_is_named(setup):
     feature_w = jnp.linspace(0.5, 1.5, batch["x"].shape[1])  # 8 features, 16 rows
     with pytest.raises(
         MeshshardInputError,
-        match=r"traces with the full batch but not with micro-batches .*"
-        r"args\[1\]\['feature_w'\] 8 -> 4.*Incompatible shapes(?s:.*)belongs in a non-batch",
+        match=r"different numbers of rows: args\[1\]\['feature_w'\] \(8 rows\)",
     ):
         lower(step, DataParallel(num_micro_batches=2), state, {**batch, "feature_w": feature_w})
