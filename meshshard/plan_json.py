@@ -124,9 +124,15 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+#: Fields renamed since plans were first saved: (class name, old name) -> new name, so a
+#: plan file written before the rename still loads.
+RENAMED_FIELDS = {("Plan", "extremes"): "gathered"}
+
+
 def _dataclass(cls: type, value: Any, path: str) -> Any:
     if not isinstance(value, dict):
         raise _fail(path, f"a {cls.__name__} object", value)
+    value = {RENAMED_FIELDS.get((cls.__name__, k), k): v for k, v in value.items()}
     hints = _hints(cls)
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(value) - known)

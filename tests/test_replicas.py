@@ -1,6 +1,7 @@
 """Data-parallel replicas of pipeline stages (``PipeshardParallel(data_parallel=d)``),
 their chunked gradient all-reduce, and the topology-aware comm thread (TriRace)."""
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -207,6 +208,10 @@ def test_max_min_accumulators_are_gathered_not_summed(reduce):
     assert w1 == ["COLL allgather A1 #0 [w1,w3]", "COLL allreduce A1 #0 [w1,w3]"]
     assert f"gathered accumulators:\n  A1[{plan.gathered[0].tensor}] by {reduce}" in str(plan)
     assert Plan.from_json(plan.to_json()) == plan
+    # a plan saved before ``extremes`` was renamed ``gathered`` still loads
+    old = json.loads(plan.to_json())
+    old["extremes"] = old.pop("gathered")
+    assert Plan.from_json(json.dumps(old)) == plan
     summed = replace(plan, gathered=(), streams=tuple(map(_without_gathers, plan.streams)))
     for host in (1, 3):
         link = f"h{host}.nic0.out"
