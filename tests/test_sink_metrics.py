@@ -188,6 +188,33 @@ def test_batch_values_that_are_not_rows_are_refused():
     assert "each row depends on other rows of the batch" in _refusal(standardized)
 
 
+def test_per_example_gradients_run_with_one_micro_batch(threads_cluster):
+    """DP-SGD as optax writes it: per-example gradients (meshshard.grad under jax.vmap),
+    clipped per example, summed and noised by a key in the optimizer state, on two
+    pipeline stages."""
+    tx = optax.chain(  # what optax.contrib.dpsgd builds, with a typed key
+        optax.contrib.differentially_private_aggregate(1.0, 1.1, key=jax.random.key(3)),
+        optax.sgd(0.1),
+    )
+
+    def dpsgd_step(state, batch):
+        params, opt = state
+
+        def loss1(p, x, y):
+            logits = Classifier().apply({"params": p}, x[None])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).sum()
+
+        grads = jax.vmap(meshshard.grad(loss1), in_axes=(None, 0, 0))(
+            params, batch["image"], batch["label"]
+        )
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), jnp.float32(0)
+
+    state, batches = _case()
+    method = PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2)
+    check_step_parity(dpsgd_step, method, (state.params, tx.init(state.params)), batches)
+
+
 def test_per_example_gradients_are_refused_with_micro_batches():
     """meshshard.grad under jax.vmap (DP-SGD's per-example gradients): every gradient
     keeps the batch; the message names the case and the fix (one micro-batch)."""
