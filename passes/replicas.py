@@ -188,9 +188,9 @@ def _with_allreduce(
 def _not_summed(
     plan: Plan, names, reductions: Mapping[int, str]
 ) -> tuple[GatheredAccumulator, ...]:
-    """Every replica's accumulator tensors combined by max, min or concatenation
-    (``reductions``: var id -> reduction over micro-batches): the sum the rest of ``A``
-    takes would be wrong."""
+    """Every replica's accumulator tensors combined by max, min or concatenation, or
+    kept as they are (``same``) (``reductions``: var id -> reduction over micro-batches):
+    the sum the rest of ``A`` takes would be wrong."""
     return tuple(
         GatheredAccumulator(rn.buf(b.name), k, reductions[t.var])
         for rn in names

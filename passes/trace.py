@@ -187,6 +187,11 @@ def trace_step(
         wheres.append(where)
         in_batch.append(is_batch)
         full_abs.append(_abstract(leaf, where, "batch" if is_batch else "state"))
+        if is_batch and not full_abs[-1].shape:  # named before the model fails on it
+            raise MeshshardInputError(
+                f"batch leaf {where} is a scalar; batch leaves need a leading batch "
+                "dimension (pass scalars through a non-batch argument)"
+            )
     sig = (
         treedef,
         tuple(
@@ -232,9 +237,6 @@ def _cached(key) -> TracedStep | None:
 
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     """:func:`trace_step` without the cache."""
-    for a, w, b in zip(full_abs, wheres, in_batch, strict=True):
-        if b and not a.shape:  # before tracing: the model would fail on it first
-            raise MeshshardInputError(_scalar_batch_leaf(w))
     try:
         full, full_out, transposed = _trace(fn, treedef, full_abs)
     except Exception as exc:  # leaves of other lengths are the likelier fault: say so
@@ -379,13 +381,6 @@ def key_inputs(jaxpr) -> frozenset:
     )
 
 
-def _scalar_batch_leaf(where: str) -> str:
-    return (
-        f"batch leaf {where} is a scalar; batch leaves need a leading batch dimension "
-        "(pass scalars through a non-batch argument)"
-    )
-
-
 def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
     """Raise MeshshardInputError (from ``cause``, the error tracing the step raised, if
     any) unless every batch leaf has the same number of rows: micro-batches cut each
@@ -409,9 +404,7 @@ def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
 
 
 def _micro_batch_shape(a, where: str, m: int):
-    if len(a.shape) == 0:
-        raise MeshshardInputError(_scalar_batch_leaf(where))
-    n = a.shape[0]
+    n = a.shape[0]  # a batch leaf: not a scalar (trace_step names one)
     if n % m:
         raise MeshshardInputError(
             f"batch leaf {where} has {n} rows, not divisible by num_micro_batches={m}; "
