@@ -188,6 +188,18 @@ def test_batch_values_that_are_not_rows_are_refused():
     assert "each row depends on other rows of the batch" in _refusal(standardized)
 
 
+def per_example_grads(params, batch):
+    """Each example's own gradient of its loss: meshshard.grad under jax.vmap."""
+
+    def loss1(p, x, y):
+        logits = Classifier().apply({"params": p}, x[None])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).sum()
+
+    return jax.vmap(meshshard.grad(loss1), in_axes=(None, 0, 0))(
+        params, batch["image"], batch["label"]
+    )
+
+
 def test_per_example_gradients_run_with_one_micro_batch(threads_cluster):
     """DP-SGD as optax writes it: per-example gradients (meshshard.grad under jax.vmap),
     clipped per example, summed and noised by a key in the optimizer state, on two
@@ -199,15 +211,7 @@ def test_per_example_gradients_run_with_one_micro_batch(threads_cluster):
 
     def dpsgd_step(state, batch):
         params, opt = state
-
-        def loss1(p, x, y):
-            logits = Classifier().apply({"params": p}, x[None])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).sum()
-
-        grads = jax.vmap(meshshard.grad(loss1), in_axes=(None, 0, 0))(
-            params, batch["image"], batch["label"]
-        )
-        updates, opt = tx.update(grads, opt, params)
+        updates, opt = tx.update(per_example_grads(params, batch), opt, params)
         return (optax.apply_updates(params, updates), opt), jnp.float32(0)
 
     state, batches = _case()
@@ -220,14 +224,7 @@ def test_per_example_gradients_are_refused_with_micro_batches():
     keeps the batch; the message names the case and the fix (one micro-batch)."""
 
     def per_example(state, batch):
-        def loss1(params, x, y):
-            logits = state.apply_fn({"params": params}, x[None])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).sum()
-
-        grads = jax.vmap(meshshard.grad(loss1), in_axes=(None, 0, 0))(
-            state.params, batch["image"], batch["label"]
-        )
-        mean = jax.tree.map(lambda g: g.mean(0), grads)
+        mean = jax.tree.map(lambda g: g.mean(0), per_example_grads(state.params, batch))
         return state.apply_gradients(grads=mean), jnp.float32(0)
 
     msg = _refusal(per_example)
