@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 
 from jax.extend import source_info_util
 
 from meshshard._compat import DropVar, JaxprEqn, Literal
 from meshshard.primitives import boundary_p
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """Folders of code that is not the user's: the standard library, JAX, Flax, Optax
+    and meshshard itself."""
+    import flax
+    import jax
+    import jaxlib
+    import optax
+
+    import meshshard
+    import meshshard.passes
+    import meshshard.runtime
+
+    pkgs = (os, jax, jaxlib, flax, optax, meshshard, meshshard.passes, meshshard.runtime)
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in pkgs)
+
+
+def user_frame(eqn: JaxprEqn):
+    """The innermost frame of user code in ``eqn``'s traceback (frames of the standard
+    library, JAX, Flax, Optax and meshshard skipped), or None."""
+    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
+    return next((f for f in frames if not f.file_name.startswith(_library_folders())), None)
+
+
+def with_caller_source(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
+    """``eqn`` (from the body of ``caller``, a call being inlined) with ``caller``'s
+    traceback when its own names no line of user code: a jitted library function's
+    body (``jnp.var``) keeps the frames of wherever JAX first traced it, which says
+    nothing about this call site."""
+    if user_frame(eqn) is not None or user_frame(caller) is None:
+        return eqn
+    return eqn.replace(source_info=eqn.source_info.replace(traceback=caller.source_info.traceback))
 
 
 def is_marker(eqn: JaxprEqn, *kinds: str) -> bool:

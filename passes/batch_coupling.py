@@ -25,16 +25,8 @@ from __future__ import annotations
 
 import os
 
-import flax
-import jax
-import jaxlib
-import optax
-
-import meshshard
-import meshshard.passes as meshshard_passes
-import meshshard.runtime as meshshard_runtime
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs
+from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs, user_frame
 from meshshard.passes.batch_statistics import data_only, declared_slices
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import batch_shape_changes, marker_reductions, same_program
@@ -43,13 +35,6 @@ __all__ = ["NOTE", "coupled_statistics"]
 
 #: The start of each plan note (and warning) this pass writes.
 NOTE = "per micro-batch, not the full batch:"
-
-#: Folders of code that is not the user's: the standard library, these packages and
-#: meshshard's own.
-_LIBRARIES = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (os, jax, jaxlib, flax, optax, meshshard, meshshard_passes, meshshard_runtime)
-)
 
 
 def coupled_statistics(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch) -> tuple[str, ...]:
@@ -133,8 +118,7 @@ def _note(line: str, prims: list[str]) -> str:
 def user_line(eqn) -> str:
     """``file:line (function)`` of the innermost frame of user code that made ``eqn``,
     or ``<unknown>``; frames of JAX, Flax, Optax and meshshard are skipped."""
-    frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-    for f in frames:
-        if not f.file_name.startswith(_LIBRARIES):
-            return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
-    return "<unknown>"
+    f = user_frame(eqn)
+    if f is None:
+        return "<unknown>"
+    return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"

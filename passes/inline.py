@@ -18,7 +18,7 @@ custom derivative rules are left alone: they carry meaning the inlining would lo
 from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import eval_eqns, read_var, retrace
+from meshshard.jaxpr_util import eval_eqns, read_var, retrace, with_caller_source
 
 #: Call primitives whose sub-jaxpr (param ``jaxpr`` or ``call_jaxpr``) is inlined.
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
@@ -39,7 +39,8 @@ def _inline_hook(i, eqn, env, extra=()) -> bool:
         return False
     inner = dict(zip(callee.jaxpr.constvars, callee.consts, strict=True))
     inner.update(zip(callee.jaxpr.invars, [read_var(env, v) for v in eqn.invars], strict=True))
-    eval_eqns(callee.jaxpr.eqns, inner, on_eqn=_inline_hook)
+    body = [with_caller_source(e, eqn) for e in callee.jaxpr.eqns]
+    eval_eqns(body, inner, on_eqn=_inline_hook)
     for out, v in zip(eqn.outvars, callee.jaxpr.outvars, strict=True):
         env[out] = read_var(inner, v)
     return True
