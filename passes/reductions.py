@@ -116,8 +116,32 @@ def _normalizes(em, ef, m: int) -> str:
 
 
 def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple[str, str]:
-    """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars."""
-    return _classify(micro, full, var, m, dep, {})
+    """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars.
+
+    A batch statistic the step uses on the batch again (a batch norm's mean, SAM's
+    ascent direction ``g / norm(g)``) is an input to each micro-batch's share, which
+    computes its own (GPipe's semantics, reported by
+    :mod:`~meshshard.passes.batch_coupling`): ``var``'s slice stops there, so how it
+    was computed does not decide how ``var`` combines."""
+    memo = {_STATISTICS: used_on_the_batch(micro, full, dep)}
+    return _classify(micro, full, var, m, dep, memo)
+
+
+#: The key under which :func:`classify`'s memo holds the statistics its slices stop at.
+_STATISTICS = object()
+
+
+def used_on_the_batch(micro: ClosedJaxpr, full: ClosedJaxpr, dep: set) -> frozenset:
+    """The batch-dependent values of ``micro`` without the batch as a dimension that an
+    equation reads to compute values with it: batch statistics used on every example."""
+    out = set()
+    for em, ef in zip(micro.jaxpr.eqns, full.jaxpr.eqns, strict=True):
+        if is_marker(em) or not batch_shape_changes(em, ef)[1]:
+            continue
+        for a, b in zip(em.invars, ef.invars, strict=True):
+            if not is_literal(a) and a in dep and _shape(a) == _shape(b):
+                out.add(a)
+    return frozenset(out)
 
 
 def _classify(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
@@ -133,7 +157,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     kinds, norms = set(), 0
-    producers = list(paired_producers(micro, full, var))
+    producers = list(paired_producers(micro, full, var, memo[_STATISTICS]))
     ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
     if ranked:
         return "", ranked
@@ -146,12 +170,12 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         if how == "other":
             return "", f"{em.primitive.name} by a literal that changes with the batch size"
         norms += how == "norm"
-        if em.primitive.name == "div" and _divides_by_batch_total(em, ef, dep):
-            return "", "it divides by a total computed from the batch (e.g. a masked mean)"
     mixed = _mixed_examples(micro, producers)
     if mixed:
         return "", mixed
     tail = _tail(producers, var)
+    if _divides_by_batch_total(producers, tail[0], dep):
+        return "", "it divides by a total computed from the batch (e.g. a masked mean)"
     bad = _nonlinear_after_reduction(micro, tail)
     if bad:
         return "", f"it applies {bad} to a value reduced over the batch"
@@ -478,13 +502,13 @@ def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:
     return _shape(_full_var(mj, fj, var, producer, idx))
 
 
-def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var):
+def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset = frozenset()):
     """Every equation ``var`` depends on, once each, as ``(micro eqn, full eqn, ins, outs)``;
     ``ins``/``outs``: whether its inputs / outputs change shape with the batch size.
     The two traces match equation by equation, which is what lets a value's reduction
-    over the batch be read off its producers."""
+    over the batch be read off its producers.  Values in ``stop`` count as inputs."""
     fj = full.jaxpr
-    for i, em in _slice(micro.jaxpr, var):
+    for i, em in _slice(micro.jaxpr, var, stop):
         ef = fj.eqns[i]
         yield em, ef, *batch_shape_changes(em, ef)
 
@@ -498,14 +522,15 @@ def batch_shape_changes(em, ef) -> tuple[bool, bool]:
     return ins, outs
 
 
-def _slice(jaxpr, var):
+def _slice(jaxpr, var, stop=frozenset()):
     """Every equation of ``jaxpr`` that ``var`` depends on, as ``(index, eqn)``, once each
-    (a boundary marker once per position it carries ``var``'s slice through)."""
+    (a boundary marker once per position it carries ``var``'s slice through); not those
+    that only values in ``stop`` (other than ``var``) depend on."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     seen, stack = set(), [var]
     while stack:
         v = stack.pop()
-        if is_literal(v) or v not in producer:
+        if is_literal(v) or v not in producer or (v in stop and v is not var):
             continue
         i = producer[v]
         e = jaxpr.eqns[i]
@@ -527,9 +552,22 @@ def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
     return [e.primitive for e in me] == [e.primitive for e in fe]
 
 
-def _divides_by_batch_total(em, ef, dep) -> bool:
-    d_m, d_f = em.invars[1], ef.invars[1]
-    return not is_literal(d_m) and d_m in dep and _shape(d_m) == _shape(d_f)
+def _divides_by_batch_total(producers, tail, dep) -> bool:
+    """Whether one of the value's ``tail`` equations (:func:`_tail`) divides by a value
+    computed from the batch without the batch as a dimension (``sum(l) / sum(w)``).
+    Divisions before the last batch reduction are left alone: they divide per-example
+    values by a batch statistic used on the batch again (a hand-written batch norm's
+    ``(h - mean) / std``, SAM's ascent step ``g / norm(g)``), which each micro-batch
+    computes for itself, as with Flax's ``BatchNorm`` (see
+    :mod:`~meshshard.passes.batch_coupling`)."""
+    tail = {id(em) for em in tail}
+    for em, ef, _, _ in producers:
+        if id(em) not in tail or em.primitive.name != "div":
+            continue
+        d_m, d_f = em.invars[1], ef.invars[1]
+        if not is_literal(d_m) and d_m in dep and _shape(d_m) == _shape(d_f):
+            return True
+    return False
 
 
 def _full_var(mj, fj, var, producer, idx):

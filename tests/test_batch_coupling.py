@@ -19,6 +19,7 @@ from examples import gpt
 from meshshard import DataParallel, PipeshardParallel
 from meshshard.passes.batch_coupling import NOTE
 from tests import test_batch_norm, test_moe
+from tests.random_parity import assert_results_close
 
 pytestmark = pytest.mark.slow  # traces each step twice
 
@@ -160,3 +161,64 @@ def test_the_note_is_warned_at_compile_time(threads_cluster, caplog):
     warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith(NOTE)]
     assert len(warned) == 1 and f"test_batch_coupling.py:{_line('branch')}" in warned[0]
     assert np.isfinite(float(loss))
+
+
+class HandNorm(nn.Module):
+    """A batch norm written by hand: per-example values divided by a batch statistic."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(x)
+        h = (h - h.mean(axis=0)) / (h.std(axis=0) + 1e-5)  # LINE-hand_norm
+        meshshard.mark_pipeline_boundary()
+        return nn.Dense(1)(jnp.tanh(h))
+
+
+def _mse(model):
+    def loss_fn(params, batch):
+        return jnp.mean((model.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    return loss_fn
+
+
+def hand_norm_step(params, batch):
+    return meshshard.value_and_grad(_mse(HandNorm()))(params, batch)
+
+
+def sam_step(params, batch):
+    """Sharpness-aware minimization: the gradient at the weights moved up the batch's
+    own gradient (``jax.grad``), a statistic of the batch used on every example."""
+    loss_fn = _mse(Coupled("none"))
+    g = jax.grad(loss_fn)(params, batch)
+    norm = optax.tree.norm(g)
+    ascended = jax.tree.map(lambda p, d: p + 0.05 * d / norm, params, g)
+    return meshshard.value_and_grad(loss_fn)(ascended, batch)
+
+
+def _per_micro_batch(step, params, batch, m):
+    """``step`` run by jax on each of ``m`` micro-batches, its results averaged: GPipe's
+    semantics, each micro-batch with its own statistics (SAM's m-sharpness)."""
+    rows = len(batch["x"]) // m
+    runs = [
+        jax.jit(step)(params, {k: v[i * rows : (i + 1) * rows] for k, v in batch.items()})
+        for i in range(m)
+    ]
+    return jax.tree.map(lambda *xs: sum(xs) / m, *runs)
+
+
+@pytest.mark.parametrize(
+    "step, model", [(hand_norm_step, HandNorm()), (sam_step, Coupled("none"))], ids=["norm", "sam"]
+)
+def test_a_statistic_that_divides_runs_per_micro_batch(threads_cluster, step, model):
+    # was refused ("cannot tell how the loss combines over micro-batches: it divides by a
+    # total computed from the batch"), though Flax's BatchNorm, which multiplies by an
+    # rsqrt, ran with this note
+    _, batch = _case("none")
+    params = model.init(jax.random.key(0), batch["x"])["params"]
+    notes = _coupled_notes(step, params, batch, TWO_STAGES)
+    if step is hand_norm_step:
+        assert len(notes) == 1 and f"test_batch_coupling.py:{_line('hand_norm')}" in notes[0]
+    else:  # the ascent's weight gradients: each Dense layer's reduction over the batch
+        assert len(notes) == 2 and all("(Coupled.__call__)" in n for n in notes), notes
+    got = meshshard.parallelize(step, method=TWO_STAGES)(params, batch)
+    assert_results_close(_per_micro_batch(step, params, batch, 2), got, rtol=1e-5)
