@@ -106,11 +106,14 @@ def several_grads_message(grad_calls: int, asked: str) -> str:
     (``"num_micro_batches=2"``, ``"2 stages"``)."""
     return (
         f"the train step calls meshshard.grad {grad_calls} times (e.g. a GAN's "
-        f"discriminator and generator updates), and {asked} asks for a pipeline, which "
-        "accumulates one gradient per step; such a step runs only with one stage and "
-        "num_micro_batches=1 (ShardParallel, DataParallel or PipeshardParallel with one "
-        "stage), as one program; else combine the losses into one function or make each "
-        "update its own step"
+        f"discriminator and generator updates, SAM's ascent and descent gradients), and "
+        f"{asked} asks for a pipeline, which accumulates one gradient per step; such a "
+        "step runs only with one stage and num_micro_batches=1 (ShardParallel, "
+        "DataParallel or PipeshardParallel with one stage), as one program; else combine "
+        "the losses into one function or make each update its own step (for SAM: one "
+        "parallelized step returns meshshard.grad's ascent gradient and a second takes it "
+        "as an argument; or take the ascent gradient with jax.grad, which each "
+        "micro-batch then computes from its own examples, as SAM's m-sharpness does)"
     )
 
 
