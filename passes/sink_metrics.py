@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
-from meshshard.passes.reductions import _shape, marker_reductions
+from meshshard.passes.hoist import batch_dependent
+from meshshard.passes.pre_grad_values import LABEL as PRE_GRAD
+from meshshard.passes.reductions import _shape, classify, marker_reductions, same_program
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
 LABEL = "after meshshard.grad"
@@ -37,19 +39,22 @@ def batch_aux_positions(micro: ClosedJaxpr, full: ClosedJaxpr) -> frozenset:
     return frozenset(
         k
         for k, (a, b) in enumerate(zip(gm[1].invars, gf[1].invars, strict=True))
-        if info[k][0].startswith("aux") and _shape(a) != _shape(b)
+        if info[k][0].startswith(("aux", PRE_GRAD)) and _shape(a) != _shape(b)
     )
 
 
-def sink_batch_metrics(closed: ClosedJaxpr, is_batch, batch_aux: frozenset = frozenset()):
+def sink_batch_metrics(
+    closed: ClosedJaxpr, is_batch, batch_aux: frozenset = frozenset(), keep: frozenset = frozenset()
+):
     """``closed`` with the after-grad equations that need the batch (``is_batch`` inputs,
-    or the marker's ``batch_aux`` positions) computed before the ``grad_end`` marker."""
+    or the marker's ``batch_aux`` positions) computed before the ``grad_end`` marker;
+    not those at the indices ``keep`` (:func:`kept_after_grad`), nor what reads them."""
     jaxpr = closed.jaxpr
     found = _marker(jaxpr)
     if found is None:
         return closed
     g_idx, g = found
-    sunk, copies, exported, read_later = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    sunk, copies, exported, read_later = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux, keep)
     if not sunk:
         return closed
     info = marker_reductions(g)
@@ -89,7 +94,69 @@ def _marker(jaxpr):
     return next(((i, e) for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
 
 
-def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list, set]:
+def kept_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, m: int):
+    """Indices of after-grad equations that read per-example aux values and are better
+    left in the update, where they read the batch's concatenated rows, than computed per
+    micro-batch: those whose results combine no known way over micro-batches (a MoCo
+    queue, ``jnp.concatenate([keys, queue])[:K]``: its micro-batches' queues neither
+    add nor average to the batch's), when neither they nor what reads them reads a batch
+    leaf (the update cannot).  Needs the micro-batch and full-batch traces to pair."""
+    found = _marker(micro.jaxpr)
+    if found is None or not batch_aux or not same_program(micro, full):
+        return frozenset()
+    jaxpr = micro.jaxpr
+    g_idx, g = found
+    sunk, _, exported, _ = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    producer = {v: j for j in sunk for v in jaxpr.eqns[j].outvars}
+    batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
+    tainted = set()  # sunk equations that read a batch leaf, themselves or upstream
+    for j in sorted(sunk):
+        ins = [v for v in jaxpr.eqns[j].invars if not is_literal(v)]
+        if any(v in batch_in or producer.get(v) in tainted for v in ins):
+            tainted.add(j)
+    dep = batch_dependent(jaxpr, list(is_batch), len(jaxpr.eqns))
+    keep: set[int] = set()
+    for v in exported:
+        if classify(micro, full, v, m, dep)[0]:
+            continue
+        chain = {
+            j
+            for j in sunk
+            if any(o in _upstream(jaxpr, v, producer) for o in jaxpr.eqns[j].outvars)
+        }
+        chain |= _downstream(jaxpr, chain, sunk)
+        if not chain & tainted:
+            keep |= chain
+    return frozenset(keep)
+
+
+def _upstream(jaxpr, v, producer: dict) -> set:
+    """``v`` and the values of the equations in ``producer`` it is computed from."""
+    seen, stack = set(), [v]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x in producer:
+            stack += [a for a in jaxpr.eqns[producer[x]].invars if not is_literal(a)]
+    return seen
+
+
+def _downstream(jaxpr, chain: set, sunk: set) -> set:
+    """The equations of ``sunk`` that read, transitively, what ``chain`` computes."""
+    made = {v for j in chain for v in jaxpr.eqns[j].outvars}
+    out = set()
+    for j in sorted(sunk):
+        if j not in chain and any(not is_literal(a) and a in made for a in jaxpr.eqns[j].invars):
+            out.add(j)
+            made.update(jaxpr.eqns[j].outvars)
+    return out
+
+
+def _to_sink(
+    jaxpr, g_idx: int, g, is_batch, batch_aux, keep: frozenset = frozenset()
+) -> tuple[set, set, list, set]:
     """The after-grad equation indices to move before the marker (those that carry the
     batch), those to compute there too (what they read that does not: a learning rate
     from the step count, ``exp(loss)``; these also stay after it, on the combined
@@ -108,7 +175,7 @@ def _to_sink(jaxpr, g_idx: int, g, is_batch, batch_aux) -> tuple[set, set, list,
         ins = [v for v in e.invars if not is_literal(v)]
         if not all(v in ready for v in ins):
             continue  # reads what the grad or the update computes
-        if is_marker(e) or e.primitive.name in ("random_bits", "random_wrap"):
+        if j in keep or is_marker(e) or e.primitive.name in ("random_bits", "random_wrap"):
             continue
         outs = [v for v in e.outvars if not is_dropvar(v)]
         ready.update(outs)

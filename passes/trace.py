@@ -58,10 +58,15 @@ from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.physical_keys import physical_keys
+from meshshard.passes.pre_grad_values import pass_through_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, same_program, set_reductions
 from meshshard.passes.shared_grads import split_shared_gradients
-from meshshard.passes.sink_metrics import batch_aux_positions, sink_batch_metrics
+from meshshard.passes.sink_metrics import (
+    batch_aux_positions,
+    kept_after_grad,
+    sink_batch_metrics,
+)
 
 
 @dataclass(frozen=True)
@@ -259,10 +264,16 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
+
+    def through(closed):  # batch values from before the grad read after it: as aux
+        return pass_through_grad(closed, is_batch)
+
+    micro, full = (through(micro),) * 2 if m == 1 else (through(micro), through(full))
     batch_aux = batch_aux_positions(micro, full) if m > 1 else frozenset()
+    keep = kept_after_grad(micro, full, is_batch, batch_aux, m) if m > 1 else frozenset()
 
     def sink(closed):  # batch metrics computed after the grad: per micro-batch
-        return sink_batch_metrics(closed, is_batch, batch_aux)
+        return sink_batch_metrics(through(closed), is_batch, batch_aux, keep)
 
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
     found = find_statistics(micro, full, is_batch) if m > 1 else None

@@ -29,38 +29,6 @@ def mse(state, batch):
     return loss_fn
 
 
-def test_update_reading_a_batch_value(state):
-    """(A statistic of the batch data alone is taken over the full batch and allowed:
-    tests/test_batch_statistics.py.)"""
-
-    def step(state, batch):
-        # from the batch and the parameters, outside the loss
-        scale = jnp.mean(state.apply_fn({"params": state.params}, batch["x"]))
-        grads = meshshard.grad(mse(state, batch))(state.params)
-        return state.apply_gradients(grads=jax.tree.map(lambda g: g * scale, grads))
-
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"the update part of the step reads %\d+ \(div in s0\.F\), a value computed from "
-        r"the batch.*return it as aux \(has_aux=True\)",
-    ):
-        lower(step, state, BATCH)
-
-
-def test_output_computed_from_the_batch_outside_the_grad(state):
-    def step(state, batch):
-        top = jnp.max(state.apply_fn({"params": state.params}, batch["x"]))  # outside the loss
-        grads = meshshard.grad(mse(state, batch))(state.params)
-        return state.apply_gradients(grads=grads), top
-
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"step output out\[1\] = %\d+ \(reduce_max in s\d\.F\) is computed from the batch "
-        r"per micro-batch outside meshshard.grad; return it from the loss function as aux",
-    ):
-        lower(step, state, BATCH)
-
-
 def test_aux_with_the_batch_as_a_dimension_other_than_the_first(state):
     """Per-example rows are concatenated over micro-batches; the batch as a second
     dimension is not rows of examples, and is refused naming the aux value."""
