@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from meshshard.cluster import ClusterSpec
+from meshshard.errors import MeshshardInputError
 from meshshard.methods import DataParallel, Method, PipeshardParallel, sharding_mode
 from meshshard.passes.annotate import annotate_costs
 from meshshard.passes.apply_programs import plan_reductions
@@ -45,7 +46,7 @@ from meshshard.passes.shard_plan import (
     zero_notes,
 )
 from meshshard.passes.sharding import build_buffers, unsplit_batch_notes
-from meshshard.passes.slicing import detached_notes, slice_layers
+from meshshard.passes.slicing import boundaries_inside, detached_notes, slice_layers
 from meshshard.passes.sparse_rows import find_sparse_rows, with_sparse_rows
 from meshshard.passes.split_backward import split_backward
 from meshshard.passes.stage_cost import step_layer_stats
@@ -98,6 +99,15 @@ def _layout(st: CompileState) -> CompileState:
         # a jax.grad step is told so before "the model has no pipeline boundary":
         # meshshard.grad, not the markers, is what it lacks first
         check_forward_only(st.traced, asked)
+    hidden = boundaries_inside(st.traced.jaxpr) if st.slicing.num_layers == 1 else ""
+    if asked is not None and asked > 1 and hidden:
+        raise MeshshardInputError(
+            f"{asked} pipeline stages were asked for, but the model's pipeline boundaries "
+            f"are all inside the body of {hidden} (a decode loop calling the model, layers "
+            "under nn.scan), which runs whole inside one stage: stages are cut at the "
+            "step's top-level boundaries only; loop in Python instead (for i in range(n): "
+            "...) so each iteration's boundaries are cut, or use one stage (DataParallel)"
+        )
     groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
     stages = getattr(st.method, "stages", "uniform")  # DataParallel has one mesh
     shapes = [] if isinstance(stages, str) else list(stages) * d

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_marker
+from meshshard.jaxpr_util import is_marker, sub_jaxprs
 
 FWD, BWD, GRAD_END, APPLY = "F", "B", "G", "A"
 
@@ -53,6 +53,25 @@ class LayerSlicing:
             if counts[(ly, ph)]
         ]
         return f"LayerSlicing({self.num_layers} layers; {' '.join(parts)}; apply:{len(self.apply_eqns)})"
+
+
+#: How a message names the control-flow primitives whose bodies may hide boundaries.
+_LOOPS = {
+    "while": "a jax.lax.fori_loop or while_loop",
+    "scan": "a jax.lax.scan, fori_loop or nn.scan",
+    "cond": "a jax.lax.cond or switch branch",
+}
+
+
+def boundaries_inside(jaxpr) -> str:
+    """What holds the step's pipeline boundaries when its top level has none (the
+    body of a decode loop: ``fori_loop`` over positions calling the whole model), as
+    a message phrase, or ''.  Stages are cut at top-level boundaries only."""
+    for e in jaxpr.eqns:
+        for sub in sub_jaxprs(e):
+            if any(is_marker(x, "mark", "fwd") for x in sub.eqns) or boundaries_inside(sub):
+                return _LOOPS.get(e.primitive.name, f"a {e.primitive.name}")
+    return ""
 
 
 def slice_layers(jaxpr) -> LayerSlicing:

@@ -1,5 +1,6 @@
 """Bad input gives a clear error naming the problem and the fix."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -103,6 +104,30 @@ def test_several_stages_without_any_boundary():
             state,
             batch,
         )
+
+
+def test_boundaries_only_inside_a_decode_loop_are_named():
+    # was "the model has no pipeline boundary: call meshshard.mark_pipeline_boundary()",
+    # though the model calls it: fori_loop's body (a scan) runs whole inside one stage
+    model = mlp.MLP(num_layers=2)
+    batch = mlp.make_batch(batch_size=8)
+    params = mlp.make_state(model, batch["x"]).params
+
+    def decode(params, x):
+        def body(i, h):  # a layer-by-layer decode step, as a loop over positions would be
+            return h * jnp.mean(model.apply({"params": params}, h))
+
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    step = meshshard.parallelize(
+        decode, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
+    )
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"boundaries are all inside the body of a jax.lax.scan, fori_loop or nn.scan "
+        r".*loop in Python instead",
+    ):
+        step.lower(params, batch["x"], cluster=CLUSTER)
 
 
 @pytest.mark.parametrize(
