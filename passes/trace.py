@@ -410,7 +410,9 @@ def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
         f"the batch leaves have different numbers of rows: {odd}, while "
         f"{rows[common][0]} has {common}; num_micro_batches={m} cuts the leading axis of "
         "every batch leaf, so each must have the batch size first; pass values that are "
-        "not per-example (class weights, a table) through a non-batch argument or a closure"
+        "not per-example (class weights, a table) through a non-batch argument or a "
+        "closure, or run with num_micro_batches=1 where the leaves cannot be cut alike (a "
+        "graph batch's nodes and edges)"
     ) from cause
 
 
