@@ -474,6 +474,9 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> st
             or name in ("add", "sub", "add_any")
             or (name == "mul" and len(which) == 1)
             or (name == "div" and which == [0])
+            # summed or weighted over another axis (an ensemble's mean of its members'
+            # batch means): still linear, but a sum of maxima is no maximum
+            or (name in ("reduce_sum", "dot_general") and len(which) == 1 and not keep_order)
         )
         if not linear:
             return name

@@ -470,6 +470,16 @@ def _classify_loss(loss_fn, m=4):
         (lambda x: jnp.mean(jax.lax.sort(jnp.mean(x, 1))[x.shape[0] // 2 :]), ""),
         # a scan over the examples that carries nothing from one to the next: still a mean
         (lambda x: jnp.mean(jax.lax.map(lambda r: jnp.tanh(r) ** 2, x)), "mean"),
+        # a batch norm written with a division by the batch's std: a statistic used on
+        # the batch again, per micro-batch (was refused: "divides by a total computed from
+        # the batch")
+        (lambda x: jnp.mean(((x - x.mean(0)) / (x.std(0) + 1e-5)) ** 2), "mean"),
+        # per-member batch means averaged over another axis (an ensemble under vmap):
+        # linear (was refused: "it applies reduce_sum to a value reduced over the batch")
+        (lambda x: jnp.mean(jnp.mean(x**2, axis=0)), "mean"),
+        (lambda x: jnp.dot(jnp.arange(4.0), jnp.mean(x**2, axis=0)), "mean"),
+        # but a sum of per-column maxima is no maximum of anything
+        (lambda x: jnp.sum(jnp.max(x, axis=0)), ""),
     ],
     ids=[
         "mean",
@@ -494,6 +504,10 @@ def _classify_loss(loss_fn, m=4):
         "hardest-half-top-k",
         "hardest-half-sort",
         "map-over-batch",
+        "hand-written-batch-norm",
+        "mean-of-column-means",
+        "weighted-column-means",
+        "sum-of-column-maxima",
     ],
 )
 def test_classify(fn, want):
@@ -646,3 +660,26 @@ def test_a_non_linear_term_is_taken_per_micro_batch_when_declared(threads_cluste
     plain = _balanced_step("mean")
     expected = np.mean([float(plain(params, h)[1]) for h in halves])
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+
+
+def ensemble_step(params, batch):
+    """Three members' parameters stacked, each member's batch mean averaged (jax.vmap)."""
+
+    def loss_fn(stacked):
+        def member(p):
+            return jnp.mean(
+                (mlp.MLP(num_layers=4).apply({"params": p}, batch["x"]) - batch["y"]) ** 2
+            )
+
+        return jnp.mean(jax.vmap(member)(stacked))
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def test_an_ensemble_mean_of_batch_means_equals_jit(threads_cluster):
+    batch = mlp.make_batch(batch_size=8)
+    params = sgd_state(batch["x"]).params
+    stacked = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a, -a]), params)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
+    check_step_parity(ensemble_step, method, stacked, [batch, batch], rtol=1e-5)
