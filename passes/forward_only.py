@@ -30,7 +30,7 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, sub_jaxprs, var_ids
 from meshshard.metrics import aux_reduce_p
-from meshshard.passes.slicing import FWD, GRAD_END, LayerSlicing
+from meshshard.passes.slicing import FWD, GRAD_END, LayerSlicing, boundaries_inside
 from meshshard.primitives import boundary_p
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
 
@@ -127,6 +127,16 @@ def check_forward_only(traced, num_stages: int) -> None:
     m = traced.num_micro_batches
     if traced.grad_calls > 1 and num_stages > 1:  # (more micro-batches: refused by the trace)
         raise MeshshardInputError(several_grads_message(traced.grad_calls, f"{num_stages} stages"))
+    inside = boundaries_inside(traced.jaxpr, ("grad_end",))
+    if inside and (m > 1 or num_stages > 1):
+        raise MeshshardInputError(
+            f"meshshard.grad is called inside the body of {inside} (gradients "
+            "accumulated by hand over chunks of the batch?), where its backward cannot be "
+            f"pipelined over {num_stages} stage(s) with num_micro_batches={m}: call "
+            "meshshard.grad once per step on the whole batch and set num_micro_batches to "
+            "the number of chunks (meshshard accumulates the micro-batches' gradients "
+            "itself), or run the step with one stage and num_micro_batches=1"
+        )
     if traced.transposed and (m > 1 or num_stages > 1):
         raise MeshshardInputError(
             f"this step differentiates with jax.grad or jax.value_and_grad (its jaxpr holds "

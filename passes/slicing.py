@@ -63,13 +63,14 @@ _LOOPS = {
 }
 
 
-def boundaries_inside(jaxpr) -> str:
-    """What holds the step's pipeline boundaries when its top level has none (the
-    body of a decode loop: ``fori_loop`` over positions calling the whole model), as
-    a message phrase, or ''.  Stages are cut at top-level boundaries only."""
+def boundaries_inside(jaxpr, kinds: tuple[str, ...] = ("mark", "fwd")) -> str:
+    """What holds boundary markers of ``kinds`` below the step's top level (the body of
+    a decode loop: ``fori_loop`` over positions calling the whole model; ``grad_end``:
+    ``meshshard.grad`` called per chunk inside a ``scan``), as a message phrase, or ''.
+    Stages are cut at top-level markers only."""
     for e in jaxpr.eqns:
         for sub in sub_jaxprs(e):
-            if any(is_marker(x, "mark", "fwd") for x in sub.eqns) or boundaries_inside(sub):
+            if any(is_marker(x, *kinds) for x in sub.eqns) or boundaries_inside(sub, kinds):
                 return _LOOPS.get(e.primitive.name, f"a {e.primitive.name}")
     return ""
 

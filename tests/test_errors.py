@@ -106,6 +106,34 @@ def test_several_stages_without_any_boundary():
         )
 
 
+def test_meshshard_grad_inside_a_scan_is_named(setup):
+    # gradients accumulated by hand over chunks: was "this step differentiates with
+    # jax.grad or jax.value_and_grad ... instead of meshshard.grad", though it does not
+    _, batch, state = setup
+
+    def step(state, batch):
+        chunks = jax.tree.map(lambda a: a.reshape(4, -1, *a.shape[1:]), batch)
+
+        def add_chunk(acc, chunk):
+            def loss_fn(p):
+                pred = state.apply_fn({"params": p}, chunk["x"])
+                return jnp.mean((pred - chunk["y"]) ** 2)
+
+            return jax.tree.map(jnp.add, acc, meshshard.grad(loss_fn)(state.params)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, _ = jax.lax.scan(add_chunk, zeros, chunks)
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g / 4, grads))
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"meshshard.grad is called inside the body of a jax.lax.scan, fori_loop or "
+        r"nn.scan \(gradients accumulated by hand.*set num_micro_batches to the number of "
+        r"chunks",
+    ):
+        lower(step, PipeshardParallel(num_micro_batches=1, stages=[(1, 2), (1, 2)]), state, batch)
+
+
 def test_boundaries_only_inside_a_decode_loop_are_named():
     # was "the model has no pipeline boundary: call meshshard.mark_pipeline_boundary()",
     # though the model calls it: fori_loop's body (a scan) runs whole inside one stage
