@@ -6,6 +6,7 @@ PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b',
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 
 from meshshard.errors import MeshshardInputError
@@ -46,7 +47,23 @@ def _check_stage_times(times) -> tuple:
     return tuple(out)
 
 
+def _as_int(x):
+    """``x`` as a Python int when it is an integer of any kind (``np.int64(2)`` from
+    arithmetic on array shapes), else unchanged: plans print and hash Python ints."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return x
+
+
+def _plain_ints(obj, names: tuple[str, ...]) -> None:
+    """Replace integer fields ``names`` of frozen ``obj`` by Python ints (see :func:`_as_int`)."""
+    for name in names:
+        object.__setattr__(obj, name, _as_int(getattr(obj, name)))
+
+
 def _check_shape(shape, what: str) -> tuple[int, int]:
+    if isinstance(shape, tuple | list):
+        shape = tuple(_as_int(x) for x in shape)
     if (
         not isinstance(shape, tuple | list)
         or len(shape) != 2
@@ -91,6 +108,7 @@ class DataParallel:
     num_micro_batches: int = 1
 
     def __post_init__(self) -> None:
+        _plain_ints(self, ("num_micro_batches",))
         if self.mesh_shape is not None:
             object.__setattr__(
                 self, "mesh_shape", _check_shape(self.mesh_shape, "DataParallel.mesh_shape")
@@ -230,6 +248,17 @@ class PipeshardParallel:
     fuse_forward_backward: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
+        _plain_ints(
+            self,
+            (
+                "num_micro_batches",
+                "data_parallel",
+                "virtual_stages",
+                "num_stages",
+                "layers",
+                "comm_chunk_bytes",
+            ),
+        )
         _check_micro_batches(self.num_micro_batches, "PipeshardParallel")
         if not isinstance(self.fuse_forward_backward, bool):
             raise MeshshardInputError(
@@ -437,6 +466,7 @@ class FollowParallel:
     """
 
     def __init__(self, step, num_micro_batches: int = 1):
+        num_micro_batches = _as_int(num_micro_batches)
         _check_micro_batches(num_micro_batches, "FollowParallel")
         self.step = step
         self.num_micro_batches = num_micro_batches

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import meshshard
@@ -246,6 +247,22 @@ def test_jax_grad_instead_of_meshshard_grad(setup):
 def test_bad_methods(make, pattern):
     with pytest.raises(MeshshardInputError, match=pattern):
         make()
+
+
+def test_numpy_integers_are_taken_as_ints(setup):
+    # were refused: "num_micro_batches must be a positive int, got np.int64(2)"
+    _, batch, state = setup
+    n = np.int64(2)
+    method = PipeshardParallel(
+        num_micro_batches=n, stages=[(np.int32(1), n)] * 2, data_parallel=np.int64(1)
+    )
+    assert method == PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    assert repr(method) == repr(PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2))
+    assert type(method.num_micro_batches) is int and type(method.stages[0][1]) is int
+    assert DataParallel((1, n), num_micro_batches=n) == DataParallel((1, 2), num_micro_batches=2)
+    lower(mlp.train_step, method, state, batch)
+    with pytest.raises(MeshshardInputError, match=r"num_micro_batches must be a positive int"):
+        PipeshardParallel(num_micro_batches=2.0)
 
 
 def test_calling_without_a_cluster(setup):
