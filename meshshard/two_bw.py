@@ -128,6 +128,32 @@ def _traced(fn: Callable, shadow, args: tuple):
     return out, stash.current
 
 
+def stash_outputs(fn, out_shape) -> list[int]:
+    """Positions, among the flattened outputs of ``fn`` traced to ``out_shape``, of the
+    weights a 2BW step stashes for the next call (none when ``fn`` is no 2BW step)."""
+    for _ in range(4):  # through wrappers that keep the step as ``fn`` (KeyedStep)
+        if isinstance(fn, _StepOf) or not hasattr(fn, "fn"):
+            break
+        fn = fn.fn
+    if not isinstance(fn, _StepOf):
+        return []
+    import jax
+
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    return [i for i, p in enumerate(paths) if getattr(p[0], "idx", None) == 1]
+
+
+def batch_dependent_stash_message() -> str:
+    """Why a 2BW step whose differentiated weights depend on the batch is refused."""
+    return (
+        "PipeshardParallel(schedule='2bw') stashes the weights meshshard.grad "
+        "differentiates at, for the next step's forward and backward, but this step "
+        "computes them from the batch (SAM's ascent step from jax.grad, weights perturbed "
+        "per batch): each micro-batch has its own, so there is no one version to stash; "
+        "differentiate at the state's weights, or use schedule='1f1b'"
+    )
+
+
 class TwoBWStep:
     """Runs a step under 2BW: the first call plain, later calls with the stash."""
 

@@ -58,7 +58,7 @@ from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.physical_keys import physical_keys
-from meshshard.passes.pre_grad_values import pass_through_grad
+from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, same_program, set_reductions
 from meshshard.passes.shared_grads import split_shared_gradients
@@ -67,6 +67,7 @@ from meshshard.passes.sink_metrics import (
     kept_after_grad,
     sink_batch_metrics,
 )
+from meshshard.two_bw import batch_dependent_stash_message, stash_outputs
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
+    stash = set(stash_outputs(fn, out_shape))
+    if any(v in stash_vars(micro, stash) for v in read_after_grad(micro.jaxpr, is_batch)):
+        raise MeshshardInputError(batch_dependent_stash_message())
 
     def through(closed):  # batch values from before the grad read after it: as aux
         return pass_through_grad(closed, is_batch)
@@ -346,6 +350,11 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
             "non-batch argument, and code that assumes the full batch size must read it "
             "from the arrays' shapes; or use num_micro_batches=1"
         ) from e
+
+
+def stash_vars(closed: ClosedJaxpr, positions: set) -> set:
+    """The output vars of ``closed`` at ``positions`` (a 2BW step's stashed weights)."""
+    return {v for i, v in enumerate(closed.jaxpr.outvars) if i in positions and not is_literal(v)}
 
 
 def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sink):
