@@ -14,7 +14,10 @@ the step reads pass through the marker as new aux values, so each is combined ov
 micro-batches with the reduction the compiler infers for aux values (the accuracy
 above: a mean over the batch).  A per-example aux value that only they read is dropped
 from the marker.  Equations that read only combined values (``jnp.exp(loss)``) stay in
-the update, where they see the full batch's loss.
+the update, where they see the full batch's loss.  So do those whose results would
+combine no known way over micro-batches and that read no batch leaf
+(:func:`kept_after_grad`: a MoCo queue built from aux keys), reading the aux value's
+concatenated rows there.
 """
 
 from __future__ import annotations
@@ -119,11 +122,8 @@ def kept_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, 
     for v in exported:
         if classify(micro, full, v, m, dep)[0]:
             continue
-        chain = {
-            j
-            for j in sunk
-            if any(o in _upstream(jaxpr, v, producer) for o in jaxpr.eqns[j].outvars)
-        }
+        up = _upstream(jaxpr, v, producer)
+        chain = {j for j in sunk if any(o in up for o in jaxpr.eqns[j].outvars)}
         chain |= _downstream(jaxpr, chain, sunk)
         if not chain & tainted:
             keep |= chain

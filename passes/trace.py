@@ -14,8 +14,10 @@ carry the batch (:mod:`~meshshard.passes.random_draws`) and how each value
 ``meshshard.grad`` returns combines over micro-batches
 (:mod:`~meshshard.passes.reductions`), statistics of the batch data (a masked mean's
 token count) taken over the full batch by the driver and read as new inputs
-(:mod:`~meshshard.passes.batch_statistics`), batch metrics computed after the grad being
-computed per micro-batch before it (:mod:`~meshshard.passes.sink_metrics`) and a mean
+(:mod:`~meshshard.passes.batch_statistics`), batch values computed before the grad and
+read after it passed through it as aux (:mod:`~meshshard.passes.pre_grad_values`), batch
+metrics computed after the grad being computed per micro-batch before it
+(:mod:`~meshshard.passes.sink_metrics`) and a mean
 loss's backward seeded with each micro-batch's ``1/M`` share
 (:mod:`~meshshard.passes.loss_seed`); batch-independent values the update reads from
 before the grad are recomputed there (:mod:`~meshshard.passes.hoist`); a gradient summed
