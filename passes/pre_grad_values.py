@@ -26,10 +26,10 @@ from __future__ import annotations
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 from meshshard.passes.hoist import batch_dependent
-from meshshard.passes.reductions import marker_reductions
+from meshshard.passes.reductions import PRE_GRAD_LABEL, marker_reductions
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
-LABEL = "before meshshard.grad"
+LABEL = PRE_GRAD_LABEL
 
 
 def read_after_grad(jaxpr, is_batch) -> list:

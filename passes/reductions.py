@@ -40,6 +40,8 @@ runtime reads.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from meshshard._compat import ClosedJaxpr
@@ -48,6 +50,7 @@ from meshshard.jaxpr_util import (
     is_literal,
     is_marker,
     set_marker_params,
+    user_frame,
     var_ids,
 )
 from meshshard.metrics import aux_reduce_p
@@ -634,6 +637,8 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                     "mean averages the micro-batches' losses with equal weights, whatever "
                     "their counts)"
                 )
+            if not red and label.startswith(PRE_GRAD_LABEL):
+                raise MeshshardInputError(_unclassified_pre_grad_message(p, why))
             if not red:
                 red = "mean" if np.issubdtype(v.aval.dtype, np.floating) else "sum"
         if label == "loss" and red in ("max", "min") and source != "declared":
@@ -647,6 +652,26 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             loss = red
         out.append((label, red, source))
     return tuple(out)
+
+
+#: How :mod:`~meshshard.passes.pre_grad_values` labels the batch values it passes
+#: through the ``grad_end`` marker.
+PRE_GRAD_LABEL = "before meshshard.grad"
+
+
+def _unclassified_pre_grad_message(producer, why: str) -> str:
+    """Why a batch value computed before the grad and read after it is refused: unlike
+    an aux value the user returned (a default reduction, warned), nothing asked for it
+    to be combined over micro-batches, so a guess would be a silent wrong number."""
+    f = user_frame(producer) if producer is not None else None
+    where = f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
+    return (
+        f"a value the step computes from the batch before meshshard.grad{where} and reads "
+        f"after it, or returns, combines no known way over micro-batches: {why}; compute "
+        "it inside the loss function and return it as aux, declare how it combines "
+        "(meshshard.aux_mean/aux_sum/aux_max/aux_min(x)), return its per-example rows "
+        "instead, or use num_micro_batches=1"
+    )
 
 
 def _per_example(micro, full, v, m: int, label: str, why: str) -> tuple[str, str]:

@@ -20,7 +20,7 @@ import pytest
 
 import meshshard
 from examples import mlp
-from meshshard import DataParallel, PipeshardParallel
+from meshshard import ClusterSpec, DataParallel, MeshshardInputError, PipeshardParallel
 from meshshard._compat import jaxpr_as_fun
 from meshshard.jaxpr_util import is_marker
 from meshshard.passes.inline import inline_calls
@@ -157,3 +157,31 @@ def test_the_pass_adds_one_marker_operand_per_batch_value_read_after_the_grad():
     args = jax.tree.leaves((state, batches[0]))
     for got, want in zip(jaxpr_as_fun(out)(*args), jaxpr_as_fun(closed)(*args), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)  # the same step
+
+
+def returns_the_second_largest_prediction(state, batch):
+    preds = state.apply_fn({"params": state.params}, batch["x"])
+    second = jnp.sort(preds.ravel())[-2]  # LINE-second
+    grads = meshshard.grad(_mse(state, batch))(state.params)
+    return state.apply_gradients(grads=grads), second
+
+
+def test_a_batch_value_that_combines_no_known_way_is_refused_naming_its_line():
+    # an aux value the user returns takes a default reduction, warned; a value computed
+    # before the grad was never asked to be combined, so a guess is refused
+    state = mlp.make_state(mlp.MLP(num_layers=4), BATCH["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if "# LINE-second" in text)
+    with pytest.raises(
+        MeshshardInputError,
+        match=rf"computes from the batch before meshshard.grad \(test_pre_grad_values.py:{line}\)"
+        r".*combines no known way over micro-batches: .*sort.*aux_mean/aux_sum/aux_max/aux_min",
+    ):
+        meshshard.parallelize(returns_the_second_largest_prediction, method=method).lower(
+            state, BATCH, cluster=ClusterSpec("pre-grad-4x2", 4, 2)
+        )
+    one = PipeshardParallel(num_micro_batches=1, stages=[(1, 2), (1, 2)])
+    meshshard.parallelize(returns_the_second_largest_prediction, method=one).lower(
+        state, BATCH, cluster=ClusterSpec("pre-grad-4x2", 4, 2)
+    )
