@@ -99,8 +99,9 @@ def _layout(st: CompileState) -> CompileState:
         # a jax.grad step is told so before "the model has no pipeline boundary":
         # meshshard.grad, not the markers, is what it lacks first
         check_forward_only(st.traced, asked)
-    hidden = boundaries_inside(st.traced.jaxpr) if st.slicing.num_layers == 1 else ""
-    if asked is not None and asked > 1 and hidden:
+    one_layer = asked is not None and asked > 1 and st.slicing.num_layers == 1
+    hidden = boundaries_inside(st.traced.jaxpr) if one_layer else ""
+    if hidden:
         raise MeshshardInputError(
             f"{asked} pipeline stages were asked for, but the model's pipeline boundaries "
             f"are all inside the body of {hidden} (a decode loop calling the model, layers "

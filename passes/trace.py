@@ -267,8 +267,9 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
-    stash = set(stash_outputs(fn, out_shape))
-    if any(v in stash_vars(micro, stash) for v in read_after_grad(micro.jaxpr, is_batch)):
+    outs = micro.jaxpr.outvars
+    stash = {outs[i] for i in stash_outputs(fn, out_shape) if not is_literal(outs[i])}  # 2BW
+    if stash and stash.intersection(read_after_grad(micro.jaxpr, is_batch)):
         raise MeshshardInputError(batch_dependent_stash_message())
 
     def through(closed):  # batch values from before the grad read after it: as aux
@@ -352,11 +353,6 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
             "non-batch argument, and code that assumes the full batch size must read it "
             "from the arrays' shapes; or use num_micro_batches=1"
         ) from e
-
-
-def stash_vars(closed: ClosedJaxpr, positions: set) -> set:
-    """The output vars of ``closed`` at ``positions`` (a 2BW step's stashed weights)."""
-    return {v for i, v in enumerate(closed.jaxpr.outvars) if i in positions and not is_literal(v)}
 
 
 def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sink):
