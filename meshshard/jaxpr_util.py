@@ -36,6 +36,15 @@ def user_frame(eqn: JaxprEqn):
     return next((f for f in frames if not f.file_name.startswith(_library_folders())), None)
 
 
+def user_line(eqn: JaxprEqn) -> str:
+    """``file:line (function)`` of the innermost frame of user code that made ``eqn``,
+    or ``<unknown>``; frames of JAX, Flax, Optax and meshshard are skipped."""
+    f = user_frame(eqn)
+    if f is None:
+        return "<unknown>"
+    return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
+
+
 def with_caller_source(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
     """``eqn`` (from the body of ``caller``, a call being inlined) with ``caller``'s
     traceback when its own names no line of user code: a jitted library function's

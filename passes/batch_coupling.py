@@ -23,10 +23,8 @@ found in its body, paired with the full-batch trace's.
 
 from __future__ import annotations
 
-import os
-
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs, user_frame
+from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs, user_line
 from meshshard.passes.batch_statistics import data_only, declared_slices
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import batch_shape_changes, marker_reductions, same_program
@@ -113,12 +111,3 @@ def _note(line: str, prims: list[str]) -> str:
         "the step differs from jax.jit on the whole batch. num_micro_batches=1 computes "
         "it over the whole batch"
     )
-
-
-def user_line(eqn) -> str:
-    """``file:line (function)`` of the innermost frame of user code that made ``eqn``,
-    or ``<unknown>``; frames of JAX, Flax, Optax and meshshard are skipped."""
-    f = user_frame(eqn)
-    if f is None:
-        return "<unknown>"
-    return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
