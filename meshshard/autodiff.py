@@ -28,6 +28,7 @@ from meshshard.jaxpr_util import (
     sub_jaxprs,
 )
 from meshshard.metrics import check_reduction
+from meshshard.nnx_modules import module_filters, plain_argnums, split_modules, write_back
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
 
@@ -65,23 +66,64 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def wrapped(*args):
-        args = two_bw.substitute(args, argnums)  # 2BW: differentiate at the stashed weights
-        layered = _with_boundaries(fun, args, has_aux)
-        out = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
-        (value, grads) = out
-        loss, aux = value if has_aux else (value, None)
-        aux = _declare_aux(aux, aux_reduce) if has_aux else None
-        info = [("loss", loss_reduce or "", "declared" if loss_reduce else "")]
-        if has_aux:
-            paths = jax.tree_util.tree_flatten_with_path(aux)[0]
-            info += [("aux" + jax.tree_util.keystr(p), "", "") for p, _ in paths]
-        info += [("grad", "", "")] * len(jax.tree.leaves(grads))
-        out = ((loss, aux), grads) if has_aux else (loss, grads)
-        leaves, tree = jax.tree.flatten(out)
-        leaves = boundary_p.bind(*leaves, kind="grad_end", index=0, reduce=tuple(info))
-        return jax.tree.unflatten(tree, leaves)
+        modules = module_filters(args, argnums)  # Flax NNX modules: as nnx.value_and_grad
+        if not modules:
+            return _marked_value_and_grad(fun, args, argnums, has_aux, aux_reduce, loss_reduce)
+        pure, merged = split_modules(args, modules)
+        call = merged(fun)
+
+        def with_rest(*a):  # the modules' other variables leave the grad as aux
+            out, rest = call(*a)
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, rest)
+
+        argnums_ = plain_argnums(argnums)
+        value, grads = _marked_value_and_grad(
+            with_rest, pure, argnums_, True, aux_reduce, loss_reduce, rest_label=NNX_STATE
+        )
+        loss, (aux, rest) = value
+        write_back(args, rest)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return wrapped
+
+
+#: The label of an NNX module's non-differentiated variables (batch statistics, random
+#: counters) that ``meshshard.value_and_grad`` returns past the grad marker.
+NNX_STATE = "aux (nnx variable of argument {i})"
+
+
+def _marked_value_and_grad(
+    fun, args, argnums, has_aux, aux_reduce, loss_reduce, rest_label: str | None = None
+):
+    """``jax.value_and_grad`` of ``fun`` with the user's pipeline boundaries marked, its
+    results passed through the ``grad_end`` marker that records how each combines over
+    micro-batches.  With ``rest_label``, ``fun``'s aux is ``(aux, rest)``: ``aux_reduce``
+    applies to ``aux``, and the leaves of ``rest`` (a dict by argument position) are
+    labelled ``rest_label`` formatted with the position, then their path."""
+    args = two_bw.substitute(args, argnums)  # 2BW: differentiate at the stashed weights
+    layered = _with_boundaries(fun, args, has_aux)
+    value, grads = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
+    loss, aux = value if has_aux else (value, None)
+    rest = None
+    if rest_label is not None:
+        aux, rest = aux
+    aux = _declare_aux(aux, aux_reduce) if has_aux else None
+    info = [("loss", loss_reduce or "", "declared" if loss_reduce else "")]
+    if has_aux:
+        paths = jax.tree_util.tree_flatten_with_path(aux)[0]
+        info += [("aux" + jax.tree_util.keystr(p), "", "") for p, _ in paths]
+    if rest_label is not None:  # {argument position: variables}
+        paths = jax.tree_util.tree_flatten_with_path(rest)[0]
+        keystr = jax.tree_util.keystr
+        info += [(rest_label.format(i=p[0].key) + keystr(p[1:]), "", "") for p, _ in paths]
+    info += [("grad", "", "")] * len(jax.tree.leaves(grads))
+    if rest_label is not None:
+        aux = (aux, rest)
+    out = ((loss, aux), grads) if has_aux else (loss, grads)
+    leaves, tree = jax.tree.flatten(out)
+    leaves = boundary_p.bind(*leaves, kind="grad_end", index=0, reduce=tuple(info))
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _declare_aux(aux, aux_reduce):

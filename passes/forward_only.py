@@ -143,8 +143,11 @@ def check_forward_only(traced, num_stages: int) -> None:
             f"transposed equations) instead of meshshard.grad, so meshshard sees no backward "
             f"pass to pipeline over {num_stages} stage(s) with num_micro_batches={m}; compute "
             "the gradients with meshshard.grad or meshshard.value_and_grad, or run the step "
-            "with one stage and num_micro_batches=1 (Flax's DynamicScale.value_and_grad is "
-            "jax.value_and_grad: use meshshard.DynamicScale, the same class for meshshard)"
+            "with one stage and num_micro_batches=1 (Flax NNX's nnx.value_and_grad and "
+            "nnx.grad are jax's too: meshshard.value_and_grad takes an NNX module the same "
+            "way, differentiating its nnx.Param variables; Flax's "
+            "DynamicScale.value_and_grad is jax.value_and_grad: use meshshard.DynamicScale, "
+            "the same class for meshshard)"
         )
 
 

@@ -75,6 +75,7 @@ LINEAR_AFTER = frozenset(
         "reduce_precision",
         "slice",
         "dynamic_slice",
+        "stop_gradient",
     }
 )
 # (a nested jit call, ``pjit``, is not listed: it may hide anything, a norm included)

@@ -3,6 +3,7 @@ back inside the loss, differentiated with ``meshshard.value_and_grad``.  Its par
 are an ``nnx.State`` pytree, and a ``mark_pipeline_boundary()`` in its ``__call__``
 cuts it into stages as in a Linen model."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -11,7 +12,7 @@ from flax import nnx
 
 import meshshard
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
-from tests.random_parity import check_step_parity
+from tests.random_parity import assert_results_close, check_step_parity
 
 TX = optax.adamw(1e-2)
 
@@ -62,3 +63,96 @@ def test_an_nnx_model_trains_equal_to_jit(method, stages):
     with use_cluster(ThreadsCluster(4, 2)):
         step = check_step_parity(nnx_step, method, state, [batch, batch], rtol=1e-4)
     assert len(step.plan.stages) == stages
+
+
+class DropoutNet(nnx.Module):
+    """Dropout drawing from the module's own ``nnx.Rngs`` (a key and a counter it
+    advances), and optionally a batch norm (running statistics it writes)."""
+
+    def __init__(self, rngs: nnx.Rngs, norm: bool = False):
+        self.first = nnx.Linear(8, 32, use_bias=not norm, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs) if norm else None
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.second = nnx.Linear(32, 32, rngs=rngs)
+        self.head = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.first(x)
+        x = nnx.relu(self.norm(x) if self.norm is not None else x)
+        meshshard.mark_pipeline_boundary()
+        return self.head(self.drop(nnx.relu(self.second(x))))
+
+
+def idiomatic_step(value_and_grad):
+    """The train step of Flax's NNX guide: modules and optimizer as pytree arguments,
+    the optimizer updating the model in place; only ``value_and_grad`` differs."""
+
+    def step(state, batch):
+        model, optimizer = state
+
+        def loss_fn(model):
+            err = model(batch["x"]) - batch["y"]
+            return jnp.mean(err**2), {"max_err": jnp.max(jnp.abs(err))}
+
+        (loss, aux), grads = value_and_grad(loss_fn, has_aux=True)(model)
+        optimizer.update(model, grads)
+        return (model, optimizer), (loss, aux)
+
+    return step
+
+
+def _nnx_batches():
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "x": rng.standard_normal((16, 8)).astype(np.float32),
+            "y": rng.standard_normal((16, 4)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+
+
+def _fresh(norm: bool):
+    model = DropoutNet(nnx.Rngs(0), norm=norm)
+    return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
+
+
+@pytest.mark.parametrize(
+    "method, norm",
+    [
+        (meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]), False),
+        (meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)), False),
+        (meshshard.PipeshardParallel(num_micro_batches=1, stages=[(1, 2), (1, 2)]), True),
+    ],
+    ids=["pipeline-dropout", "data-dropout", "pipeline-batchnorm"],
+)
+def test_an_nnx_step_with_meshshard_value_and_grad_equals_nnx_value_and_grad(method, norm):
+    """``meshshard.value_and_grad`` takes the module as ``nnx.value_and_grad`` does: its
+    ``nnx.Param`` variables are differentiated, and the variables the loss writes (the
+    dropout stream's counter, the batch norm's running statistics) reach the module.
+    Before, the random counter (uint32) was differentiated: "grad requires real- or
+    complex-valued inputs"."""
+    ref_step = jax.jit(idiomatic_step(nnx.value_and_grad))
+    par = meshshard.parallelize(idiomatic_step(meshshard.value_and_grad), method=method)
+    ref, got = _fresh(norm), _fresh(norm)
+    with use_cluster(ThreadsCluster(4, 2)):
+        for batch in _nnx_batches():
+            ref, ref_out = ref_step(ref, batch)
+            got, got_out = par(got, batch)
+            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    counts = [v for p, v in nnx.to_flat_state(nnx.state(got[0])) if p[-1] == "count"]
+    assert counts and all(int(c.get_value()) == 2 for c in counts)  # two steps' draws
+    if norm:
+        mean = np.asarray(got[0].norm.mean.get_value())
+        assert np.abs(mean).max() > 0  # the running mean moved from its zeros
+
+
+def test_nnx_value_and_grad_under_a_pipeline_names_meshshard_value_and_grad():
+    par = meshshard.parallelize(
+        idiomatic_step(nnx.value_and_grad),
+        method=meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+    )
+    with use_cluster(ThreadsCluster(4, 2)):
+        with pytest.raises(meshshard.MeshshardInputError, match="nnx.value_and_grad") as e:
+            par(_fresh(False), _nnx_batches()[0])
+    assert "meshshard.value_and_grad takes an NNX module the same way" in str(e.value)

@@ -480,6 +480,9 @@ def _classify_loss(loss_fn, m=4):
         (lambda x: jnp.dot(jnp.arange(4.0), jnp.mean(x**2, axis=0)), "mean"),
         # but a sum of per-column maxima is no maximum of anything
         (lambda x: jnp.sum(jnp.max(x, axis=0)), ""),
+        # stop_gradient is the identity on values (Flax NNX's BatchNorm stops the batch
+        # mean's gradient before its running average; was "it applies stop_gradient")
+        (lambda x: jnp.mean(jax.lax.stop_gradient(jnp.mean(x, 0)) * 2.0), "mean"),
     ],
     ids=[
         "mean",
@@ -508,6 +511,7 @@ def _classify_loss(loss_fn, m=4):
         "mean-of-column-means",
         "weighted-column-means",
         "sum-of-column-maxima",
+        "stopped-gradient-mean",
     ],
 )
 def test_classify(fn, want):

@@ -1,0 +1,89 @@
+"""Flax NNX modules as the differentiated arguments of ``meshshard.value_and_grad``.
+
+``nnx.value_and_grad(loss_fn)(model)`` differentiates a module's ``nnx.Param``
+variables only, and writes the loss function's changes to its other variables (batch
+statistics, random-stream counters) back into the module.  It is ``jax.value_and_grad``
+underneath, which meshshard cannot pipeline, so ``meshshard.value_and_grad`` takes a
+module the same way: each differentiated argument that is an NNX graph node is split
+into its graph, its parameters (what is differentiated) and the rest (``nnx.split``),
+merged back inside the loss, and the rest's new values are returned from the grad like
+an aux value and written into the module (``nnx.update``).  An NNX train step then needs
+one change, the import of ``value_and_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def _nnx():
+    from flax import nnx
+
+    return nnx
+
+
+def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, object]:
+    """``{position: filter}`` of the differentiated arguments that are NNX graph nodes,
+    the filter choosing the variables to differentiate (``nnx.Param``, or an
+    ``nnx.DiffState``'s); empty for a step without NNX modules."""
+    import sys
+
+    if "flax.nnx" not in sys.modules:  # no NNX object can exist: skip the import
+        return {}
+    nnx = _nnx()
+    found = {}
+    for a in (argnums,) if isinstance(argnums, int | nnx.DiffState) else argnums:
+        i, wrt = (a.argnum, a.filter) if isinstance(a, nnx.DiffState) else (a, nnx.Param)
+        if 0 <= i < len(args) and nnx.graph.is_graph_node(args[i]):
+            found[i] = wrt
+    return found
+
+
+def plain_argnums(argnums):
+    """``argnums`` with each ``nnx.DiffState`` replaced by its position."""
+    nnx = _nnx()
+    if isinstance(argnums, int | nnx.DiffState):
+        return argnums.argnum if isinstance(argnums, nnx.DiffState) else argnums
+    return tuple(a.argnum if isinstance(a, nnx.DiffState) else a for a in argnums)
+
+
+def split_modules(args: tuple, filters: dict[int, object]):
+    """The arguments with each module replaced by its differentiated variables (an
+    ``nnx.State``), and a function ``(fun) -> fun'`` whose ``fun'`` takes those
+    arguments, merges the modules back, calls ``fun`` and returns ``(out, rest)``: its
+    output and, per module (keyed by its position as a string), the other variables the
+    call wrote.  Unchanged ones are left out: a value the grad passes through unchanged
+    is refused, and writing it back is a no-op."""
+    import jax
+
+    nnx = _nnx()
+    parts = {i: nnx.split(args[i], wrt, ...) for i, wrt in filters.items()}
+    pure = tuple(parts[i][1] if i in parts else a for i, a in enumerate(args))
+
+    def merged(fun: Callable) -> Callable:
+        def call(*pure_args):
+            full = list(pure_args)
+            for i, (graph, _, rest) in parts.items():
+                # new Variable objects, made in this trace, so the loss may mutate them
+                full[i] = nnx.merge(graph, pure_args[i], jax.tree.map(lambda x: x, rest))
+            out = fun(*full)
+            rest = {}
+            for i, (_, _, before) in parts.items():
+                was = {path: v.get_value() for path, v in nnx.to_flat_state(before)}
+                after = nnx.to_flat_state(nnx.split(full[i], filters[i], ...)[2])
+                changed = [(p, v) for p, v in after if v.get_value() is not was.get(p)]
+                if changed:  # the variables the loss wrote (batch statistics, counters)
+                    rest[str(i)] = nnx.from_flat_state(changed)
+            return out, rest
+
+        return call
+
+    return pure, merged
+
+
+def write_back(args: tuple, rest: dict) -> None:
+    """Write each module's other variables, as the loss function left them, into the
+    caller's module (``nnx.update``), as ``nnx.value_and_grad`` does."""
+    nnx = _nnx()
+    for i, state in rest.items():
+        nnx.update(args[int(i)], state)
