@@ -501,15 +501,17 @@ def _warn_unmet_requests(plan) -> None:
     """Say so when a mesh's devices do not divide the micro-batch (its batch values run
     whole on every device there: no data parallelism), or when ``sharding="zero2"``
     found no optimizer state to split: what the user asked for did not happen; and when
-    a micro-batch's activation statistics stand in for the full batch's; and when the
-    step's own sharding constraints were dropped."""
+    a micro-batch's activation statistics stand in for the full batch's; when the
+    step's own sharding constraints were dropped; and when it changes NNX modules in
+    place without returning them."""
+    from meshshard.nnx_modules import LOST_NOTE
     from meshshard.passes.batch_coupling import NOTE as COUPLED
     from meshshard.passes.shard_plan import ZERO_UNSPLIT
     from meshshard.passes.sharding import UNSPLIT_BATCH
     from meshshard.passes.user_shardings import NOTE as PLACEMENTS
 
     for note in plan.notes:
-        if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT, COUPLED, PLACEMENTS)):
+        if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT, COUPLED, PLACEMENTS, LOST_NOTE)):
             log.warning("%s", note)
 
 

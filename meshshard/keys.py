@@ -19,6 +19,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from meshshard.nnx_modules import in_place_snapshot, lost_in_place_note
+
 
 def is_typed_key(x) -> bool:
     """True for a typed key array or a ``ShapeDtypeStruct`` of a key dtype."""
@@ -54,6 +56,8 @@ class KeyedStep:
         self.treedef = treedef
         self.impls = impls
         self.out_impls: tuple = ()
+        #: set by each call: NNX variables the step changed in place and lost, or None
+        self.in_place_note: str | None = None
 
     def _identity(self) -> tuple:
         return (self.fn, self.treedef, self.impls)
@@ -74,7 +78,10 @@ class KeyedStep:
             x if impl is None else jax.random.wrap_key_data(x, impl=impl)
             for x, impl in zip(leaves, self.impls, strict=True)
         ]
-        out = self.fn(*jax.tree.unflatten(self.treedef, typed))
+        args = jax.tree.unflatten(self.treedef, typed)
+        snapshot = in_place_snapshot(args)
+        out = self.fn(*args)
+        self.in_place_note = lost_in_place_note(snapshot, out)
         out_leaves, out_tree = jax.tree.flatten(out)
         self.out_impls = tuple(key_impl(o) if is_typed_key(o) else None for o in out_leaves)
         raw = [_raw(o) if is_typed_key(o) else o for o in out_leaves]

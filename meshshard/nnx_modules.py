@@ -13,7 +13,10 @@ one change, the import of ``value_and_grad``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+
+import jax
 
 
 def _nnx():
@@ -22,19 +25,23 @@ def _nnx():
     return nnx
 
 
+def _is_module(x) -> bool:
+    """An NNX object holding variables (a module, an optimizer): not a lone Variable."""
+    nnx = _nnx()
+    return isinstance(x, nnx.Pytree) and nnx.graph.is_graph_node(x)
+
+
 def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, object]:
     """``{position: filter}`` of the differentiated arguments that are NNX graph nodes,
     the filter choosing the variables to differentiate (``nnx.Param``, or an
     ``nnx.DiffState``'s); empty for a step without NNX modules."""
-    import sys
-
     if "flax.nnx" not in sys.modules:  # no NNX object can exist: skip the import
         return {}
     nnx = _nnx()
     found = {}
     for a in (argnums,) if isinstance(argnums, int | nnx.DiffState) else argnums:
         i, wrt = (a.argnum, a.filter) if isinstance(a, nnx.DiffState) else (a, nnx.Param)
-        if 0 <= i < len(args) and nnx.graph.is_graph_node(args[i]):
+        if 0 <= i < len(args) and _is_module(args[i]):
             found[i] = wrt
     return found
 
@@ -54,8 +61,6 @@ def split_modules(args: tuple, filters: dict[int, object]):
     output and, per module (keyed by its position as a string), the other variables the
     call wrote.  Unchanged ones are left out: a value the grad passes through unchanged
     is refused, and writing it back is a no-op."""
-    import jax
-
     nnx = _nnx()
     parts = {i: nnx.split(args[i], wrt, ...) for i, wrt in filters.items()}
     pure = tuple(parts[i][1] if i in parts else a for i, a in enumerate(args))
@@ -87,3 +92,52 @@ def write_back(args: tuple, rest: dict) -> None:
     nnx = _nnx()
     for i, state in rest.items():
         nnx.update(args[int(i)], state)
+
+
+#: The start of the note (and warning) on NNX variables changed in place and lost.
+LOST_NOTE = "the step changes NNX variables of its arguments in place"
+
+
+def in_place_snapshot(args: tuple) -> list:
+    """The NNX modules among ``args`` (at any depth of their pytrees) with their
+    variables' values, taken before a step runs, for :func:`lost_in_place_note`."""
+    if "flax.nnx" not in sys.modules:
+        return []
+    nnx = _nnx()
+    found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_module)
+    return [
+        (path, node, {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(node))})
+        for path, node in found
+        if _is_module(node)
+    ]
+
+
+def lost_in_place_note(snapshot: list, out) -> str | None:
+    """A note naming the modules of ``snapshot`` whose variables the step changed in
+    place (``optimizer.update(model, grads)``) without returning the new values, or None.
+
+    Under ``nnx.jit`` such changes reach the caller's objects; under ``jax.jit`` and
+    meshshard, which take the arguments as pytrees, they are lost when the call returns:
+    a model that silently never trains."""
+    if not snapshot:
+        return None
+    nnx = _nnx()
+    returned = {id(x) for x in jax.tree.leaves(out)}
+    lost = []
+    for path, node, was in snapshot:
+        changed = [
+            p
+            for p, v in nnx.to_flat_state(nnx.state(node))
+            if v.get_value() is not was.get(p) and id(v.get_value()) not in returned
+        ]
+        if changed:
+            where = "args" + jax.tree_util.keystr(path)
+            lost.append(f"{where} ({type(node).__name__}, {len(changed)} variables)")
+    if not lost:
+        return None
+    return (
+        f"{LOST_NOTE} and does not return them: {', '.join(lost)}. As under jax.jit, "
+        "these changes are lost when the call returns (nnx.jit writes them back): return "
+        "the modules, e.g. `return (model, optimizer), loss`, and pass the returned ones "
+        "to the next call"
+    )

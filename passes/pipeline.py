@@ -225,7 +225,7 @@ def _assemble(st: CompileState) -> CompileState:
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
     notes += detached_notes(traced.jaxpr)
     notes += traced.coupled
-    notes += traced.placements
+    notes += traced.notes
     notes += unsplit_batch_notes(traced, st.meshes)
     notes += zero_notes(traced, graph, sharding_mode(st.method))
     plan = Plan(

@@ -110,9 +110,10 @@ class TracedStep:
     #: plan notes naming batch reductions of activations used on the batch again, which
     #: each micro-batch computes for itself (:mod:`~meshshard.passes.batch_coupling`)
     coupled: tuple[str, ...] = ()
-    #: a plan note naming the step's own sharding constraints, which were dropped
-    #: (:mod:`~meshshard.passes.user_shardings`); empty when it has none
-    placements: tuple[str, ...] = ()
+    #: plan notes (and warnings) from tracing the step: its own sharding constraints,
+    #: dropped (:mod:`~meshshard.passes.user_shardings`), NNX variables it changes in
+    #: place and loses (:func:`~meshshard.nnx_modules.lost_in_place_note`)
+    notes: tuple[str, ...] = ()
     #: how many times the step calls meshshard.grad; a step that calls it more than
     #: once (a GAN's two updates) runs as one program, its markers removed
     grad_calls: int = 1
@@ -250,7 +251,7 @@ def _cached(key) -> TracedStep | None:
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     """:func:`trace_step` without the cache."""
     try:
-        full, full_out, transposed, placements = _trace(fn, treedef, full_abs)
+        full, full_out, transposed, notes = _trace(fn, treedef, full_abs)
     except Exception as exc:  # leaves of other lengths are the likelier fault: say so
         if m > 1 and not isinstance(exc, MeshshardInputError):
             _check_row_counts(full_abs, wheres, in_batch, m, cause=exc)
@@ -333,7 +334,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         statistics=statistics,
         coupled=coupled,
         grad_calls=grad_calls,
-        placements=placements,
+        notes=notes,
     )
 
 
@@ -386,14 +387,15 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sin
 def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object, bool, tuple]:
     """The step's jaxpr with calls inlined, keys held as raw data and the user's own
     sharding constraints dropped, its output shape, whether it holds transposed
-    (backward) equations, and the note naming the dropped constraints (or ())."""
+    (backward) equations, and the notes on what the user should know (or ())."""
     closed, out = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.unflatten(treedef, leaves))
+    lost = getattr(fn, "in_place_note", None)  # a KeyedStep's (meshshard.keys)
     transposed = has_transposed_eqns(closed)  # before re-traces drop the name stacks
     note = user_sharding_note(closed)
     closed = drop_user_shardings(closed)
     # jit-wrapped steps/losses first, then one equation per mesh in the update part
     closed = physical_keys(inline_update_calls(inline_calls(closed)))
-    return closed, out, transposed, () if note is None else (note,)
+    return closed, out, transposed, tuple(n for n in (note, lost) if n)
 
 
 def key_inputs(jaxpr) -> frozenset:

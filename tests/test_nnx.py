@@ -3,6 +3,8 @@ back inside the loss, differentiated with ``meshshard.value_and_grad``.  Its par
 are an ``nnx.State`` pytree, and a ``mark_pipeline_boundary()`` in its ``__call__``
 cuts it into stages as in a Linen model."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from flax import nnx
 
 import meshshard
+from meshshard.nnx_modules import LOST_NOTE
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from tests.random_parity import assert_results_close, check_step_parity
 
@@ -156,3 +159,30 @@ def test_nnx_value_and_grad_under_a_pipeline_names_meshshard_value_and_grad():
         with pytest.raises(meshshard.MeshshardInputError, match="nnx.value_and_grad") as e:
             par(_fresh(False), _nnx_batches()[0])
     assert "meshshard.value_and_grad takes an NNX module the same way" in str(e.value)
+
+
+def test_a_step_that_updates_modules_in_place_without_returning_them_is_warned(caplog):
+    """The NNX guide's ``nnx.jit`` step returns only the loss: ``nnx.jit`` writes the
+    in-place updates back, ``jax.jit`` and meshshard lose them (the model never trains).
+    Before, nothing said so."""
+
+    def train_step(model, optimizer, batch):
+        def loss_fn(model):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = meshshard.parallelize(train_step, method=method, batch_argnums=(2,))
+    with use_cluster(ThreadsCluster(4, 2)), caplog.at_level(logging.WARNING, "meshshard"):
+        par(*_fresh(False), _nnx_batches()[0])
+    (note,) = [n for n in par.plan.notes if n.startswith(LOST_NOTE)]
+    assert "args[0] (DropoutNet, " in note and "args[1] (Optimizer, " in note
+    assert "return (model, optimizer), loss" in note
+    assert sum(LOST_NOTE in r.getMessage() for r in caplog.records) == 1
+    returning = meshshard.parallelize(idiomatic_step(meshshard.value_and_grad), method=method)
+    with use_cluster(ThreadsCluster(4, 2)):
+        returning(_fresh(False), _nnx_batches()[0])
+    assert not [n for n in returning.plan.notes if n.startswith(LOST_NOTE)]
