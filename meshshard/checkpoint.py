@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
+from meshshard.keys import is_typed_key, key_impl
 from meshshard.plan import Spec, spec_str
 from meshshard.runtime.checkpoint_io import ShardWriter, read_host
 from meshshard.runtime.executable import _KEYS, Executable, RemoteArray
@@ -144,6 +145,7 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
                 "save the state that step returned"
             )
         group = _writer_group(leaf) if isinstance(leaf, RemoteArray) else None
+        impl = None
         if group is not None:
             part = "w" + "-".join(map(str, group))
             for w in group:
@@ -151,11 +153,14 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
                 backend_of.setdefault(w, leaf._backend)
             shape, dtype = leaf.shape, leaf.dtype
         else:  # a host value (or an array moved to the driver when its hosts restarted)
-            host[name] = np.asarray(leaf)
+            impl = key_impl(leaf) if is_typed_key(leaf) else None
+            host[name] = np.asarray(leaf if impl is None else jax.random.key_data(leaf))
             part, shape, dtype = DRIVER_PART, host[name].shape, host[name].dtype
-        entries.append(
-            {"path": where, "name": name, "part": part, "shape": list(shape), "dtype": str(dtype)}
-        )
+        entry = {"path": where, "name": name, "part": part, "shape": list(shape)}
+        entry["dtype"] = str(dtype)
+        if impl is not None:  # a typed key: its data saved, and how to wrap it back
+            entry.update(key_impl=impl, key_shape=list(np.shape(leaf)))
+        entries.append(entry)
     os.makedirs(path)
     by_backend: dict[int, tuple[object, dict]] = {}
     for w, parts in per_worker.items():
@@ -235,7 +240,7 @@ def restore(path: str | os.PathLike, like):
     for i, ((_, leaf), e) in enumerate(zip(leaves, entries, strict=True)):
         shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
         targets = _targets(leaf)
-        if not targets:
+        if not targets or "key_impl" in e:  # a typed key is a host value, as a step returns it
             host.setdefault(e["part"], []).append((i, e["name"]))
             continue
         owner, backend, per_mesh = targets
@@ -262,7 +267,8 @@ def restore(path: str | os.PathLike, like):
     for part, names in host.items():
         arrays = read_host(os.path.join(path, part), [n for _, n in names])
         for i, n in names:
-            out[i] = arrays[n]
+            impl = entries[i].get("key_impl")
+            out[i] = arrays[n] if impl is None else jax.random.wrap_key_data(arrays[n], impl=impl)
     return jax.tree.unflatten(tree, out)
 
 
@@ -307,10 +313,11 @@ def _check_structure(path: str, entries: list[dict], leaves: list) -> None:
             f"state ({diff}); pass a state (or step.placement(...)) of the same tree"
         )
     for (_, leaf), e in zip(leaves, entries, strict=True):
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and tuple(shape) != tuple(e["shape"]):
+        shape, saved = getattr(leaf, "shape", None), tuple(e.get("key_shape", e["shape"]))
+        # a typed key's placement (step.placement) has the shape of its data
+        if shape is not None and tuple(shape) not in (saved, tuple(e["shape"])):
             raise MeshshardInputError(
-                f"restore: state{e['path']} was saved with shape {tuple(e['shape'])} but like "
+                f"restore: state{e['path']} was saved with shape {saved} but like "
                 f"has {tuple(shape)}; restore into a state of the saved shapes"
             )
 

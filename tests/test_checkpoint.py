@@ -174,3 +174,33 @@ def test_ray_save_shutdown_restore_on_another_layout_equals_six_steps(tmp_path):
         "w0-1",
         "w2",
     ]
+
+
+def test_a_state_holding_a_typed_key_saves_restores_and_trains_on(threads_cluster, tmp_path):
+    """A typed key in the state (``jax.random.key``, as Flax NNX's ``nnx.Rngs`` keeps)
+    is saved as its data and restored as the same typed key, into the same layout or a
+    step's placement.  Before, save failed: "JAX array with PRNGKey dtype cannot be
+    converted to a NumPy array"."""
+
+    def keyed_step(state, batch):
+        inner, key = state
+        key, sub = jax.random.split(key)
+        noise = 0.01 * jax.random.normal(sub, batch["x"].shape)
+        inner, metrics = mlp.train_step(inner, {**batch, "x": batch["x"] + noise})
+        return (inner, key), metrics
+
+    start = (setup()[0], jax.random.key(7))
+    step = meshshard.parallelize(keyed_step, method=TWO_STAGES)
+    whole = train(step, start, batches(3))
+    state = train(step, start, batches(1))
+    meshshard.save(tmp_path / "c", state)
+    manifest = json.loads((tmp_path / "c" / "meshshard_checkpoint.json").read_text())
+    (key_entry,) = [e for e in manifest["leaves"] if "key_impl" in e]
+    assert key_entry["key_shape"] == [] and key_entry["shape"] == [2]
+    for like in (state, step.placement(start, batches(1)[0])):
+        back = meshshard.restore(tmp_path / "c", like=like)
+        assert jax.dtypes.issubdtype(back[1].dtype, jax.dtypes.prng_key)
+        assert np.array_equal(jax.random.key_data(back[1]), jax.random.key_data(state[1]))
+        resumed = train(step, back, batches(2, 1))
+        assert_bit_equal(host_copy(whole[0]), host_copy(resumed[0]))
+        assert np.array_equal(jax.random.key_data(whole[1]), jax.random.key_data(resumed[1]))
