@@ -28,7 +28,7 @@ from meshshard.jaxpr_util import (
     sub_jaxprs,
 )
 from meshshard.metrics import check_reduction
-from meshshard.nnx_modules import module_filters, plain_argnums, split_modules, write_back
+from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
 from meshshard.passes.inline import inline_calls
 from meshshard.primitives import boundary_p
 
@@ -69,7 +69,7 @@ def value_and_grad(
         modules = module_filters(args, argnums)  # Flax NNX modules: as nnx.value_and_grad
         if not modules:
             return _marked_value_and_grad(fun, args, argnums, has_aux, aux_reduce, loss_reduce)
-        pure, merged = split_modules(args, modules)
+        pure, merged, write_back = split_modules(args, modules)
         call = merged(fun)
 
         def with_rest(*a):  # the modules' other variables leave the grad as aux
@@ -82,7 +82,7 @@ def value_and_grad(
             with_rest, pure, argnums_, True, aux_reduce, loss_reduce, rest_label=NNX_STATE
         )
         loss, (aux, rest) = value
-        write_back(args, rest)
+        write_back(rest)
         return ((loss, aux), grads) if has_aux else (loss, grads)
 
     return wrapped
@@ -90,7 +90,7 @@ def value_and_grad(
 
 #: The label of an NNX module's non-differentiated variables (batch statistics, random
 #: counters) that ``meshshard.value_and_grad`` returns past the grad marker.
-NNX_STATE = "aux (nnx variable of argument {i})"
+NNX_STATE = "aux (nnx variables of argument {i})"
 
 
 def _marked_value_and_grad(

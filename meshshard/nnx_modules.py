@@ -31,9 +31,13 @@ def _is_module(x) -> bool:
     return isinstance(x, nnx.Pytree) and nnx.graph.is_graph_node(x)
 
 
+def _has_module(x) -> bool:
+    return any(_is_module(leaf) for leaf in jax.tree.leaves(x, is_leaf=_is_module))
+
+
 def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, object]:
-    """``{position: filter}`` of the differentiated arguments that are NNX graph nodes,
-    the filter choosing the variables to differentiate (``nnx.Param``, or an
+    """``{position: filter}`` of the differentiated arguments that are, or hold, NNX
+    modules, the filter choosing the variables to differentiate (``nnx.Param``, or an
     ``nnx.DiffState``'s); empty for a step without NNX modules."""
     if "flax.nnx" not in sys.modules:  # no NNX object can exist: skip the import
         return {}
@@ -41,7 +45,7 @@ def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, objec
     found = {}
     for a in (argnums,) if isinstance(argnums, int | nnx.DiffState) else argnums:
         i, wrt = (a.argnum, a.filter) if isinstance(a, nnx.DiffState) else (a, nnx.Param)
-        if 0 <= i < len(args) and _is_module(args[i]):
+        if 0 <= i < len(args) and _has_module(args[i]):
             found[i] = wrt
     return found
 
@@ -55,43 +59,59 @@ def plain_argnums(argnums):
 
 
 def split_modules(args: tuple, filters: dict[int, object]):
-    """The arguments with each module replaced by its differentiated variables (an
-    ``nnx.State``), and a function ``(fun) -> fun'`` whose ``fun'`` takes those
-    arguments, merges the modules back, calls ``fun`` and returns ``(out, rest)``: its
-    output and, per module (keyed by its position as a string), the other variables the
-    call wrote.  Unchanged ones are left out: a value the grad passes through unchanged
-    is refused, and writing it back is a no-op."""
+    """``(pure, merged, write_back)`` for the modules in ``args[i]``, ``i`` in ``filters``.
+
+    ``pure``: the arguments with each module replaced by its differentiated variables
+    (an ``nnx.State``).  ``merged(fun)``: a function of ``pure``-like arguments that
+    merges the modules back, calls ``fun`` and returns ``(out, rest)``: its output and,
+    per module (keyed ``"<position><path>"``), the other variables the call wrote.
+    Unchanged ones are left out: a value the grad passes through unchanged is refused,
+    and writing it back is a no-op.  ``write_back(rest)``: writes them into the caller's
+    modules (``nnx.update``), as ``nnx.value_and_grad`` does."""
     nnx = _nnx()
-    parts = {i: nnx.split(args[i], wrt, ...) for i, wrt in filters.items()}
-    pure = tuple(parts[i][1] if i in parts else a for i, a in enumerate(args))
+    pure, trees, parts = list(args), {}, {}
+    for i, wrt in filters.items():
+        found, trees[i] = jax.tree_util.tree_flatten_with_path(args[i], is_leaf=_is_module)
+        leaves = []
+        for path, leaf in found:
+            if _is_module(leaf):
+                graph, diff, rest = nnx.split(leaf, wrt, ...)
+                parts[(i, len(leaves))] = (f"{i}{jax.tree_util.keystr(path)}", graph, rest, leaf)
+                leaf = diff
+            leaves.append(leaf)
+        pure[i] = jax.tree.unflatten(trees[i], leaves)
 
     def merged(fun: Callable) -> Callable:
         def call(*pure_args):
-            full = list(pure_args)
-            for i, (graph, _, rest) in parts.items():
-                # new Variable objects, made in this trace, so the loss may mutate them
-                full[i] = nnx.merge(graph, pure_args[i], jax.tree.map(lambda x: x, rest))
+            full, modules = list(pure_args), {}
+            for i, tree in trees.items():
+                leaves = tree.flatten_up_to(pure_args[i])
+                for k, leaf in enumerate(leaves):
+                    if (i, k) in parts:
+                        _, graph, rest, _ = parts[(i, k)]
+                        # new Variable objects, made in this trace, so the loss may write them
+                        leaves[k] = nnx.merge(graph, leaf, jax.tree.map(lambda x: x, rest))
+                        modules[(i, k)] = leaves[k]
+                full[i] = jax.tree.unflatten(tree, leaves)
             out = fun(*full)
-            rest = {}
-            for i, (_, _, before) in parts.items():
+            written = {}
+            for (i, k), module in modules.items():
+                key, _, before, _ = parts[(i, k)]
                 was = {path: v.get_value() for path, v in nnx.to_flat_state(before)}
-                after = nnx.to_flat_state(nnx.split(full[i], filters[i], ...)[2])
+                after = nnx.to_flat_state(nnx.split(module, filters[i], ...)[2])
                 changed = [(p, v) for p, v in after if v.get_value() is not was.get(p)]
                 if changed:  # the variables the loss wrote (batch statistics, counters)
-                    rest[str(i)] = nnx.from_flat_state(changed)
-            return out, rest
+                    written[key] = nnx.from_flat_state(changed)
+            return out, written
 
         return call
 
-    return pure, merged
+    def write_back(rest: dict) -> None:
+        owner = {key: module for key, _, _, module in parts.values()}
+        for key, state in rest.items():
+            nnx.update(owner[key], state)
 
-
-def write_back(args: tuple, rest: dict) -> None:
-    """Write each module's other variables, as the loss function left them, into the
-    caller's module (``nnx.update``), as ``nnx.value_and_grad`` does."""
-    nnx = _nnx()
-    for i, state in rest.items():
-        nnx.update(args[int(i)], state)
+    return tuple(pure), merged, write_back
 
 
 #: The start of the note (and warning) on NNX variables changed in place and lost.

@@ -186,3 +186,50 @@ def test_a_step_that_updates_modules_in_place_without_returning_them_is_warned(c
     with use_cluster(ThreadsCluster(4, 2)):
         returning(_fresh(False), _nnx_batches()[0])
     assert not [n for n in returning.plan.notes if n.startswith(LOST_NOTE)]
+
+
+class Half(nnx.Module):
+    def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(nnx.relu(self.linear(x)))
+
+
+def pair_step(value_and_grad):
+    """An encoder and a decoder differentiated together, passed as one tuple argument."""
+
+    def step(state, batch):
+        (encoder, decoder), optimizers = state
+
+        def loss_fn(pair):
+            encoder, decoder = pair
+            code = encoder(batch["x"])
+            meshshard.mark_pipeline_boundary()
+            return jnp.mean((decoder(code) - batch["y"]) ** 2)
+
+        loss, (g_enc, g_dec) = value_and_grad(loss_fn)((encoder, decoder))
+        optimizers[0].update(encoder, g_enc)
+        optimizers[1].update(decoder, g_dec)
+        return ((encoder, decoder), optimizers), loss
+
+    return step
+
+
+def test_modules_inside_a_tuple_argument_are_taken_as_nnx_value_and_grad_does():
+    def fresh():
+        rngs = nnx.Rngs(0)
+        pair = (Half(8, 32, rngs), Half(32, 4, rngs))
+        return pair, tuple(nnx.Optimizer(m, TX, wrt=nnx.Param) for m in pair)
+
+    method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    ref_step = jax.jit(pair_step(nnx.value_and_grad))
+    par = meshshard.parallelize(pair_step(meshshard.value_and_grad), method=method)
+    ref, got = fresh(), fresh()
+    with use_cluster(ThreadsCluster(4, 2)):
+        for batch in _nnx_batches():
+            ref, ref_out = ref_step(ref, batch)
+            got, got_out = par(got, batch)
+            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    assert len(par.plan.stages) == 2
