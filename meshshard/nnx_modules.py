@@ -38,7 +38,9 @@ def _has_module(x) -> bool:
 def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, object]:
     """``{position: filter}`` of the differentiated arguments that are, or hold, NNX
     modules, the filter choosing the variables to differentiate (``nnx.Param``, or an
-    ``nnx.DiffState``'s); empty for a step without NNX modules."""
+    ``nnx.DiffState``'s), and of the other arguments holding modules (``nnx.Param``:
+    split alike, not differentiated, their written variables returned too); empty for
+    a step that differentiates no NNX module."""
     if "flax.nnx" not in sys.modules:  # no NNX object can exist: skip the import
         return {}
     nnx = _nnx()
@@ -47,6 +49,10 @@ def module_filters(args: tuple, argnums: int | Sequence[int]) -> dict[int, objec
         i, wrt = (a.argnum, a.filter) if isinstance(a, nnx.DiffState) else (a, nnx.Param)
         if 0 <= i < len(args) and _has_module(args[i]):
             found[i] = wrt
+    if found:  # modules the loss only reads (a teacher) may still write variables
+        for i, a in enumerate(args):
+            if i not in found and _has_module(a):
+                found[i] = nnx.Param
     return found
 
 

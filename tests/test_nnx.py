@@ -233,3 +233,47 @@ def test_modules_inside_a_tuple_argument_are_taken_as_nnx_value_and_grad_does():
             got, got_out = par(got, batch)
             assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
     assert len(par.plan.stages) == 2
+
+
+def teacher_step(value_and_grad):
+    """Distillation: the student differentiated, a teacher with live dropout only read;
+    the teacher's random counter advances in both."""
+
+    def step(state, batch):
+        student, teacher, optimizer = state
+
+        def loss_fn(student, teacher):
+            target = jax.lax.stop_gradient(teacher(batch["x"]))
+            return jnp.mean((student(batch["x"]) - target) ** 2)
+
+        loss, grads = value_and_grad(loss_fn)(student, teacher)
+        optimizer.update(student, grads)
+        return (student, teacher, optimizer), loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+        meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
+    ],
+    ids=["pipeline", "data"],
+)
+def test_a_module_the_loss_only_reads_keeps_its_written_variables(method):
+    """Before, the teacher's dropout counter was not written back: from the second step
+    on, its masks differed from nnx.value_and_grad's."""
+
+    def fresh():
+        student, teacher = DropoutNet(nnx.Rngs(0)), DropoutNet(nnx.Rngs(5))
+        return student, teacher, nnx.Optimizer(student, TX, wrt=nnx.Param)
+
+    ref_step = jax.jit(teacher_step(nnx.value_and_grad))
+    par = meshshard.parallelize(teacher_step(meshshard.value_and_grad), method=method)
+    ref, got = fresh(), fresh()
+    with use_cluster(ThreadsCluster(4, 2)):
+        for batch in _nnx_batches():
+            ref, ref_out = ref_step(ref, batch)
+            got, got_out = par(got, batch)
+            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
