@@ -23,7 +23,9 @@ loss's backward seeded with each micro-batch's ``1/M`` share
 before the grad are recomputed there (:mod:`~meshshard.passes.hoist`); a gradient summed
 over several layers (a shared parameter) is returned per layer and summed in the update
 (:mod:`~meshshard.passes.shared_grads`); a forward-only step's results are combined over
-micro-batches (:mod:`~meshshard.passes.forward_only`).
+micro-batches (:mod:`~meshshard.passes.forward_only`); the update part takes the full
+batch's constants where the step computed one from the batch's size
+(:mod:`~meshshard.passes.update_constants`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from meshshard.passes.sink_metrics import (
     kept_after_grad,
     sink_batch_metrics,
 )
+from meshshard.passes.update_constants import use_full_batch_constants
 from meshshard.passes.user_shardings import drop_user_shardings, user_sharding_note
 from meshshard.two_bw import batch_dependent_stash_message, stash_outputs
 
@@ -288,6 +291,8 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         return sink_batch_metrics(through(closed), is_batch, batch_aux, keep)
 
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
+    if m > 1:  # the update runs once per step: constants of the full batch's size
+        micro = use_full_batch_constants(micro, full)
     found = find_statistics(micro, full, is_batch) if m > 1 else None
     statistics = statistics_program(full, found, is_batch) if found else None
     if found:  # the batch data's statistics: new inputs, computed from the full batch
