@@ -18,6 +18,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
+from meshshard.nnx_modules import WritesBack, holds_modules, write_in_place
 from meshshard.plan import Plan
 from meshshard.replay import check_replay, load_plan
 from meshshard.static_args import WithStatic, dynamic_positions, static_key, static_positions
@@ -249,10 +250,14 @@ class ParallelizedFunction:
     def __call__(self, *args, **kwargs):
         if kwargs:
             args = _positional(self.fn, args, kwargs)
-        if self.static_argnums:
+        if self.static_argnums or holds_modules(args):
             target, args = self._route(args)
             if target is not self:
-                return target(*args)
+                out = target(*args)
+                if isinstance(target.fn, WritesBack):  # NNX modules changed in place
+                    out, written = out
+                    write_in_place(args, written)
+                return out
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
         # typed keys travel as raw data; the arguments are flattened once per call
@@ -286,25 +291,34 @@ class ParallelizedFunction:
         and the other arguments."""
         static = static_positions(args, self.static_argnums) if self.static_argnums else ()
         if not static:
+            if _writes_nnx_back(self.fn, self.method, args):
+                return self._variant(("nnx",), WritesBack(self.fn)), args
             self._last_variant = None
             return self, args
         donate = dynamic_positions(self.donate_argnums, static, "donate_argnums")
         batch = dynamic_positions(self.batch_argnums, static, "batch_argnums")
         key = static_key(args, static)
+        variant = self._variant(key, WithStatic(self.fn, key), donate, batch)
+        return variant, tuple(a for i, a in enumerate(args) if i not in static)
+
+    def _variant(self, key, fn, donate=None, batch=None) -> ParallelizedFunction:
+        """The step ``fn`` (this one's with static values bound, or writing NNX modules
+        back) under ``key``, made on first use and remembered as the last one run."""
         variant = self._variants.get(key)
         if variant is None:
             variant = ParallelizedFunction(
-                WithStatic(self.fn, key),
+                fn,
                 self.method,
-                donate,
-                batch,
+                self.donate_argnums if donate is None else donate,
+                self.batch_argnums if batch is None else batch,
                 static_argnums=(),
                 plan=self.given_plan,
             )
+            variant._default_batch = self._default_batch if batch is None else False
             variant.trace_log = self.trace_log
             self._variants[key] = variant
         self._last_variant = variant
-        return variant, tuple(a for i, a in enumerate(args) if i not in static)
+        return variant
 
     def _batch_for(self, args) -> tuple[int, ...]:
         """The batch positions for a call with ``args``: ``batch_argnums``, less the
@@ -579,6 +593,14 @@ def _positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
             "donate_argnums, static_argnums), so give them positions in the step's signature"
         )
     return bound.args
+
+
+def _writes_nnx_back(fn: Callable, method: Method, args: tuple) -> bool:
+    """True for a step taking NNX modules that is not yet wrapped to write them back.
+    Not under 2BW, whose steps return the stash beside the results (such a step that
+    changes modules in place is warned, :func:`meshshard.nnx_modules.lost_in_place_note`)."""
+    two_bw = getattr(method, "schedule", None) == "2bw"
+    return not two_bw and not isinstance(fn, WritesBack) and holds_modules(args)
 
 
 def _layered(fn: Callable, method: Method) -> Callable:

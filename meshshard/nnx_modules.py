@@ -13,6 +13,7 @@ one change, the import of ``value_and_grad``.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -138,32 +139,90 @@ def in_place_snapshot(args: tuple) -> list:
     ]
 
 
-def lost_in_place_note(snapshot: list, out) -> str | None:
-    """A note naming the modules of ``snapshot`` whose variables the step changed in
-    place (``optimizer.update(model, grads)``) without returning the new values, or None.
-
-    Under ``nnx.jit`` such changes reach the caller's objects; under ``jax.jit`` and
-    meshshard, which take the arguments as pytrees, they are lost when the call returns:
-    a model that silently never trains."""
+def unreturned_changes(snapshot: list, out) -> dict[str, object]:
+    """``{module path in the arguments: nnx.State}`` of the variables of ``snapshot``'s
+    modules that the step changed in place (``optimizer.update(model, grads)``) and
+    does not return (the values it returns are the caller's already)."""
     if not snapshot:
-        return None
+        return {}
     nnx = _nnx()
     returned = {id(x) for x in jax.tree.leaves(out)}
-    lost = []
+    found = {}
     for path, node, was in snapshot:
         changed = [
-            p
+            (p, v)
             for p, v in nnx.to_flat_state(nnx.state(node))
             if v.get_value() is not was.get(p) and id(v.get_value()) not in returned
         ]
         if changed:
-            where = "args" + jax.tree_util.keystr(path)
-            lost.append(f"{where} ({type(node).__name__}, {len(changed)} variables)")
+            found[jax.tree_util.keystr(path)] = nnx.from_flat_state(changed)
+    return found
+
+
+def lost_in_place_note(snapshot: list, out) -> str | None:
+    """A note naming the modules of ``snapshot`` whose variables the step changed in
+    place without returning the new values, or None.
+
+    ``parallelize`` writes such changes back (:class:`WritesBack`), as ``nnx.jit`` does;
+    a step run another way (PipeDream-2BW) loses them, as under ``jax.jit``: a model
+    that silently never trains."""
+    lost = unreturned_changes(snapshot, out)
     if not lost:
         return None
+    kinds = {jax.tree_util.keystr(p): type(n).__name__ for p, n, _ in snapshot}
+    named = [f"args{k} ({kinds[k]}, {len(nnx_leaves(v))} variables)" for k, v in lost.items()]
     return (
-        f"{LOST_NOTE} and does not return them: {', '.join(lost)}. As under jax.jit, "
-        "these changes are lost when the call returns (nnx.jit writes them back): return "
-        "the modules, e.g. `return (model, optimizer), loss`, and pass the returned ones "
-        "to the next call"
+        f"{LOST_NOTE} and does not return them: {', '.join(named)}. Under "
+        "schedule='2bw' these changes are lost when the call returns, as under jax.jit "
+        "(other methods write them back, as nnx.jit does): return the modules, e.g. "
+        "`return (model, optimizer), loss`, and pass the returned ones to the next call"
     )
+
+
+def nnx_leaves(state) -> list:
+    """The variables of an ``nnx.State``."""
+    return list(_nnx().to_flat_state(state))
+
+
+def holds_modules(args: tuple) -> bool:
+    """True when ``args`` hold an NNX module or optimizer at any depth."""
+    return "flax.nnx" in sys.modules and _has_module(args)
+
+
+class WritesBack:
+    """A step that takes NNX modules, returning ``(out, written)``: its results and the
+    variables it changed in place without returning them, which
+    :func:`write_in_place` then writes into the caller's modules, as ``nnx.jit`` does
+    (``optimizer.update(model, grads)`` in a step that returns only the loss).
+
+    Equal for equal steps, so the trace cache serves a repeated compile; picklable."""
+
+    def __init__(self, fn: Callable):
+        self.step_fn = fn  # not ``fn``: update_wrapper copies this __dict__ onward
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        snapshot = in_place_snapshot(args)
+        out = self.step_fn(*args)
+        return out, unreturned_changes(snapshot, out)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WritesBack) and self.step_fn == other.step_fn
+
+    def __hash__(self) -> int:
+        return hash((WritesBack, self.step_fn))
+
+    def __repr__(self) -> str:
+        return f"WritesBack({getattr(self.step_fn, '__name__', self.step_fn)!r})"
+
+
+def write_in_place(args: tuple, written: dict) -> None:
+    """Write :class:`WritesBack`'s ``written`` variables into the modules of ``args``."""
+    if not written:
+        return
+    nnx = _nnx()
+    found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_module)
+    for path, node in found:
+        state = written.get(jax.tree_util.keystr(path))
+        if state is not None and _is_module(node):
+            nnx.update(node, state)
