@@ -268,6 +268,8 @@ def hoist_statistics(closed: ClosedJaxpr, found: _Found) -> ClosedJaxpr:
     ]
 
     def hook(i, eqn, env, extra) -> bool:
+        if is_marker(eqn, "grad_end"):
+            return _bypass_inputs(eqn, env, extra)
         dead = i in found.dead
         if not dead and not any(v in replaced for v in eqn.outvars):
             return False
@@ -283,6 +285,25 @@ def hoist_statistics(closed: ClosedJaxpr, found: _Found) -> ClosedJaxpr:
         return True
 
     return retrace(closed, hook, extra_avals)
+
+
+def _bypass_inputs(marker, env: dict, inputs) -> bool:
+    """Bind the ``grad_end`` marker without the operands that are now statistic
+    ``inputs`` (a token count computed after the grad, passed through the marker as a
+    batch metric): those outputs read the input itself, as the update may.  False (the
+    marker bound as is) when it carries none."""
+    vals = [read_var(env, v) for v in marker.invars]
+    ids = {id(x) for x in inputs}
+    keep = [k for k, x in enumerate(vals) if id(x) not in ids]
+    if len(keep) == len(vals):
+        return False
+    info = marker_reductions(marker)
+    narrow = marker.replace(params=dict(marker.params, reduce=tuple(info[k] for k in keep)))
+    outs = dict(zip(keep, bind_eqn(narrow, [vals[k] for k in keep]), strict=True))
+    for k, v in enumerate(marker.outvars):
+        if not is_dropvar(v):
+            env[v] = outs.get(k, vals[k])
+    return True
 
 
 def statistics_program(full: ClosedJaxpr, found: _Found, is_batch) -> Statistics | None:
