@@ -170,8 +170,6 @@ def _to_sink(
     ready |= {v for e in jaxpr.eqns[:g_idx] for v in e.outvars}
     ready |= {v for k, v in enumerate(g.outvars) if info[k][0] != "grad"}
     carries, sunk, producer = set(seeds), set(), {}
-    rows = {v.aval.shape[0] for v in batch_in if getattr(v.aval, "shape", ())}
-    state = _state_dependent(jaxpr, is_batch)
     for j in range(g_idx + 1, len(jaxpr.eqns)):
         e = jaxpr.eqns[j]
         ins = [v for v in e.invars if not is_literal(v)]
@@ -182,7 +180,7 @@ def _to_sink(
         outs = [v for v in e.outvars if not is_dropvar(v)]
         ready.update(outs)
         producer.update((v, j) for v in outs)
-        if any(v in carries for v in ins) and not _accumulates(e, carries, state, rows):
+        if any(v in carries for v in ins) and not _reads_reduced_only(e, carries):
             sunk.add(j)
             carries.update(outs)
     copies: set[int] = set()
@@ -198,34 +196,17 @@ def _to_sink(
     return sunk, copies, exported, later
 
 
-#: Adding a batch metric to a running total: its operands combine over micro-batches
-#: one at a time (the total is the step's state, the metric a batch sum or mean).
-ACCUMULATE = frozenset({"add", "sub", "add_any"})
-
-
-def _accumulates(e, carries: set, state: set, rows: set) -> bool:
-    """Whether ``e`` adds a batch metric already reduced over the batch (no batch rows)
-    to a value from the step's state: ``total + correct.sum()``, ``0.9 * ema + 0.1 *
-    accuracy``.  It stays in the update, where the state is read once, and only the
-    metric is computed per micro-batch (before, the sum of the micro-batches' ``total +
-    part`` counted the total M times, or their mean took 1/M of the parts)."""
-    if e.primitive.name not in ACCUMULATE:
-        return False
-    ins = [v for v in e.invars if not is_literal(v)]
-    carried = [v for v in ins if v in carries]
-    others = [v for v in ins if v not in carries]
-    reduced = all(not _shape(v) or _shape(v)[0] not in rows for v in carried)
-    return bool(carried) and reduced and any(v in state for v in others)
-
-
-def _state_dependent(jaxpr, is_batch) -> set:
-    """Values computed from the step's non-batch inputs (parameters, optimizer state,
-    counters), whatever else they read."""
-    found = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if not b}
-    for e in jaxpr.eqns:
-        if any(not is_literal(v) and v in found for v in e.invars):
-            found.update(v for v in e.outvars if not is_dropvar(v))
-    return found
+def _reads_reduced_only(e, carries: set) -> bool:
+    """Whether every batch-carrying operand of ``e`` is a scalar, so already reduced over
+    the batch: ``total + right.sum()``, ``2 * tp / (2 * tp + fp + fn)``, ``mean(x ** 2) -
+    mean(x) ** 2``.  Such an equation stays in the update and reads the operands
+    combined over micro-batches, which are the full batch's: only the reductions run per
+    micro-batch.  (Computed per micro-batch, ``total + part`` summed over micro-batches
+    counted the total M times, and a ratio of sums combined no known way.)  Arrays are
+    left to the old rule: one without the batch's rows may still carry them (a
+    concatenation of per-example keys with a queue)."""
+    carried = [v for v in e.invars if not is_literal(v) and v in carries]
+    return bool(carried) and all(not _shape(v) for v in carried)
 
 
 def _read_after(jaxpr, g_idx: int, sunk: set) -> set:

@@ -95,9 +95,10 @@ def test_the_flax_example_step_equals_jit(threads_cluster, method):
 
 @pytest.mark.parametrize("m", [1, 2])
 def test_the_metrics_pass_through_the_grad_marker(m):
-    """Accuracy and the correct count become aux values with inferred reductions; with
-    micro-batches the per-example logits leave the marker, and the update reads no batch
-    leaf either way."""
+    """Accuracy's and the correct count's batch sums become aux values with inferred
+    reductions (the division by the batch size stays in the update, where it reads the
+    full batch's size); with micro-batches the per-example logits leave the marker, and
+    the update reads no batch leaf either way."""
     state, batches = _case()
     traced = trace_step(
         flax_example_step, (state, batches[0]), batch_argnums=(1,), num_micro_batches=m
@@ -108,8 +109,8 @@ def test_the_metrics_pass_through_the_grad_marker(m):
     added = sorted(k for k in labels if k.startswith(LABEL))
     assert len(added) == 2  # accuracy and the count; the perplexity stays after the grad
     assert ("aux" in labels) == (m == 1)  # the logits
-    if m > 1:
-        assert sorted(labels[k][0] for k in added) == ["mean", "sum"]
+    if m > 1:  # the accuracy's sum of right answers: its division stays in the update
+        assert sorted(labels[k][0] for k in added) == ["sum", "sum"]
     batch_in = {v for v, info in zip(jaxpr.invars, traced.inputs, strict=True) if info.is_batch}
     after = [v for e in jaxpr.eqns[g_idx + 1 :] for v in e.invars if not is_literal(v)]
     assert not batch_in & set(after)
@@ -309,3 +310,39 @@ def test_running_totals_of_batch_metrics_equal_jit(threads_cluster, method):
         return running_totals_step(*carry, batch)
 
     check_step_parity(step, method, (state, totals), batches)
+
+
+def ratio_metrics_step(state, batch):
+    """Metrics that are functions of batch sums, not sums or means themselves: an F1
+    score and a batch variance of the losses."""
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["image"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        return losses.mean(), (logits, losses)
+
+    (loss, (logits, losses)), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    predicted, actual = jnp.argmax(logits, -1) == 0, batch["label"] == 0
+    tp = jnp.sum(predicted & actual)
+    fp, fn = jnp.sum(predicted & ~actual), jnp.sum(~predicted & actual)
+    metrics = {
+        "f1": 2 * tp / jnp.maximum(2 * tp + fp + fn, 1),
+        "loss_variance": jnp.mean(losses**2) - jnp.mean(losses) ** 2,
+    }
+    return state.apply_gradients(grads=grads), metrics
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
+        DataParallel(mesh_shape=(1, 2), num_micro_batches=4),
+    ],
+    ids=["pipe-M2", "dp-M4"],
+)
+def test_functions_of_batch_sums_are_computed_from_the_combined_sums(threads_cluster, method):
+    """Only the sums run per micro-batch; the F1 and the variance are computed in the
+    update from the combined sums, the full batch's.  Before, each was computed per
+    micro-batch and averaged, with a 'default' warning: not the batch's F1 or variance."""
+    state, batches = _case()
+    check_step_parity(ratio_metrics_step, method, state, batches, rtol=1e-4)
