@@ -140,7 +140,7 @@ def in_place_snapshot(args: tuple) -> list:
 
 
 def unreturned_changes(snapshot: list, out) -> dict[str, object]:
-    """``{module path in the arguments: nnx.State}`` of the variables of ``snapshot``'s
+    """``{"args[i]...": nnx.State}`` of the variables of ``snapshot``'s
     modules that the step changed in place (``optimizer.update(model, grads)``) and
     does not return (the values it returns are the caller's already)."""
     if not snapshot:
@@ -155,7 +155,7 @@ def unreturned_changes(snapshot: list, out) -> dict[str, object]:
             if v.get_value() is not was.get(p) and id(v.get_value()) not in returned
         ]
         if changed:
-            found[jax.tree_util.keystr(path)] = nnx.from_flat_state(changed)
+            found["args" + jax.tree_util.keystr(path)] = nnx.from_flat_state(changed)
     return found
 
 
@@ -169,8 +169,8 @@ def lost_in_place_note(snapshot: list, out) -> str | None:
     lost = unreturned_changes(snapshot, out)
     if not lost:
         return None
-    kinds = {jax.tree_util.keystr(p): type(n).__name__ for p, n, _ in snapshot}
-    named = [f"args{k} ({kinds[k]}, {len(nnx_leaves(v))} variables)" for k, v in lost.items()]
+    kinds = {"args" + jax.tree_util.keystr(p): type(n).__name__ for p, n, _ in snapshot}
+    named = [f"{k} ({kinds[k]}, {len(nnx_leaves(v))} variables)" for k, v in lost.items()]
     return (
         f"{LOST_NOTE} and does not return them: {', '.join(named)}. Under "
         "schedule='2bw' these changes are lost when the call returns, as under jax.jit "
@@ -223,6 +223,6 @@ def write_in_place(args: tuple, written: dict) -> None:
     nnx = _nnx()
     found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_module)
     for path, node in found:
-        state = written.get(jax.tree_util.keystr(path))
+        state = written.get("args" + jax.tree_util.keystr(path))
         if state is not None and _is_module(node):
             nnx.update(node, state)
