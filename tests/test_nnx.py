@@ -120,6 +120,28 @@ def _fresh(norm: bool):
     return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
 
 
+def _run_beside(ref_step, par, fresh, batches):
+    """Run ``ref_step`` and ``par`` on fresh states over ``batches``, checking each
+    step's states and results equal; returns ``par``'s last state."""
+    ref, got = fresh(), fresh()
+    with use_cluster(ThreadsCluster(4, 2)):
+        for batch in batches:
+            ref, ref_out = ref_step(ref, batch)
+            got, got_out = par(got, batch)
+            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    return got
+
+
+PIPELINE_AND_DATA = pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
+        meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
+    ],
+    ids=["pipeline", "data"],
+)
+
+
 @pytest.mark.parametrize(
     "method, norm",
     [
@@ -137,12 +159,7 @@ def test_an_nnx_step_with_meshshard_value_and_grad_equals_nnx_value_and_grad(met
     complex-valued inputs"."""
     ref_step = jax.jit(idiomatic_step(nnx.value_and_grad))
     par = meshshard.parallelize(idiomatic_step(meshshard.value_and_grad), method=method)
-    ref, got = _fresh(norm), _fresh(norm)
-    with use_cluster(ThreadsCluster(4, 2)):
-        for batch in _nnx_batches():
-            ref, ref_out = ref_step(ref, batch)
-            got, got_out = par(got, batch)
-            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    got = _run_beside(ref_step, par, lambda: _fresh(norm), _nnx_batches())
     counts = [v for p, v in nnx.to_flat_state(nnx.state(got[0])) if p[-1] == "count"]
     assert counts and all(int(c.get_value()) == 2 for c in counts)  # two steps' draws
     if norm:
@@ -196,14 +213,7 @@ def _guide_objects():
     return model, nnx.Optimizer(model, TX, wrt=nnx.Param), metrics
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
-        meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
-    ],
-    ids=["pipeline", "data"],
-)
+@PIPELINE_AND_DATA
 def test_the_nnx_guide_step_updating_in_place_equals_nnx_jit(method):
     """Its changes reach the caller's objects as under ``nnx.jit``; the metrics count the
     whole batch.  Before, the changes were lost (the model never trained), and with
@@ -293,12 +303,7 @@ def test_modules_inside_a_tuple_argument_are_taken_as_nnx_value_and_grad_does():
     method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
     ref_step = jax.jit(pair_step(nnx.value_and_grad))
     par = meshshard.parallelize(pair_step(meshshard.value_and_grad), method=method)
-    ref, got = fresh(), fresh()
-    with use_cluster(ThreadsCluster(4, 2)):
-        for batch in _nnx_batches():
-            ref, ref_out = ref_step(ref, batch)
-            got, got_out = par(got, batch)
-            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    _run_beside(ref_step, par, fresh, _nnx_batches())
     assert len(par.plan.stages) == 2
 
 
@@ -320,14 +325,7 @@ def teacher_step(value_and_grad):
     return step
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
-        meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
-    ],
-    ids=["pipeline", "data"],
-)
+@PIPELINE_AND_DATA
 def test_a_module_the_loss_only_reads_keeps_its_written_variables(method):
     """Before, the teacher's dropout counter was not written back: from the second step
     on, its masks differed from nnx.value_and_grad's."""
@@ -338,9 +336,4 @@ def test_a_module_the_loss_only_reads_keeps_its_written_variables(method):
 
     ref_step = jax.jit(teacher_step(nnx.value_and_grad))
     par = meshshard.parallelize(teacher_step(meshshard.value_and_grad), method=method)
-    ref, got = fresh(), fresh()
-    with use_cluster(ThreadsCluster(4, 2)):
-        for batch in _nnx_batches():
-            ref, ref_out = ref_step(ref, batch)
-            got, got_out = par(got, batch)
-            assert_results_close((ref, ref_out), (got, got_out), rtol=1e-4)
+    _run_beside(ref_step, par, fresh, _nnx_batches())

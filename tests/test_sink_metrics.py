@@ -286,7 +286,7 @@ def running_totals_step(state, totals, batch):
     return (state.apply_gradients(grads=grads), totals), loss
 
 
-@pytest.mark.parametrize(
+MICRO_BATCHED = pytest.mark.parametrize(
     "method",
     [
         PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
@@ -294,6 +294,9 @@ def running_totals_step(state, totals, batch):
     ],
     ids=["pipe-M2", "dp-M4"],
 )
+
+
+@MICRO_BATCHED
 def test_running_totals_of_batch_metrics_equal_jit(threads_cluster, method):
     """Adding a batch metric to a total in the state stays in the update; only the metric
     is computed per micro-batch.  Before, ``total + right.sum()`` was computed per
@@ -332,14 +335,7 @@ def ratio_metrics_step(state, batch):
     return state.apply_gradients(grads=grads), metrics
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
-        DataParallel(mesh_shape=(1, 2), num_micro_batches=4),
-    ],
-    ids=["pipe-M2", "dp-M4"],
-)
+@MICRO_BATCHED
 def test_functions_of_batch_sums_are_computed_from_the_combined_sums(threads_cluster, method):
     """Only the sums run per micro-batch; the F1 and the variance are computed in the
     update from the combined sums, the full batch's.  Before, each was computed per
