@@ -250,14 +250,13 @@ class ParallelizedFunction:
     def __call__(self, *args, **kwargs):
         if kwargs:
             args = _positional(self.fn, args, kwargs)
-        if self.static_argnums or holds_modules(args):
-            target, args = self._route(args)
-            if target is not self:
-                out = target(*args)
-                if isinstance(target.fn, WritesBack):  # NNX modules changed in place
-                    out, written = out
-                    write_in_place(args, written)
-                return out
+        target, args = self._route(args)
+        if target is not self:
+            out = target(*args)
+            if isinstance(target.fn, WritesBack):  # NNX modules changed in place
+                out, written = out
+                write_in_place(args, written)
+            return out
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
         # typed keys travel as raw data; the arguments are flattened once per call
