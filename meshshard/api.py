@@ -278,7 +278,9 @@ class ParallelizedFunction:
 
         target, dynamic = self._route(args)
         if target is not self:
-            static = tuple(i for i, _ in target.fn.statics)
+            # a variant with static values bound drops their positions; one writing NNX
+            # modules back keeps every position
+            static = tuple(i for i, _ in getattr(target.fn, "statics", ()))
             return target.placement(
                 *dynamic, argnum=dynamic_positions([argnum], static, "argnum")[0]
             )
