@@ -104,11 +104,10 @@ def split_modules(args: tuple, filters: dict[int, object]):
             written = {}
             for (i, k), module in modules.items():
                 key, _, before, _ = parts[(i, k)]
-                was = {path: v.get_value() for path, v in nnx.to_flat_state(before)}
-                after = nnx.to_flat_state(nnx.split(module, filters[i], ...)[2])
-                changed = [(p, v) for p, v in after if v.get_value() is not was.get(p)]
-                if changed:  # the variables the loss wrote (batch statistics, counters)
-                    written[key] = nnx.from_flat_state(changed)
+                after = nnx.split(module, filters[i], ...)[2]
+                changed = _changed(_values(before), after)
+                if changed is not None:  # what the loss wrote (batch statistics, counters)
+                    written[key] = changed
             return out, written
 
         return call
@@ -132,11 +131,7 @@ def in_place_snapshot(args: tuple) -> list:
         return []
     nnx = _nnx()
     found, _ = jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_module)
-    return [
-        (path, node, {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(node))})
-        for path, node in found
-        if _is_module(node)
-    ]
+    return [(path, node, _values(nnx.state(node))) for path, node in found if _is_module(node)]
 
 
 def unreturned_changes(snapshot: list, out) -> dict[str, object]:
@@ -149,14 +144,28 @@ def unreturned_changes(snapshot: list, out) -> dict[str, object]:
     returned = {id(x) for x in jax.tree.leaves(out)}
     found = {}
     for path, node, was in snapshot:
-        changed = [
-            (p, v)
-            for p, v in nnx.to_flat_state(nnx.state(node))
-            if v.get_value() is not was.get(p) and id(v.get_value()) not in returned
-        ]
-        if changed:
-            found["args" + jax.tree_util.keystr(path)] = nnx.from_flat_state(changed)
+        changed = _changed(was, nnx.state(node), returned)
+        if changed is not None:
+            found["args" + jax.tree_util.keystr(path)] = changed
     return found
+
+
+def _values(state) -> dict:
+    """``{path: value}`` of an ``nnx.State``'s variables."""
+    return {p: v.get_value() for p, v in _nnx().to_flat_state(state)}
+
+
+def _changed(was: dict, state, returned=frozenset()):
+    """The variables of ``state`` whose value is no longer the one in ``was`` (:func:`_values`
+    taken before), less those whose new value is among the ``returned`` ids, as an
+    ``nnx.State``; None when there are none."""
+    nnx = _nnx()
+    changed = [
+        (p, v)
+        for p, v in nnx.to_flat_state(state)
+        if v.get_value() is not was.get(p) and id(v.get_value()) not in returned
+    ]
+    return nnx.from_flat_state(changed) if changed else None
 
 
 def lost_in_place_note(snapshot: list, out) -> str | None:
@@ -170,18 +179,14 @@ def lost_in_place_note(snapshot: list, out) -> str | None:
     if not lost:
         return None
     kinds = {"args" + jax.tree_util.keystr(p): type(n).__name__ for p, n, _ in snapshot}
-    named = [f"{k} ({kinds[k]}, {len(nnx_leaves(v))} variables)" for k, v in lost.items()]
+    flat = _nnx().to_flat_state
+    named = [f"{k} ({kinds[k]}, {len(flat(v))} variables)" for k, v in lost.items()]
     return (
         f"{LOST_NOTE} and does not return them: {', '.join(named)}. Under "
         "schedule='2bw' these changes are lost when the call returns, as under jax.jit "
         "(other methods write them back, as nnx.jit does): return the modules, e.g. "
         "`return (model, optimizer), loss`, and pass the returned ones to the next call"
     )
-
-
-def nnx_leaves(state) -> list:
-    """The variables of an ``nnx.State``."""
-    return list(_nnx().to_flat_state(state))
 
 
 def holds_modules(args: tuple) -> bool:
