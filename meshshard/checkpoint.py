@@ -156,8 +156,13 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
             impl = key_impl(leaf) if is_typed_key(leaf) else None
             host[name] = np.asarray(leaf if impl is None else jax.random.key_data(leaf))
             part, shape, dtype = DRIVER_PART, host[name].shape, host[name].dtype
-        entry = {"path": where, "name": name, "part": part, "shape": list(shape)}
-        entry["dtype"] = str(dtype)
+        entry = {
+            "path": where,
+            "name": name,
+            "part": part,
+            "shape": list(shape),
+            "dtype": str(dtype),
+        }
         if impl is not None:  # a typed key: its data saved, and how to wrap it back
             entry.update(key_impl=impl, key_shape=list(np.shape(leaf)))
         entries.append(entry)
