@@ -3,7 +3,8 @@
 Defining a new primitive needs rule tables that JAX exposes under
 ``jax.interpreters`` (autodiff, batching, MLIR lowering) rather than in its top-level
 API.  Keeping every such import here means a JAX upgrade breaks one file, not many.
-Nothing here imports ``jax._src``.
+One function, :func:`register_array_type`, imports ``jax._src``: JAX has no public way
+to let its functions take an array type of another library.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "Var",
     "jaxpr_as_fun",
     "register_identity_rules",
+    "register_array_type",
     "instantiate_zeros",
 ]
 
@@ -65,3 +67,20 @@ def register_identity_rules(
             lowered(ctx, *args, **params) if computes(params) else list(args)
         ),
     )
+
+
+def register_array_type(cls: type, to_local) -> bool:
+    """Let ``jax.numpy`` functions and jitted functions take ``cls`` instances (arrays
+    with ``shape`` and ``dtype`` that live elsewhere) as arrays: JAX reads their abstract
+    value from ``shape``/``dtype`` and computes on ``to_local(x)``, a ``jax.Array``.
+    JAX 0.10 dropped ``__jax_array__`` for this, and its replacement, JAX's own type
+    tables, is private; if a later JAX moves them this returns False and such a call
+    fails as it did before (``meshshard.fetch`` still gives host copies)."""
+    try:
+        from jax._src import core, dtypes
+
+        core.pytype_aval_mappings[cls] = lambda x: core.ShapedArray(x.shape, x.dtype)
+        dtypes.register_canonicalize_value_handler(cls, to_local)
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True

@@ -30,12 +30,19 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from flax import serialization
 
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.keys import is_typed_key, key_impl
 from meshshard.plan import Spec, spec_str
 from meshshard.runtime.checkpoint_io import ShardWriter, read_host
 from meshshard.runtime.executable import _KEYS, Executable, RemoteArray
+
+# Flax's own serialization (``flax.serialization.to_bytes``, ``to_state_dict``) of a state
+# the step returned writes host copies of its remote arrays, as of ``jax.Array``s.
+serialization.register_serialization_state(
+    RemoteArray, lambda array: array.fetch(), lambda _target, state: state, override=True
+)
 
 MANIFEST = "meshshard_checkpoint.json"
 DRIVER_PART = "driver"

@@ -19,6 +19,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
+from meshshard._compat import register_array_type
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.instructions import Collective
 from meshshard.plan import Plan
@@ -41,6 +42,29 @@ FREE_DELAY_S = 0.1
 
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
 _KEYS = KeyCounter()
+
+#: What a :class:`RemoteArray` computes on its (fetched) value, as ``jax.Array`` does.
+#: Equality stays identity: arrays are kept in sets and dicts by the runtime.
+ARRAY_OPERATORS = tuple(
+    f"__{op}__"
+    for op in (
+        "add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod divmod "
+        "rdivmod pow rpow matmul rmatmul and rand or ror xor rxor lshift rlshift rshift "
+        "rrshift neg pos abs invert lt le gt ge getitem iter round"
+    ).split()
+)
+ARRAY_METHODS = frozenset(
+    "T mT real imag at flat all any argmax argmin argpartition argsort astype choose clip "
+    "compress conj conjugate copy cumprod cumsum cumulative_sum diagonal dot flatten item "
+    "max mean min nonzero prod ptp ravel repeat reshape round searchsorted sort squeeze std "
+    "sum swapaxes take tobytes tolist trace transpose var view".split()
+)
+#: ``jax.Array`` attributes about device placement, which a remote array has not.
+PLACEMENT_ATTRIBUTES = frozenset(
+    "sharding device devices addressable_shards global_shards addressable_data "
+    "is_fully_addressable is_fully_replicated committed on_device_size_in_bytes "
+    "unsafe_buffer_pointer copy_to_host_async format".split()
+)
 
 
 class Backend(Protocol):
@@ -83,11 +107,18 @@ class StepHandle(Protocol):
 class RemoteArray:
     """An array that lives on a mesh's workers between steps.
 
-    ``np.asarray(x)`` fetches it; passing it back into the step uses it in place.  If
+    ``np.asarray(x)`` fetches it; passing it back into the step uses it in place.
+    Elsewhere it computes like the ``jax.Array`` that ``jax.jit`` would have returned:
+    arithmetic, indexing, NumPy-style methods (``x.sum()``, ``x.astype(...)``),
+    ``jax.numpy`` functions and arguments of other jitted functions (an eval step) use
+    a local copy, fetched once.  If
     the host-actors holding it are restarted (a plan with another grouping of hosts, or
     recovery after a failure), the cluster first copies it to the driver: it stays
     usable and the next step that needs it places it again.
     """
+
+    #: ``np.ndarray + remote`` defers to this array's operators, as with ``jax.Array``
+    __array_priority__ = 100
 
     def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
         self._fill(
@@ -121,6 +152,7 @@ class RemoteArray:
         self._schedule_free = schedule_free
         self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
         self._lost: str | None = None  # why it can no longer be fetched
+        self._value: jax.Array | None = None  # local copy, once used as an array here
 
     @property
     def ndim(self) -> int:
@@ -213,12 +245,70 @@ class RemoteArray:
         self.keys = {w: k for w, k in self.keys.items() if w not in set(hosts)}
         return copied
 
+    def value(self) -> jax.Array:
+        """The value as a ``jax.Array`` in this process, fetched on first use and kept
+        while this array lives: what arithmetic, NumPy-style methods, ``jax.numpy``
+        functions and ``jax.jit`` of another function compute on, as on a step's
+        result under ``jax.jit``."""
+        if self._value is None or self.deleted:
+            self._value = jax.numpy.asarray(self.fetch())
+        return self._value
+
+    def block_until_ready(self) -> RemoteArray:
+        """Wait until the step that makes this array has finished (as ``jax.Array``'s)."""
+        owner = self._owner()
+        if owner is not None and owner._inflight and not self.deleted:
+            owner.settle()
+        return self
+
+    def is_deleted(self) -> bool:
+        """True once donated to a later step or deleted."""
+        return self.deleted
+
+    def delete(self) -> None:
+        """Free the value on the workers now (as ``jax.Array.delete``)."""
+        self._release()
+
+    def __jax_array__(self) -> jax.Array:
+        return self.value()
+
     def __float__(self) -> float:
         return float(self.fetch())
+
+    def __int__(self) -> int:
+        return int(self.fetch())
+
+    def __index__(self) -> int:
+        return self.value().__index__()
+
+    def __complex__(self) -> complex:
+        return complex(self.fetch())
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value(), spec) if spec else repr(self)
 
     def __array__(self, dtype=None, copy=None):
         a = self.fetch()
         return a.astype(dtype) if dtype is not None else a
+
+    def __getattr__(self, name: str):
+        if name in ARRAY_METHODS:  # NumPy-style methods and properties of the value
+            return getattr(self.value(), name)
+        if name in PLACEMENT_ATTRIBUTES:
+            raise AttributeError(
+                f"{self!r} has no {name!r}: it lives on meshshard's workers, not on a local "
+                "JAX device; step.placement(...) gives its layout, meshshard.fetch(x) a "
+                "host copy"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
         where = ",".join(f"w{w}" for w in self.keys) or "driver"
@@ -228,6 +318,7 @@ class RemoteArray:
         if not self.deleted:
             self.deleted = True
             self._host = None
+            self._value = None
             self._schedule_free(self.keys.items())
 
     def __del__(self):
@@ -235,6 +326,19 @@ class RemoteArray:
             self._release()
         except Exception:  # interpreter shutdown
             pass
+
+
+def _computed_on_value(name: str):
+    def method(self, *args):
+        return getattr(self.value(), name)(*args)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ARRAY_OPERATORS:
+    setattr(RemoteArray, _name, _computed_on_value(_name))
+register_array_type(RemoteArray, RemoteArray.value)
 
 
 def _cluster_of(backend):
