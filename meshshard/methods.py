@@ -7,6 +7,7 @@ PipeshardParallel(num_micro_batches=4, stages=((1, 2), (1, 2)), schedule='1f1b',
 from __future__ import annotations
 
 import numbers
+import operator
 from dataclasses import dataclass, field, fields
 
 from meshshard.errors import MeshshardInputError
@@ -223,6 +224,12 @@ class PipeshardParallel:
             residuals the backward alone reads never leave it, and one dispatch is
             saved (:mod:`meshshard.passes.fuse_forward_backward`).  False keeps every
             forward and backward a program of its own (per-phase profiles).
+        stage_layers: the layers each stage runs, one list of consecutive layer indices
+            per stage, in order and covering every layer once (Alpa's
+            ``ManualStageOption.forward_stage_layer_ids``): ``[[0], [1, 2, 3]]`` gives
+            stage 0 the first layer and stage 1 the other three.  With
+            ``virtual_stages=v`` one list per model chunk (``S * v``).  None (default):
+            equal numbers of layers per stage.
         logical_shapes: one logical ``(a, b)`` view (or None) per stage mesh, as
             ``ShardParallel.logical_shape``: e.g. ``stages=[(1, 4), (1, 4)],
             logical_shapes=[(2, 2), None]`` shards stage 0 over a 2 x 2 view of its host's
@@ -246,6 +253,7 @@ class PipeshardParallel:
     logical_shapes: tuple[tuple[int, int] | None, ...] | None = field(default=None, repr=False)
     remat: str | None = field(default=None, repr=False)
     fuse_forward_backward: bool = field(default=True, repr=False)
+    stage_layers: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _plain_ints(
@@ -339,6 +347,8 @@ class PipeshardParallel:
             )
         _check_virtual_stages(self.virtual_stages, self.schedule)
         object.__setattr__(self, "logical_shapes", self._checked_views())
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", self._checked_stage_layers())
         if self.num_stages is not None and (
             not isinstance(self.num_stages, int) or self.num_stages < 1
         ):
@@ -377,6 +387,44 @@ class PipeshardParallel:
             for i, (v, s) in enumerate(zip(views, shapes, strict=True))
         )
 
+    def _checked_stage_layers(self) -> tuple[tuple[int, ...], ...]:
+        """``stage_layers`` as tuples, or a clear error when they are not consecutive
+        runs of layers from 0, one per stage (or per chunk with ``virtual_stages``)."""
+        given = self.stage_layers
+        if self.stages == "auto":
+            raise MeshshardInputError(
+                "PipeshardParallel(stages='auto', stage_layers=...): the stage DP chooses "
+                "which layers each stage runs; drop stage_layers or list the stages' mesh "
+                "shapes"
+            )
+        usage = (
+            "pass one list of consecutive layer indices per stage, in order, covering "
+            "every layer once, e.g. stage_layers=[[0, 1], [2, 3, 4]]"
+        )
+        try:
+            groups = tuple(tuple(operator.index(i) for i in g) for g in given)
+        except TypeError:
+            raise MeshshardInputError(
+                f"PipeshardParallel.stage_layers={given!r}: {usage}"
+            ) from None
+        flat = [i for g in groups for i in g]
+        if not groups or not all(groups) or flat != list(range(len(flat))):
+            raise MeshshardInputError(f"PipeshardParallel.stage_layers={given!r}: {usage}")
+        v = self.virtual_stages
+        count = len(self.stages) if isinstance(self.stages, tuple) else self.num_stages
+        if count is not None and len(groups) != count * v:
+            per = f"{count} stages x {v} chunks" if v > 1 else f"{count} stages"
+            raise MeshshardInputError(
+                f"PipeshardParallel.stage_layers has {len(groups)} lists for {per}; pass "
+                f"one list of layers per {'chunk' if v > 1 else 'stage'}"
+            )
+        if len(groups) % v:
+            raise MeshshardInputError(
+                f"PipeshardParallel.stage_layers has {len(groups)} lists, not a multiple of "
+                f"virtual_stages={v}; pass one list of layers per model chunk"
+            )
+        return groups
+
     def __repr__(self) -> str:
         # fields added later show only when set, so existing plans print as before
         quiet = {
@@ -391,6 +439,7 @@ class PipeshardParallel:
             "logical_shapes": None,
             "remat": None,
             "fuse_forward_backward": True,
+            "stage_layers": None,
         }
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"

@@ -20,7 +20,7 @@ from meshshard.methods import (
     PipeshardParallel,
     check_view,
 )
-from meshshard.passes.stage_graph import group_layers
+from meshshard.passes.stage_graph import checked_stage_layers, group_layers
 from meshshard.plan import MeshSpec
 
 
@@ -50,7 +50,11 @@ def stage_layout(
         shapes = [(cluster.num_hosts // s, cluster.devices_per_host)] * s
     else:
         shapes = list(method.stages)
-    return (group_layers(num_layers, len(shapes)), *place_meshes(shapes, cluster))
+    if method.stage_layers is None or method.virtual_stages > 1:  # chunks: virtual_layout
+        groups = group_layers(num_layers, len(shapes))
+    else:
+        groups = checked_stage_layers(method.stage_layers, num_layers)
+    return (groups, *place_meshes(shapes, cluster))
 
 
 def requested_stages(method: Method, cluster: ClusterSpec, num_layers: int) -> int | None:
@@ -61,6 +65,8 @@ def requested_stages(method: Method, cluster: ClusterSpec, num_layers: int) -> i
     if not isinstance(method, PipeshardParallel) or method.stages == "auto":
         return None
     if method.stages == "uniform":
+        if method.num_stages is None and method.stage_layers is not None:
+            return len(method.stage_layers) // method.virtual_stages
         return method.num_stages or min(cluster.num_hosts, num_layers)
     return len(method.stages)
 

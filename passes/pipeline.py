@@ -126,7 +126,8 @@ def _layout(st: CompileState) -> CompileState:
     cluster = workers if workers.worker_blocks != cluster.worker_blocks else st.cluster
     v = getattr(st.method, "virtual_stages", 1)
     if v > 1:  # interleaved 1F1B: v logical stages per mesh
-        groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v)
+        chosen = st.method.stage_layers
+        groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v, chosen)
     notes = _worker_notes(st.cluster, cluster)
     return replace(st, cluster=cluster, layer_groups=groups, meshes=meshes, layout_notes=notes)
 

@@ -128,6 +128,18 @@ def group_layers(num_layers: int, num_stages: int) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
+def checked_stage_layers(groups: tuple[tuple[int, ...], ...], num_layers: int) -> tuple:
+    """The user's ``stage_layers``, or an error when they do not cover the step's layers."""
+    covered = sum(len(g) for g in groups)
+    if covered != num_layers:
+        raise MeshshardInputError(
+            f"PipeshardParallel.stage_layers covers layers 0..{covered - 1}, but the step has "
+            f"{num_layers} pipeline layers (layers are the pieces between "
+            "mark_pipeline_boundary() calls, or layers=N); list every layer once"
+        )
+    return groups
+
+
 @dataclass(frozen=True)
 class _Step:
     """What every sub-step of :func:`build_stage_graph` reads about the traced step."""

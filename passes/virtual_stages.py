@@ -18,16 +18,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshshard.errors import MeshshardInputError
-from meshshard.passes.stage_graph import group_layers
+from meshshard.passes.stage_graph import checked_stage_layers, group_layers
 from meshshard.plan import MeshSpec
 
 __all__ = ["virtual_layout"]
 
 
 def virtual_layout(
-    meshes: tuple[MeshSpec, ...], num_layers: int, virtual_stages: int
+    meshes: tuple[MeshSpec, ...],
+    num_layers: int,
+    virtual_stages: int,
+    stage_layers: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[MeshSpec, ...]]:
-    """Layer groups of the ``S * v`` logical stages and their (shared) meshes."""
+    """Layer groups of the ``S * v`` logical stages (the user's ``stage_layers``, else
+    equal numbers of layers) and their (shared) meshes."""
     S, v = len(meshes), virtual_stages
     if S < 2:
         raise MeshshardInputError(
@@ -41,4 +45,6 @@ def virtual_layout(
             "virtual_stages"
         )
     logical = tuple(replace(meshes[L % S], id=L) for L in range(S * v))
+    if stage_layers is not None:
+        return checked_stage_layers(stage_layers, num_layers), logical
     return group_layers(num_layers, S * v), logical
