@@ -133,6 +133,12 @@ def _path_str(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def _not_the_batch(where: str) -> str:
+    """The hint for a batch leaf that cannot be one: the batch may be another argument."""
+    arg = where[: where.index("]") + 1]
+    return f" (if {arg} is not the batch, pass the batch's position as batch_argnums)"
+
+
 def _abstract(leaf, where: str, arg_name: str):
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
@@ -146,7 +152,8 @@ def _abstract(leaf, where: str, arg_name: str):
     if arg_name == "batch":
         fix = (
             "every leaf of a batch argument must be an array (numpy or jax) with the batch "
-            "as its first dimension; move other values into a closure or a non-batch argument"
+            "as its first dimension; move other values into a closure or a non-batch "
+            f"argument{_not_the_batch(where)}"
         )
     else:
         fix = (
@@ -206,7 +213,7 @@ def trace_step(
         if is_batch and not full_abs[-1].shape:  # named before the model fails on it
             raise MeshshardInputError(
                 f"batch leaf {where} is a scalar; batch leaves need a leading batch "
-                "dimension (pass scalars through a non-batch argument)"
+                f"dimension: pass scalars through a non-batch argument{_not_the_batch(where)}"
             )
     sig = (
         treedef,
@@ -351,6 +358,7 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
     except MeshshardInputError:
         raise
     except Exception as e:
+        was_cut = [a is not c for a, c in zip(full_abs, micro_abs, strict=True)]
         cut = [
             f"{w} {a.shape[0]} -> {c.shape[0]}"
             for w, a, c in zip(wheres, full_abs, micro_abs, strict=True)
@@ -363,6 +371,7 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
             "per-example (loss weights, a per-feature vector, a lookup table) belongs in a "
             "non-batch argument, and code that assumes the full batch size must read it "
             "from the arrays' shapes; or use num_micro_batches=1"
+            f"{_batch_elsewhere(full_abs, wheres, was_cut)}"
         ) from e
 
 
@@ -435,8 +444,26 @@ def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
         "every batch leaf, so each must have the batch size first; pass values that are "
         "not per-example (class weights, a table) through a non-batch argument or a "
         "closure, or run with num_micro_batches=1 where the leaves cannot be cut alike (a "
-        "graph batch's nodes and edges)"
+        f"graph batch's nodes and edges){_batch_elsewhere(full_abs, wheres, is_batch)}"
     ) from cause
+
+
+def _batch_elsewhere(full_abs, wheres, is_batch) -> str:
+    """A hint when another argument looks like the batch (every array leaf with one
+    number of rows) while the one named holds leaves of several: the arguments may be
+    in another order than ``batch_argnums`` says (``step(batch, state)``)."""
+    rows: dict[int, set[int]] = {}
+    for a, w, b in zip(full_abs, wheres, is_batch, strict=True):
+        if not b and a.shape:
+            rows.setdefault(int(w[len("args[") : w.index("]")]), set()).add(a.shape[0])
+    alike = [i for i, counts in sorted(rows.items()) if len(counts) == 1]
+    if not alike:
+        return ""
+    i = alike[0]
+    return (
+        f"; args[{i}]'s leaves all have {rows[i].pop()} rows: if it is the batch, pass "
+        f"batch_argnums=({i},)"
+    )
 
 
 def _micro_batch_shape(a, where: str, m: int):

@@ -70,6 +70,44 @@ def test_batch_leaves_of_other_lengths(setup):
     lower(_class_weighted_step, DataParallel(mesh_shape=(1, 2)), state, weights)  # M=1: whole
 
 
+def test_a_step_taking_the_batch_first_is_told_batch_argnums(setup):
+    """``step(batch, state)`` under the default batch_argnums=(1,): the state was cut
+    into micro-batches and the error named its leaves' row counts only."""
+    _, batch, state = setup
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+
+    def batch_first(batch, state):
+        return mlp.train_step(state, batch)
+
+    with pytest.raises(
+        MeshshardInputError, match=r"if args\[1\] is not the batch, pass the batch's"
+    ):
+        lower(batch_first, method, batch, state)  # its step counter is a Python int
+    with pytest.raises(
+        MeshshardInputError, match=r"if args\[1\] is not the batch, pass the batch's"
+    ):
+        lower(batch_first, method, batch, state.replace(step=jnp.asarray(state.step)))  # a scalar
+
+    def sgd_batch_first(batch, params):  # every state leaf an array, of several lengths
+        def loss_fn(p):
+            return jnp.mean((jnp.tanh(batch["x"] @ p["w"]) @ p["v"] - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    for hidden in (batch["x"].shape[1], 3):  # cut alike (the trace fails), or not (rows differ)
+        params = {
+            "w": jnp.zeros((batch["x"].shape[1], hidden)),
+            "v": jnp.zeros((hidden, batch["y"].shape[1])),
+        }
+        with pytest.raises(
+            MeshshardInputError,
+            match=r"args\[0\]'s leaves all have 16 rows: if it is the batch, "
+            r"pass batch_argnums=\(0,\)",
+        ):
+            lower(sgd_batch_first, method, batch, params)
+
+
 def test_scalar_batch_leaf(setup):
     """Named before the model fails on it (Flax's Dense raised an IndexError)."""
     _, batch, state = setup
