@@ -56,7 +56,7 @@ from meshshard.jaxpr_util import (
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
 
-SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum"})
+SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum", "scatter-add"})
 #: How a reduction's source starts when it was not inferred (a default was taken).
 DEFAULT = "default: "
 #: Linear in their one operand: a batch sum (or mean, max, min) passes through them and
@@ -165,11 +165,19 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
     if ranked:
         return "", ranked
+    made = {v: em for em, *_ in producers for v in em.outvars}
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
         if ins and not outs:
             kinds.add(em.primitive.name)
+            if em.primitive.name == "scatter-add" and not _zeros(em.invars[0], made):
+                return "", (
+                    "it scatter-adds the batch into a value that does not start at zero "
+                    "(x.at[i].add(...) of a running total), which each micro-batch would "
+                    "add again; scatter into zeros and add the total to that "
+                    "(total + jnp.zeros_like(total).at[i].add(...))"
+                )
         how = _normalizes(em, ef, m)
         if how == "other":
             return "", f"{em.primitive.name} by a literal that changes with the batch size"
@@ -197,6 +205,21 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
             return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
         return which, "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def _zeros(v, made: dict) -> bool:
+    """Whether ``v`` is all zeros: a zero literal, or one broadcast (``jnp.zeros``)."""
+    while (
+        not is_literal(v)
+        and v in made
+        and made[v].primitive.name
+        in (
+            "broadcast_in_dim",
+            "convert_element_type",
+        )
+    ):
+        v = made[v].invars[0]
+    return is_literal(v) and not np.any(np.asarray(v.val))
 
 
 #: Primitives that let one example's value depend on other rows (never concatenated).

@@ -53,6 +53,8 @@ def metrics_step(state, batch):
             "abs_min": jnp.min(jnp.abs(err)),
             "positives": jnp.sum(pred > 0),
             "weight_norm": jnp.sum(params["dense3"]["kernel"] ** 2),
+            # a float histogram: the error summed per sign of the prediction
+            "err_by_sign": jnp.zeros(2).at[(pred[:, 0] > 0) * 1].add(jnp.abs(err).sum(1)),
         }
         return jnp.mean(err**2), aux
 
@@ -92,6 +94,7 @@ def test_aux_metrics_match_jit(threads_cluster):
         "aux['abs_max']: max over 4 micro-batches (traced",
         "aux['abs_min']: min over 4 micro-batches (traced",
         "aux['abs_sum']: sum over 4 micro-batches (traced",
+        "aux['err_by_sign']: sum over 4 micro-batches (traced",
         "aux['mse']: mean over 4 micro-batches (traced",
         "aux['positives']: sum over 4 micro-batches (traced",
         "aux['weight_norm']: mean over 4 micro-batches (traced: same on every micro-batch",
@@ -483,6 +486,12 @@ def _classify_loss(loss_fn, m=4):
         # stop_gradient is the identity on values (Flax NNX's BatchNorm stops the batch
         # mean's gradient before its running average; was "it applies stop_gradient")
         (lambda x: jnp.mean(jax.lax.stop_gradient(jnp.mean(x, 0)) * 2.0), "mean"),
+        # a histogram of the batch (per-class sums, a confusion matrix) scattered into
+        # zeros: a sum (was the default, a mean for floats: 1/M of the counts)
+        (lambda x: jnp.zeros(3).at[(x[:, 0] > 10).astype(int)].add(x[:, 1]), "sum"),
+        (lambda x: jnp.zeros((2, 2)).at[(x[:, 0] > 10) * 1, (x[:, 1] > 20) * 1].add(1.0), "sum"),
+        # into a running total: each micro-batch would add the total again
+        (lambda x: jnp.arange(3.0).at[(x[:, 0] > 10).astype(int)].add(x[:, 1]), ""),
     ],
     ids=[
         "mean",
@@ -512,10 +521,25 @@ def _classify_loss(loss_fn, m=4):
         "weighted-column-means",
         "sum-of-column-maxima",
         "stopped-gradient-mean",
+        "class-histogram",
+        "confusion-matrix",
+        "scatter-into-a-total",
     ],
 )
 def test_classify(fn, want):
     assert _classify_loss(fn) == want
+
+
+def test_a_scatter_into_a_running_total_says_how_to_write_it():
+    x_full = jnp.arange(32.0).reshape(8, 4)
+
+    def counts(x):
+        return jnp.arange(3.0).at[(x[:, 0] > 10).astype(int)].add(1.0)
+
+    micro, full = jax.make_jaxpr(counts)(x_full[:2]), jax.make_jaxpr(counts)(x_full)
+    dep = batch_dependent(micro.jaxpr, [True], len(micro.jaxpr.eqns))
+    kind, why = classify(micro, full, micro.jaxpr.outvars[0], 4, dep)
+    assert kind == "" and "total + jnp.zeros_like(total).at[i].add(...)" in why
 
 
 @pytest.mark.parametrize("n", [8, 16])
