@@ -171,7 +171,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
             continue
         if ins and not outs:
             kinds.add(em.primitive.name)
-            if em.primitive.name == "scatter-add" and not _zeros(em.invars[0], made):
+            if em.primitive.name == "scatter-add" and not all_zeros(em.invars[0], made):
                 return "", (
                     "it scatter-adds the batch into a value that does not start at zero "
                     "(x.at[i].add(...) of a running total), which each micro-batch would "
@@ -207,7 +207,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
-def _zeros(v, made: dict) -> bool:
+def all_zeros(v, made: dict) -> bool:
     """Whether ``v`` is all zeros: a zero literal, or one broadcast (``jnp.zeros``)."""
     while (
         not is_literal(v)

@@ -26,7 +26,13 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.pre_grad_values import LABEL as PRE_GRAD
-from meshshard.passes.reductions import _shape, classify, marker_reductions, same_program
+from meshshard.passes.reductions import (
+    _shape,
+    classify,
+    full_batch_shape,
+    marker_reductions,
+    same_program,
+)
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
 LABEL = "after meshshard.grad"
@@ -47,17 +53,24 @@ def batch_aux_positions(micro: ClosedJaxpr, full: ClosedJaxpr) -> frozenset:
 
 
 def sink_batch_metrics(
-    closed: ClosedJaxpr, is_batch, batch_aux: frozenset = frozenset(), keep: frozenset = frozenset()
+    closed: ClosedJaxpr,
+    is_batch,
+    batch_aux: frozenset = frozenset(),
+    keep: frozenset = frozenset(),
+    combined: frozenset = frozenset(),
 ):
     """``closed`` with the after-grad equations that need the batch (``is_batch`` inputs,
     or the marker's ``batch_aux`` positions) computed before the ``grad_end`` marker;
-    not those at the indices ``keep`` (:func:`kept_after_grad`), nor what reads them."""
+    not those at the indices ``keep`` (:func:`kept_after_grad`), nor what reads them,
+    nor those at ``combined`` (:func:`combined_after_grad`)."""
     jaxpr = closed.jaxpr
     found = _marker(jaxpr)
     if found is None:
         return closed
     g_idx, g = found
-    sunk, copies, exported, read_later = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux, keep)
+    sunk, copies, exported, read_later = _to_sink(
+        jaxpr, g_idx, g, is_batch, batch_aux, keep, combined
+    )
     if not sunk:
         return closed
     info = marker_reductions(g)
@@ -97,19 +110,26 @@ def _marker(jaxpr):
     return next(((i, e) for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
 
 
-def kept_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, m: int):
+def kept_after_grad(
+    micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, m: int, combined=frozenset()
+):
     """Indices of after-grad equations that read per-example aux values and are better
     left in the update, where they read the batch's concatenated rows, than computed per
     micro-batch: those whose results combine no known way over micro-batches (a MoCo
     queue, ``jnp.concatenate([keys, queue])[:K]``: its micro-batches' queues neither
     add nor average to the batch's), when neither they nor what reads them reads a batch
-    leaf (the update cannot).  Needs the micro-batch and full-batch traces to pair."""
+    leaf (the update cannot), and when every one of them is the same equation in both
+    traces: one whose parameters hold the batch size (``jax.nn.one_hot``'s
+    ``broadcast_in_dim`` to ``(rows, 1)``) would not run on the concatenated rows.
+    ``combined`` (:func:`combined_after_grad`) stay in the update as they do in the sink.
+    Needs the micro-batch and full-batch traces to pair."""
     found = _marker(micro.jaxpr)
     if found is None or not batch_aux or not same_program(micro, full):
         return frozenset()
     jaxpr = micro.jaxpr
     g_idx, g = found
-    sunk, _, exported, _ = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    sunk, _, exported, _ = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux, combined=combined)
+    sized = {j for j in sunk if jaxpr.eqns[j].params != full.jaxpr.eqns[j].params}
     producer = {v: j for j in sunk for v in jaxpr.eqns[j].outvars}
     batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     tainted = set()  # sunk equations that read a batch leaf, themselves or upstream
@@ -125,9 +145,52 @@ def kept_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, 
         up = _upstream(jaxpr, v, producer)
         chain = {j for j in sunk if any(o in up for o in jaxpr.eqns[j].outvars)}
         chain |= _downstream(jaxpr, chain, sunk)
-        if not chain & tainted:
+        if not chain & (tainted | sized):
             keep |= chain
     return frozenset(keep)
+
+
+#: How a batch reduction read after the grad combines exactly over micro-batches.
+EXACT = frozenset({"sum", "mean", "max", "min"})
+
+
+def combined_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_aux, m: int):
+    """Indices of after-grad equations whose batch-carrying operands are all reductions
+    over the batch that combine exactly over micro-batches (:data:`EXACT`, as the
+    compiler infers for aux values): a running confusion matrix ``cm +
+    jnp.zeros((C, C)).at[y, pred].add(1)``, per-class totals ``seen + one_hot(pred).sum(0)``.
+    Like :func:`_reads_reduced_only`'s scalars, they stay in the update and read the
+    combined reductions, which are the full batch's; computed per micro-batch, ``cm +
+    part`` summed over micro-batches counted ``cm`` M times.  An array that only looks
+    reduced (a queue ``concatenate([keys, queue])[:K]`` mixes per-example rows) is
+    not classified exact, and stays with the old rule.  Needs the two traces to pair."""
+    found = _marker(micro.jaxpr)
+    if found is None or not same_program(micro, full):
+        return frozenset()
+    jaxpr = micro.jaxpr
+    g_idx, g = found
+    sunk, _, _, _ = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux)
+    made = {v for j in sunk for v in jaxpr.eqns[j].outvars}
+    batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
+    seeds = batch_in | {g.outvars[k] for k in batch_aux}
+    dep = batch_dependent(jaxpr, list(is_batch), len(jaxpr.eqns))
+    memo: dict = {}
+
+    def exact(v) -> bool:
+        if v not in memo:
+            kind = ""
+            if full_batch_shape(micro, full, v) == _shape(v):
+                kind = classify(micro, full, v, m, dep)[0]
+            memo[v] = kind in EXACT
+        return memo[v]
+
+    out = set()
+    for j in sorted(sunk):
+        carried = [v for v in jaxpr.eqns[j].invars if not is_literal(v) and v in made | seeds]
+        arrays = [v for v in carried if _shape(v)]
+        if arrays and not any(v in seeds for v in carried) and all(map(exact, arrays)):
+            out.add(j)
+    return frozenset(out)
 
 
 def _upstream(jaxpr, v, producer: dict) -> set:
@@ -155,7 +218,13 @@ def _downstream(jaxpr, chain: set, sunk: set) -> set:
 
 
 def _to_sink(
-    jaxpr, g_idx: int, g, is_batch, batch_aux, keep: frozenset = frozenset()
+    jaxpr,
+    g_idx: int,
+    g,
+    is_batch,
+    batch_aux,
+    keep: frozenset = frozenset(),
+    combined: frozenset = frozenset(),
 ) -> tuple[set, set, list, set]:
     """The after-grad equation indices to move before the marker (those that carry the
     batch), those to compute there too (what they read that does not: a learning rate
@@ -180,7 +249,8 @@ def _to_sink(
         outs = [v for v in e.outvars if not is_dropvar(v)]
         ready.update(outs)
         producer.update((v, j) for v in outs)
-        if any(v in carries for v in ins) and not _reads_reduced_only(e, carries):
+        reduced = j in combined or _reads_reduced_only(e, carries)
+        if any(v in carries for v in ins) and not reduced:
             sunk.add(j)
             carries.update(outs)
     copies: set[int] = set()

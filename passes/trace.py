@@ -65,9 +65,11 @@ from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import resolve, same_program, set_reductions
+from meshshard.passes.scatter_totals import split_scatter_totals
 from meshshard.passes.shared_grads import split_shared_gradients
 from meshshard.passes.sink_metrics import (
     batch_aux_positions,
+    combined_after_grad,
     kept_after_grad,
     sink_batch_metrics,
 )
@@ -288,14 +290,17 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         raise MeshshardInputError(batch_dependent_stash_message())
 
     def through(closed):  # batch values from before the grad read after it: as aux
+        if m > 1:  # a running total scattered into: total + a histogram of the batch
+            closed = split_scatter_totals(closed, is_batch)
         return pass_through_grad(closed, is_batch)
 
     micro, full = (through(micro),) * 2 if m == 1 else (through(micro), through(full))
     batch_aux = batch_aux_positions(micro, full) if m > 1 else frozenset()
-    keep = kept_after_grad(micro, full, is_batch, batch_aux, m) if m > 1 else frozenset()
+    combined = combined_after_grad(micro, full, is_batch, batch_aux, m) if m > 1 else frozenset()
+    keep = kept_after_grad(micro, full, is_batch, batch_aux, m, combined) if m > 1 else frozenset()
 
     def sink(closed):  # batch metrics computed after the grad: per micro-batch
-        return sink_batch_metrics(through(closed), is_batch, batch_aux, keep)
+        return sink_batch_metrics(through(closed), is_batch, batch_aux, keep, combined)
 
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
     if m > 1:  # the update runs once per step: constants of the full batch's size

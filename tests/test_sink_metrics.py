@@ -315,6 +315,47 @@ def test_running_totals_of_batch_metrics_equal_jit(threads_cluster, method):
     check_step_parity(step, method, (state, totals), batches)
 
 
+def running_histograms_step(state, totals, batch):
+    """Array-valued running totals after the grad: a confusion matrix added to, per-class
+    counts scattered into in place, predicted classes counted through ``one_hot``."""
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        return loss.mean(), logits
+
+    (loss, logits), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    pred = jnp.argmax(logits, -1)
+    classes = totals["predicted"].shape[0]
+    confusion = jnp.zeros((classes, classes), jnp.int32).at[batch["label"], pred].add(1)
+    totals = {
+        "confusion": totals["confusion"] + confusion,
+        "labels": totals["labels"].at[batch["label"]].add(1.0),
+        "predicted": totals["predicted"] + jax.nn.one_hot(pred, classes).sum(0),
+    }
+    return (state.apply_gradients(grads=grads), totals), loss
+
+
+@MICRO_BATCHED
+def test_array_running_totals_equal_jit(threads_cluster, method):
+    """Before, each was computed per micro-batch whole: the confusion matrix's total was
+    summed M times and the scattered float counts averaged (wrong, with a 'default'
+    warning), and the ``one_hot`` counts failed in the compiler with JAX's
+    broadcast_in_dim shape error."""
+    state, batches = _case()
+    classes = 10  # the classifier's outputs
+    totals = {
+        "confusion": jnp.zeros((classes, classes), jnp.int32),
+        "labels": jnp.zeros((classes,), jnp.float32),
+        "predicted": jnp.zeros((classes,), jnp.float32),
+    }
+
+    def step(carry, batch):
+        return running_histograms_step(*carry, batch)
+
+    check_step_parity(step, method, (state, totals), batches + batches)
+
+
 def ratio_metrics_step(state, batch):
     """Metrics that are functions of batch sums, not sums or means themselves: an F1
     score and a batch variance of the losses."""
