@@ -17,6 +17,7 @@ import numpy as np
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
+from meshshard.long_work import LongWork, phase
 from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
 from meshshard.nnx_modules import WritesBack, holds_modules, write_in_place
 from meshshard.plan import Plan
@@ -358,11 +359,15 @@ class ParallelizedFunction:
                 self._executables[key] = exe
                 return exe
             t0 = time.perf_counter()
-            fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
-            plan, traced = self._plan_for(fn, abstract, batch_argnums, cluster.spec)
-            exe = Executable(
-                plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
-            )
+            what = f"compiling {getattr(self.fn, '__name__', 'the step')} for {cluster.spec.name}"
+            with LongWork(what):
+                phase("tracing the step")
+                fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
+                plan, traced = self._plan_for(fn, abstract, batch_argnums, cluster.spec)
+                phase(f"compiling {len(plan.programs)} programs on {len(plan.workers)} workers")
+                exe = Executable(
+                    plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
+                )
             exe.set_out_tree(traced.out_tree)
             exe.traced = traced  # for compiled_collectives()
             exe.statistics = traced.statistics  # the full batch's, each call (see __call__)

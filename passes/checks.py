@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from meshshard.long_work import phase
 from meshshard.passes.schedule_verify import problems_with_grid, stream_problems
 from meshshard.passes.state import CompileState, Pass, PassCheckError
 from meshshard.plan import Plan, Schedule
@@ -29,6 +30,7 @@ def run_passes(state: CompileState, passes: tuple[Pass, ...], check: bool | None
     first pass after which :func:`state_problems` finds anything."""
     check = checks_enabled() if check is None else check
     for p in passes:
+        phase(f"planning: {p.name}")
         state = p.run(state)
         if check:
             problems = state_problems(state)

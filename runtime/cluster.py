@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from meshshard.cluster import LOCAL_MESH_COLLECTIVES, ClusterSpec
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
+from meshshard.long_work import LongWork, phase
 from meshshard.plan import Plan
 from meshshard.runtime import cpu_shares
 from meshshard.runtime.executable import CLOSED_STEP
@@ -86,7 +87,8 @@ def init(
     if backend == "threads":
         _CURRENT = ThreadsCluster(num_hosts or 4, devices_per_host or 2)
     elif backend in (None, "ray"):
-        _CURRENT = RayCluster(address, num_hosts, devices_per_host, name)
+        with LongWork("starting the Ray cluster"):
+            _CURRENT = RayCluster(address, num_hosts, devices_per_host, name)
     else:
         raise MeshshardInputError(f"init(backend={backend!r}): use 'ray' or 'threads'")
     # shut down before the interpreter does (and before Ray's own exit hook, registered
@@ -321,6 +323,7 @@ class RayCluster:
         self._started_ray = False
         self.address = address
         if not ray.is_initialized():
+            phase("starting Ray" if address is None else f"joining Ray at {address}")
             _ray_init(address)
             self._started_ray = address is None
         if address is not None:
@@ -355,6 +358,7 @@ class RayCluster:
         self._channels: dict = {}  # host -> StepChannel, for this generation
         self._channel_generation = -1
         self.channel_lock = threading.Lock()  # one step on the channels at a time
+        phase(f"starting {num_hosts} host-actors")
         self._start(range(num_hosts))
 
     # --- actors ------------------------------------------------------------------
