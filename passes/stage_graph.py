@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
+from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, user_line, var_ids
 from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.apply_programs import (
     ApplyGraph,
@@ -354,8 +354,13 @@ def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
             if v in st.invar_leaf and st.is_batch[st.invar_leaf[v]]:
                 raise MeshshardInputError(
                     f"the update part of the step (after meshshard.grad) reads the batch "
-                    f"leaf {st.describe(v)}; compute everything that needs the batch inside "
-                    "the loss function (return it as aux with has_aux=True)"
+                    f"leaf {st.describe(v)} ({st.eqns[i].primitive.name} at "
+                    f"{user_line(st.eqns[i])}), together with what the grad computes; it "
+                    "runs once per step on the meshes, without the batch: compute "
+                    "everything that needs the batch inside the loss function (return it as "
+                    "aux with has_aux=True). An optimizer whose update evaluates the loss "
+                    "again (optax.lbfgs's line search, value_fn=...) cannot run here: give it "
+                    "a step size instead (optax.lbfgs(learning_rate=..., linesearch=None))"
                 )
             if v in producer:
                 raise MeshshardInputError(

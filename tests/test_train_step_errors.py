@@ -2,11 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import meshshard
 from examples import mlp
 from meshshard import ClusterSpec, MeshshardInputError, PipeshardParallel
+from tests.random_parity import check_step_parity
 
 CLUSTER = ClusterSpec("step-errors-4x2", 4, 2)
 METHOD = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
@@ -87,3 +89,39 @@ def test_draw_not_sliceable_along_the_batch(state):
         r"batch; meshshard can only slice a draw along one dimension that is the batch",
     ):
         lower(step, state, BATCH, jax.random.key(0))
+
+
+def _lbfgs_step(opt):
+    def step(carry, batch):
+        params, opt_state = carry
+
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["w"])
+            meshshard.mark_pipeline_boundary()
+            return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(
+            grads, opt_state, params, value=loss, grad=grads, value_fn=loss_fn
+        )
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step
+
+
+def test_a_line_search_in_the_update_is_refused_with_a_step_size_instead(threads_cluster):
+    """optax.lbfgs's zoom line search calls the loss on the batch inside the update;
+    the error named only the batch leaf.  It now names the line and the fix, which runs."""
+    params = {
+        "w": jnp.linspace(-0.5, 0.5, 4 * 8).reshape(4, 8),
+        "v": jnp.linspace(0.3, -0.3, 8 * 2).reshape(8, 2),
+    }
+    batches = [{"x": jnp.cos(jnp.arange(32.0) + s).reshape(8, 4)} for s in range(2)]
+    batches = [dict(b, y=b["x"][:, :2] ** 2) for b in batches]
+    searching = optax.lbfgs()
+    with pytest.raises(MeshshardInputError, match=r"reads the batch leaf args\[1\]\['x'\]") as err:
+        lower(_lbfgs_step(searching), (params, searching.init(params)), batches[0])
+    assert "test_train_step_errors.py" in str(err.value)  # the user's line
+    assert "optax.lbfgs(learning_rate=..., linesearch=None)" in str(err.value)
+    stepped = optax.lbfgs(learning_rate=0.1, linesearch=None)
+    check_step_parity(_lbfgs_step(stepped), METHOD, (params, stepped.init(params)), batches)
