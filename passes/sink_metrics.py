@@ -22,6 +22,10 @@ concatenated rows there.
 
 from __future__ import annotations
 
+import enum
+
+import numpy as np
+
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 from meshshard.passes.hoist import batch_dependent
@@ -129,7 +133,7 @@ def kept_after_grad(
     jaxpr = micro.jaxpr
     g_idx, g = found
     sunk, _, exported, _ = _to_sink(jaxpr, g_idx, g, is_batch, batch_aux, combined=combined)
-    sized = {j for j in sunk if jaxpr.eqns[j].params != full.jaxpr.eqns[j].params}
+    sized = {j for j in sunk if _holds_batch_size(jaxpr.eqns[j], full.jaxpr.eqns[j])}
     producer = {v: j for j in sunk for v in jaxpr.eqns[j].outvars}
     batch_in = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     tainted = set()  # sunk equations that read a batch leaf, themselves or upstream
@@ -148,6 +152,26 @@ def kept_after_grad(
         if not chain & (tainted | sized):
             keep |= chain
     return frozenset(keep)
+
+
+def _holds_batch_size(em, ef) -> bool:
+    """Whether equation ``em`` of the micro-batch trace differs from its full-batch twin
+    ``ef`` in a parameter: a shape or size (``broadcast_in_dim`` to ``(rows, 1)``), or a
+    body whose shapes do (``jax.nn.relu``'s ``custom_jvp_call``).  Functions and thunks,
+    which each trace makes anew, are not compared."""
+    return any(_comparable(a) != _comparable(ef.params.get(k)) for k, a in em.params.items())
+
+
+def _comparable(value):
+    """A parameter as data: jaxprs as their text, numbers, strings, dtypes and enums as
+    themselves, tuples item by item, any other object (a function, an array) as None."""
+    if isinstance(value, tuple | list):
+        return tuple(_comparable(v) for v in value)
+    if hasattr(value, "eqns") or hasattr(value, "jaxpr"):  # Jaxpr, ClosedJaxpr
+        return str(value)
+    if value is None or isinstance(value, int | float | str | np.dtype | enum.Enum):
+        return value
+    return None
 
 
 #: How a batch reduction read after the grad combines exactly over micro-batches.
