@@ -165,13 +165,12 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
     if ranked:
         return "", ranked
-    made = {v: em for em, *_ in producers for v in em.outvars}
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
         if ins and not outs:
             kinds.add(em.primitive.name)
-            if em.primitive.name == "scatter-add" and not all_zeros(em.invars[0], made):
+            if em.primitive.name == "scatter-add" and not _into_zeros(em, producers):
                 return "", (
                     "it scatter-adds the batch into a value that does not start at zero "
                     "(x.at[i].add(...) of a running total), which each micro-batch would "
@@ -205,6 +204,11 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
             return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
         return which, "reduction over the batch"
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+def _into_zeros(scatter, producers) -> bool:
+    """Whether a ``scatter-add`` among ``producers`` adds into zeros."""
+    return all_zeros(scatter.invars[0], {v: e for e, *_ in producers for v in e.outvars})
 
 
 def all_zeros(v, made: dict) -> bool:

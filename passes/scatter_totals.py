@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import bind_eqn, is_literal, is_marker, read_var, retrace
+from meshshard.jaxpr_util import bind_eqn, is_literal, read_var, retrace
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import all_zeros
+from meshshard.passes.update_constants import after_grad_end
 
 __all__ = ["split_scatter_totals"]
 
@@ -43,7 +44,7 @@ def split_scatter_totals(closed: ClosedJaxpr, is_batch) -> ClosedJaxpr:
     depend on the batch, of indices or updates that do, written as that value plus the
     same scatter into zeros; ``closed`` itself when there is none."""
     jaxpr = closed.jaxpr
-    start = next((i + 1 for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
+    start = after_grad_end(jaxpr)
     if start is None:
         return closed
     dep = batch_dependent(jaxpr, list(is_batch), len(jaxpr.eqns))

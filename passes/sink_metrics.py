@@ -208,9 +208,10 @@ def combined_after_grad(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, batch_a
             memo[v] = kind in EXACT
         return memo[v]
 
+    carrying = made | seeds
     out = set()
     for j in sorted(sunk):
-        carried = [v for v in jaxpr.eqns[j].invars if not is_literal(v) and v in made | seeds]
+        carried = [v for v in jaxpr.eqns[j].invars if not is_literal(v) and v in carrying]
         arrays = [v for v in carried if _shape(v)]
         if arrays and not any(v in seeds for v in carried) and all(map(exact, arrays)):
             out.add(j)
@@ -296,9 +297,9 @@ def _reads_reduced_only(e, carries: set) -> bool:
     mean(x) ** 2``.  Such an equation stays in the update and reads the operands
     combined over micro-batches, which are the full batch's: only the reductions run per
     micro-batch.  (Computed per micro-batch, ``total + part`` summed over micro-batches
-    counted the total M times, and a ratio of sums combined no known way.)  Arrays are
-    left to the old rule: one without the batch's rows may still carry them (a
-    concatenation of per-example keys with a queue)."""
+    counted the total M times, and a ratio of sums combined no known way.)  Arrays take
+    :func:`combined_after_grad`, which needs both traces to tell a batch reduction from
+    an array that still carries examples (a queue of per-example keys)."""
     carried = [v for v in e.invars if not is_literal(v) and v in carries]
     return bool(carried) and all(not _shape(v) for v in carried)
 

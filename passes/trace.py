@@ -135,9 +135,14 @@ def _path_str(path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+def _argnum(where: str) -> int:
+    """The argument position of a leaf named ``args[i]...``."""
+    return int(where[len("args[") : where.index("]")])
+
+
 def _not_the_batch(where: str) -> str:
     """The hint for a batch leaf that cannot be one: the batch may be another argument."""
-    arg = where[: where.index("]") + 1]
+    arg = f"args[{_argnum(where)}]"
     return f" (if {arg} is not the batch, pass the batch's position as batch_argnums)"
 
 
@@ -460,7 +465,7 @@ def _batch_elsewhere(full_abs, wheres, is_batch) -> str:
     rows: dict[int, set[int]] = {}
     for a, w, b in zip(full_abs, wheres, is_batch, strict=True):
         if not b and a.shape:
-            rows.setdefault(int(w[len("args[") : w.index("]")]), set()).add(a.shape[0])
+            rows.setdefault(_argnum(w), set()).add(a.shape[0])
     alike = [i for i, counts in sorted(rows.items()) if len(counts) == 1]
     if not alike:
         return ""

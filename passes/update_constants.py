@@ -33,7 +33,8 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 
 
-def _after_marker(jaxpr) -> int | None:
+def after_grad_end(jaxpr) -> int | None:
+    """The index of the first equation after the ``grad_end`` marker (None: no marker)."""
     return next((i + 1 for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
 
 
@@ -50,7 +51,7 @@ def update_constant_overrides(micro: ClosedJaxpr, full: ClosedJaxpr) -> dict:
     literals and constants whose value differs from the full-batch trace's; empty when
     the two update parts do not pair up (other primitives), or there is no update."""
     mj, fj = micro.jaxpr, full.jaxpr
-    start_m, start_f = _after_marker(mj), _after_marker(fj)
+    start_m, start_f = after_grad_end(mj), after_grad_end(fj)
     if start_m is None or start_f is None:
         return {}
     me, fe = mj.eqns[start_m:], fj.eqns[start_f:]

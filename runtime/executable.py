@@ -189,9 +189,7 @@ class RemoteArray:
             raise MeshshardRuntimeError(self._lost)
         if self._host is not None:
             return self._host
-        owner = self._owner()
-        if owner is not None and owner._inflight:  # a pipelined step still writes it
-            owner.settle()
+        self._settle()
         if getattr(self._backend, "closed", False):
             raise MeshshardRuntimeError(
                 f"{self!r} lived on a meshshard cluster that was shut down (meshshard.shutdown() "
@@ -250,16 +248,20 @@ class RemoteArray:
         while this array lives: what arithmetic, NumPy-style methods, ``jax.numpy``
         functions and ``jax.jit`` of another function compute on, as on a step's
         result under ``jax.jit``."""
-        if self._value is None or self.deleted:
+        if self._value is None:  # dropped again when the array is donated or deleted
             self._value = jax.numpy.asarray(self.fetch())
         return self._value
 
     def block_until_ready(self) -> RemoteArray:
         """Wait until the step that makes this array has finished (as ``jax.Array``'s)."""
-        owner = self._owner()
-        if owner is not None and owner._inflight and not self.deleted:
-            owner.settle()
+        if not self.deleted:
+            self._settle()
         return self
+
+    def _settle(self) -> None:
+        owner = self._owner()
+        if owner is not None and owner._inflight:  # a pipelined step still writes it
+            owner.settle()
 
     def is_deleted(self) -> bool:
         """True once donated to a later step or deleted."""
