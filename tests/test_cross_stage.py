@@ -153,7 +153,10 @@ def test_large_cross_stage_value_moves_through_the_resharding_planner():
         step = meshshard.parallelize(step_fn, method=method)
         ref, ref_mixed = jax.jit(step_fn)(state, batches(0))
         got, got_mixed = step(state, batches(0))
-    np.testing.assert_allclose(np.asarray(got_mixed), np.asarray(ref_mixed), rtol=1e-5)
+    # compared as a whole (norm of the difference): the micro-batches' gradient sums
+    # round differently from the full batch's, and a 1e-4 entry can move by 1e-5 of itself
+    assert_trees_close(ref_mixed, got_mixed)
+    assert_trees_close(ref.params, got.params)
     moves = [(str(t.producer), str(t.consumer)) for t in step.plan.transfers]
     moves = [m for m in moves if ".apply" in m[0]]
     assert moves in ([("m0.apply0", "m1.apply1")], [("m1.apply0", "m0.apply1")])
