@@ -616,7 +616,9 @@ class Executable:
     def _output_leaves(self, flat, base: int) -> list:
         """The step's result leaves: a :class:`RemoteArray` of the keys ``base + offset``
         the workers store each program output under (:meth:`_by_value` replaces those
-        that come back by value), inputs and literals as they are."""
+        that come back by value), literals as ``jax.Array``s, and inputs returned as they
+        came, except host values (NumPy arrays, Python scalars), which become
+        ``jax.Array``s as under ``jax.jit``."""
         leaves = []
         owner, backend, free = weakref.ref(self), self.backend, self.schedule_frees
         track, stored = backend.track, RemoteArray._stored
@@ -628,9 +630,10 @@ class Executable:
                 track(array)
                 leaves.append(array)
             elif kind == "input":
-                leaves.append(flat[what])
-            else:  # a literal
-                leaves.append(np.asarray(what, dtype=dtype).reshape(shape))
+                x = flat[what]
+                leaves.append(jax.numpy.asarray(x) if _is_host_value(x) else x)
+            else:  # a literal, made a jax.Array once (immutable, so it can be shared)
+                leaves.append(what)
         return leaves
 
     def _output_specs(self) -> tuple:
@@ -640,7 +643,8 @@ class Executable:
         for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
             shape, dtype = tuple(o.shape), np.dtype(o.dtype)
             if o.source == "literal":
-                specs.append(("literal", o.literal, shape, dtype, ()))
+                value = jax.numpy.asarray(np.asarray(o.literal, dtype=dtype).reshape(shape))
+                specs.append(("literal", value, shape, dtype, ()))
             elif o.source == "input":
                 specs.append(("input", o.input_leaf, shape, dtype, ()))
             else:
@@ -649,19 +653,28 @@ class Executable:
         return tuple(specs)
 
     def _by_value(self, leaves: list, results: dict[int, dict]):
-        """The result tree, with the outputs the workers returned by value as arrays."""
+        """The result tree, with the outputs the workers returned by value as
+        ``jax.Array``s: what ``jax.jit`` returns, so a loss has ``block_until_ready``
+        and promotes with other results as JAX does (NumPy would make ``float32 /
+        int32`` a float64)."""
         for i in self._small_outputs:
             o, lay = self.plan.outputs[i], self.layout.outputs[i]
             w0, off0 = lay.holders[0]
             value = results.get(w0, {}).get(off0)
             if value is not None:
                 leaves[i].deleted = True  # never stored: nothing to free
-                leaves[i] = value.reshape(o.shape)
+                leaves[i] = jax.numpy.asarray(value.reshape(o.shape))
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:
         """The pytree structure of the step's results."""
         self._out_tree = tree
+
+
+def _is_host_value(x) -> bool:
+    """A NumPy array or scalar, or a Python number: what ``jax.jit`` returns as a
+    ``jax.Array`` when a step passes it through."""
+    return isinstance(x, np.ndarray | np.generic | bool | int | float | complex)
 
 
 class _InFlight:

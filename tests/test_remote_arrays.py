@@ -89,7 +89,7 @@ def test_arithmetic_indexing_and_methods_compute_on_the_value(trained):
             np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, err_msg=name
         )
     count = state[2]
-    assert isinstance(count, meshshard.RemoteArray) or isinstance(count, np.ndarray)
+    assert isinstance(count, jax.Array)
     assert int(count) == 2 and f"{count:d}" == "2" and [0, 1, 2][count] == 2
     assert f"{w[0, 0]:.4f}" == f"{float(h[0, 0]):.4f}"
     assert "RemoteArray(float32[8, 16]" in f"{w}"  # no format spec: names it, as repr
@@ -164,3 +164,44 @@ def test_an_nnx_model_trained_in_place_evaluates_outside_the_step(threads_cluste
     want = host(X)
     np.testing.assert_allclose(model(X), want, rtol=1e-6)
     np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(model, X), want, rtol=1e-6)
+
+
+def small_results_step(state, batch):
+    """A step whose results are small (returned by value), a literal and a passthrough."""
+    params, count, scale = state
+
+    def loss_fn(p):
+        return jnp.mean((MODEL.apply({"params": p}, batch[0]) - batch[1]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(params)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    hits = jnp.sum(batch[1] > 0).astype(jnp.int32)
+    return (params, count + 1, scale), (loss, hits, jnp.float32(2.5), loss / hits)
+
+
+def test_small_results_are_jax_arrays_like_jits(threads_cluster):
+    """Results the workers return by value, literals and host values passed through are
+    ``jax.Array``s of ``jax.jit``'s dtypes and weak types: ``loss.block_until_ready()``
+    works, and ``loss / hits`` stays float32 (NumPy values made it float64)."""
+    params = MODEL.init(jax.random.PRNGKey(0), X)["params"]
+    state = (params, np.int32(0), 0.5)  # a NumPy counter and a Python float pass through
+    want_state, want = jax.jit(small_results_step)(state, (X, Y))
+    step = meshshard.parallelize(
+        small_results_step,
+        method=meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
+    )
+    got_state, got = step(state, (X, Y))
+    loss, hits, literal, ratio = got
+    assert loss.block_until_ready() is loss
+    assert float(hits) == float(want[1])
+    for name, g, w in zip(
+        ["loss", "hits", "literal", "ratio", "count", "scale"],
+        [*got, *got_state[1:]],
+        [*want, *want_state[1:]],
+        strict=True,
+    ):
+        assert isinstance(g, jax.Array), (name, type(g))
+        assert (g.dtype, g.weak_type, g.shape) == (w.dtype, w.weak_type, w.shape), name
+        np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=name)
+    assert (loss / hits).dtype == jnp.float32
+    assert (hits + literal).dtype == jnp.float32
