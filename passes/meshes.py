@@ -217,10 +217,21 @@ def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tupl
     need_hosts = sum(h for h, _ in shapes)
     need_devices = sum(h * d for h, d in shapes)
     too_wide = [d for _, d in shapes if d > cluster.devices_per_host]
-    if need_hosts > cluster.num_hosts or too_wide:
+    if too_wide:
+        d = cluster.devices_per_host
+        wide = sorted({(h, w) for h, w in shapes if w > d})
+        fixes = ", ".join(f"({h * w // d}, {d}) for {(h, w)}" for h, w in wide if h * w % d == 0)
+        raise MeshshardInputError(
+            f"mesh shape(s) {wide} ask for more devices per host than the cluster "
+            f"{cluster} has ({d}): a mesh shape is (hosts, devices per host)"
+            + (f"; the same devices span hosts as {fixes}" if fixes else "")
+            + ", or start a cluster with more devices per host "
+            "(meshshard.init(devices_per_host=...))"
+        )
+    if need_hosts > cluster.num_hosts:
         raise MeshshardInputError(
             f"the stages ask for meshes {shapes} ({need_devices} devices on {need_hosts} "
-            f"hosts), but the cluster {cluster} has {cluster.num_devices} devices; a mesh "
+            f"host{'s' if need_hosts > 1 else ''}), but the cluster {cluster} has {cluster.num_devices} devices; a mesh "
             f"takes whole hosts, or a (1, d) block of one host's {cluster.devices_per_host} "
             "devices. Ask for fewer or "
             "smaller meshes, or start a bigger cluster (meshshard.init(num_hosts=..., "

@@ -197,20 +197,28 @@ def test_boundaries_only_inside_a_decode_loop_are_named():
         step.lower(params, batch["x"], cluster=CLUSTER)
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2), (1, 2)]),
-        DataParallel(mesh_shape=(1, 4)),
-    ],
-    ids=["too-many-hosts", "too-wide"],
-)
-def test_more_devices_than_the_cluster_has(setup, method):
+def test_more_devices_than_the_cluster_has(setup):
     _, batch, state = setup
+    method = PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2), (1, 2)])
     with pytest.raises(
-        MeshshardInputError, match=r"the stages ask for meshes .* but the cluster .* has 8 devices"
+        MeshshardInputError,
+        match=r"the stages ask for meshes .* \(10 devices on 5 hosts\), but the cluster .* "
+        "has 8 devices",
     ):
         lower(mlp.train_step, method, state, batch)
+
+
+def test_a_mesh_wider_than_a_host_is_named_with_the_shape_that_fits(setup):
+    """(1, 4) on hosts of 2 devices: the message says a shape is (hosts, devices per host)
+    and offers (2, 2), not that 4 devices are more than the cluster's 8."""
+    _, batch, state = setup
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"mesh shape\(s\) \[\(1, 4\)\] ask for more devices per host than the cluster "
+        r".* has \(2\): a mesh shape is \(hosts, devices per host\); the same devices span "
+        r"hosts as \(2, 2\) for \(1, 4\)",
+    ):
+        lower(mlp.train_step, DataParallel(mesh_shape=(1, 4)), state, batch)
 
 
 def test_non_scalar_loss(setup):
