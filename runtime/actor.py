@@ -169,13 +169,26 @@ class HostActor:
             start_backend_on(self._backend_cpus)
             self._backend_cpus = None
 
-    def compile(self, plan_id: str, fn, abstract_args, batch_argnums, plan_json: str) -> float:
+    def compile(
+        self,
+        plan_id: str,
+        fn,
+        abstract_args,
+        batch_argnums,
+        plan_json: str,
+        jax_settings: dict | None = None,
+    ) -> float:
+        """Trace and build plan ``plan_id``'s programs for this actor's worker, first taking
+        the driver's JAX settings (``meshshard.jax_config``: x64, matmul precision, PRNG)."""
         import jax
 
+        from meshshard.jax_config import take_trace_settings
         from meshshard.plan import Plan
         from meshshard.runtime.transport import TorchTransport
         from meshshard.runtime.worker import Worker
 
+        if jax_settings:
+            take_trace_settings(jax_settings)
         self._start_backend()
 
         plan = Plan.from_json(plan_json)

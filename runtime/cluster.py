@@ -846,6 +846,7 @@ class RayBackend:
         return self.cluster._actors[w]
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:
+        from meshshard.jax_config import trace_settings
         from meshshard.runtime.interpreter import broadcast_groups
 
         self.ensure_ready(lambda: None)
@@ -853,9 +854,10 @@ class RayBackend:
         self.layout = plan.cluster.worker_blocks  # the worker view its arrays are kept in
         self.cluster.ensure_groups(broadcast_groups(plan))
         plan_json = plan.to_json()
+        settings = trace_settings()  # the actors trace and lower as this process does
         refs = {
             w: self._actor(w).compile.remote(
-                self.plan_id, fn, abstract_args, batch_argnums, plan_json
+                self.plan_id, fn, abstract_args, batch_argnums, plan_json, settings
             )
             for w in plan.workers
         }

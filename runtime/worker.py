@@ -128,7 +128,10 @@ class Worker:
             raise MeshshardRuntimeError(
                 f"worker w{self.worker} traced a different program (fingerprint "
                 f"{traced.fingerprint}) than the plan's ({plan.fingerprint}); the workers must "
-                "run the same jax/flax versions and the same code as the driver"
+                "run the same jax/flax versions, the same code and the same JAX settings "
+                "(meshshard.jax_config.TRACE_SETTINGS are sent; a step that reads other "
+                "global state, such as an environment variable, must read it alike) as "
+                "the driver"
             )
         mesh_spec = next(m for m in plan.meshes if self.worker in m.workers)
         self.mesh = make_mesh(self.devices, mesh_spec.axis_shape)
