@@ -33,6 +33,7 @@ __all__ = [
     "register_identity_rules",
     "register_array_type",
     "instantiate_zeros",
+    "jit_static_positions",
 ]
 
 
@@ -67,6 +68,42 @@ def register_identity_rules(
             lowered(ctx, *args, **params) if computes(params) else list(args)
         ),
     )
+
+
+def jit_static_positions(fn, num_args: int) -> tuple[int, ...]:
+    """The argument positions (of a call with ``num_args`` positional arguments) that a
+    ``jax.jit``-wrapped ``fn`` takes as static: its ``static_argnums`` and the positions
+    of its ``static_argnames``; ``()`` for any other function.
+
+    A jitted step given to ``parallelize`` must get its static values as Python values,
+    not tracers, or ``jax.jit`` fails hashing them.  JAX has no public accessor for a
+    jitted function's options, so this reads its ``_jit_info``; a JAX without it gives
+    ``()`` (the user then names them with ``static_argnums``).
+
+    >>> import functools, jax
+    >>> @functools.partial(jax.jit, static_argnums=(2,), static_argnames=("mode",))
+    ... def f(a, b, c, mode="x"):
+    ...     return a
+    >>> jit_static_positions(f, 4), jit_static_positions(f, 3), jit_static_positions(len, 1)
+    ((2, 3), (2,), ())
+    """
+    import inspect
+
+    info = getattr(fn, "_jit_info", None)
+    if info is None:
+        return ()
+    try:
+        nums = {i % num_args for i in info.static_argnums if -num_args <= i < num_args}
+        names = tuple(info.static_argnames)
+    except (AttributeError, TypeError):
+        return ()
+    if names:
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = []
+        nums |= {params.index(n) for n in names if n in params[:num_args]}
+    return tuple(sorted(nums))
 
 
 def register_array_type(cls: type, to_local) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from meshshard._compat import jit_static_positions
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
@@ -292,6 +293,8 @@ class ParallelizedFunction:
         static, else the step compiled with these static values bound (made on first use)
         and the other arguments."""
         static = static_positions(args, self.static_argnums) if self.static_argnums else ()
+        # a jax.jit-wrapped step's own static arguments must reach it as Python values
+        static = tuple(sorted({*static, *jit_static_positions(self.fn, len(args))}))
         if not static:
             if _writes_nnx_back(self.fn, self.method, args):
                 return self._variant(("nnx",), WritesBack(self.fn)), args

@@ -111,3 +111,16 @@ def test_keyword_arguments_take_their_positions(threads_cluster):
         meshshard.parallelize(kw_only)(state, batch, mode="l1")
     with pytest.raises(MeshshardInputError, match="cannot call moded_step"):
         step(state, batch, "l1", 1, colour="red")
+
+
+def test_a_jitted_step_keeps_its_own_static_arguments(threads_cluster):
+    """A step already wrapped in ``jax.jit(..., static_argnames=...)`` (or
+    ``static_argnums``) gets those arguments as Python values: before, ``scale`` was
+    traced (an int is not "auto"-static) and jax.jit failed hashing the tracer
+    ("Non-hashable static arguments are not supported")."""
+    jitted = jax.jit(moded_step, static_argnames=("mode", "scale"))
+    state, batch = setup()
+    step = meshshard.parallelize(jitted, method=PIPE)
+    for mode, scale in [("l1", 1), ("l2", 2)]:
+        assert_trees_close(jitted(state, batch, mode, scale), step(state, batch, mode, scale))
+    assert len(step._variants) == 2
