@@ -231,10 +231,10 @@ def allocate_meshes(shapes: list[tuple[int, int]], cluster: ClusterSpec) -> tupl
     if need_hosts > cluster.num_hosts:
         raise MeshshardInputError(
             f"the stages ask for meshes {shapes} ({need_devices} devices on {need_hosts} "
-            f"host{'s' if need_hosts > 1 else ''}), but the cluster {cluster} has {cluster.num_devices} devices; a mesh "
-            f"takes whole hosts, or a (1, d) block of one host's {cluster.devices_per_host} "
-            "devices. Ask for fewer or "
-            "smaller meshes, or start a bigger cluster (meshshard.init(num_hosts=..., "
+            f"host{'s' if need_hosts > 1 else ''}), but the cluster {cluster} has "
+            f"{cluster.num_devices} devices; a mesh takes whole hosts, or a (1, d) block of "
+            f"one host's {cluster.devices_per_host} devices. Ask for fewer or smaller "
+            "meshes, or start a bigger cluster (meshshard.init(num_hosts=..., "
             "devices_per_host=...))"
         )
     meshes, next_host = [], 0
