@@ -663,12 +663,18 @@ class Executable:
             value = results.get(w0, {}).get(off0)
             if value is not None:
                 leaves[i].deleted = True  # never stored: nothing to free
-                leaves[i] = jax.numpy.asarray(value.reshape(o.shape))
+                leaves[i] = as_result(value.reshape(o.shape))
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:
         """The pytree structure of the step's results."""
         self._out_tree = tree
+
+
+def as_result(value: np.ndarray) -> jax.Array:
+    """A value a worker returned by value, as the ``jax.Array`` the step returns
+    (``benchmarks/by_value_results.py`` times it against returning the NumPy value)."""
+    return jax.numpy.asarray(value)
 
 
 def _is_host_value(x) -> bool:
