@@ -47,6 +47,7 @@ class ParallelizedFunction:
         _one_2bw_variant: bool = False,
         static_argnums: Sequence[int] | str = "auto",
         plan: Plan | str | os.PathLike | None = None,
+        _statics_bound: bool = False,
     ):
         if trace is not None and not isinstance(trace, str | os.PathLike):
             raise MeshshardInputError(
@@ -74,6 +75,10 @@ class ParallelizedFunction:
             )
         self.static_argnums = static_argnums if static_argnums == "auto" else tuple(static_argnums)
         self._variants: dict = {}  # static values -> the step compiled with them bound
+        # a jax.jit-wrapped step's own static positions, per number of arguments; None
+        # in a variant, whose function has them bound already (though functools'
+        # update_wrapper copied the jitted function's options onto it)
+        self._jit_static: dict[int, tuple[int, ...]] | None = None if _statics_bound else {}
         self._last_variant: ParallelizedFunction | None = None
         self._executables: dict = {}
         self._lowered: Plan | None = None
@@ -293,8 +298,9 @@ class ParallelizedFunction:
         static, else the step compiled with these static values bound (made on first use)
         and the other arguments."""
         static = static_positions(args, self.static_argnums) if self.static_argnums else ()
-        # a jax.jit-wrapped step's own static arguments must reach it as Python values
-        static = tuple(sorted({*static, *jit_static_positions(self.fn, len(args))}))
+        jit_static = self._jit_static_positions(len(args))
+        if jit_static:  # a jax.jit-wrapped step's own statics must reach it as Python values
+            static = tuple(sorted({*static, *jit_static}))
         if not static:
             if _writes_nnx_back(self.fn, self.method, args):
                 return self._variant(("nnx",), WritesBack(self.fn)), args
@@ -305,6 +311,16 @@ class ParallelizedFunction:
         key = static_key(args, static)
         variant = self._variant(key, WithStatic(self.fn, key), donate, batch)
         return variant, tuple(a for i, a in enumerate(args) if i not in static)
+
+    def _jit_static_positions(self, num_args: int) -> tuple[int, ...]:
+        """The positions a ``jax.jit``-wrapped step takes as static in a call with
+        ``num_args`` arguments (looked up once per count); none in a variant."""
+        if self._jit_static is None:
+            return ()
+        found = self._jit_static.get(num_args)
+        if found is None:
+            found = self._jit_static[num_args] = jit_static_positions(self.fn, num_args)
+        return found
 
     def _variant(self, key, fn, donate=None, batch=None) -> ParallelizedFunction:
         """The step ``fn`` (this one's with static values bound, or writing NNX modules
@@ -318,6 +334,7 @@ class ParallelizedFunction:
                 self.batch_argnums if batch is None else batch,
                 static_argnums=(),
                 plan=self.given_plan,
+                _statics_bound=True,
             )
             variant._default_batch = self._default_batch if batch is None else False
             variant.trace_log = self.trace_log

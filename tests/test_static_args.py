@@ -124,3 +124,9 @@ def test_a_jitted_step_keeps_its_own_static_arguments(threads_cluster):
     for mode, scale in [("l1", 1), ("l2", 2)]:
         assert_trees_close(jitted(state, batch, mode, scale), step(state, batch, mode, scale))
     assert len(step._variants) == 2
+    # a static first argument: the step with it bound takes (state, batch) and must not
+    # read the jitted function's position 0 again (the state is not static)
+    first = jax.jit(mode_first_step, static_argnums=(0,))
+    step = meshshard.parallelize(first, method=PIPE, batch_argnums=(2,))
+    assert_trees_close(first("l1", state, batch), step("l1", state, batch))
+    assert list(step._variants) == [((0, "l1"),)]
