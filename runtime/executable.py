@@ -631,7 +631,7 @@ class Executable:
                 leaves.append(array)
             elif kind == "input":
                 x = flat[what]
-                leaves.append(jax.numpy.asarray(x) if _is_host_value(x) else x)
+                leaves.append(as_result(x) if _is_host_value(x) else x)
             else:  # a literal, made a jax.Array once (immutable, so it can be shared)
                 leaves.append(what)
         return leaves
@@ -643,7 +643,7 @@ class Executable:
         for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
             shape, dtype = tuple(o.shape), np.dtype(o.dtype)
             if o.source == "literal":
-                value = jax.numpy.asarray(np.asarray(o.literal, dtype=dtype).reshape(shape))
+                value = as_result(np.asarray(o.literal, dtype=dtype).reshape(shape))
                 specs.append(("literal", value, shape, dtype, ()))
             elif o.source == "input":
                 specs.append(("input", o.input_leaf, shape, dtype, ()))
@@ -671,8 +671,9 @@ class Executable:
         self._out_tree = tree
 
 
-def as_result(value: np.ndarray) -> jax.Array:
-    """A value a worker returned by value, as the ``jax.Array`` the step returns
+def as_result(value) -> jax.Array:
+    """A host value the step returns (a worker's by-value output, a literal, a NumPy or
+    Python value passed through) as the ``jax.Array`` ``jax.jit`` would return
     (``benchmarks/by_value_results.py`` times it against returning the NumPy value)."""
     return jax.numpy.asarray(value)
 
