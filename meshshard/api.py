@@ -366,7 +366,14 @@ class ParallelizedFunction:
         leaves, tree = jax.tree.flatten(args) if flat is None else flat
         key = (
             tree,
-            tuple((getattr(a, "shape", None), getattr(a, "dtype", type(a))) for a in leaves),
+            tuple(  # a weakly typed leaf traces apart, as under jax.jit
+                (
+                    getattr(a, "shape", None),
+                    getattr(a, "dtype", type(a)),
+                    getattr(a, "weak_type", False),
+                )
+                for a in leaves
+            ),
         )
         exe = self._compiled_for(key, cluster)
         if exe is None:
@@ -568,11 +575,15 @@ def _abstract(args, batch_argnums=()):
     def one(x, scalars_ok=True):
         if isinstance(x, jax.ShapeDtypeStruct):
             return x
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+        if hasattr(x, "shape") and hasattr(x, "dtype"):  # weak as a jax.Array or result is
+            weak = bool(getattr(x, "weak_type", False))
+            return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), weak_type=weak)
         if scalars_ok and isinstance(x, bool | int | float | complex):
+            # weakly typed, as jax.jit traces a Python scalar: a learning rate of 0.01
+            # times bfloat16 parameters stays bfloat16
             a = np.asarray(x)
-            return jax.ShapeDtypeStruct(a.shape, jax.dtypes.canonicalize_dtype(a.dtype))
+            dtype = jax.dtypes.canonicalize_dtype(a.dtype)
+            return jax.ShapeDtypeStruct(a.shape, dtype, weak_type=not isinstance(x, bool))
         return x
 
     return tuple(
@@ -583,12 +594,19 @@ def _abstract(args, batch_argnums=()):
 
 def _signature(abstract) -> tuple:
     """The executables' cache key of abstract arguments (:func:`_abstract`): their tree and
-    each leaf's shape and dtype."""
+    each leaf's shape, dtype and weak type (``jax.jit`` traces a weak leaf anew too)."""
     leaves, tree = jax.tree.flatten(abstract)
     return (
         "abstract",
         tree,
-        tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a)))) for a in leaves),
+        tuple(
+            (
+                getattr(a, "shape", None),
+                str(getattr(a, "dtype", type(a))),
+                getattr(a, "weak_type", False),
+            )
+            for a in leaves
+        ),
     )
 
 

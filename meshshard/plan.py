@@ -556,6 +556,7 @@ class OutputSpec:
 
     ``source`` is ``buffer`` (``slots`` hold it, one per mesh that computes it), ``input``
     (returned unchanged from input leaf ``input_leaf``) or ``literal`` (``literal``).
+    ``weak_type`` marks a result ``jax.jit`` returns weakly typed (a Python ``0.0``).
     """
 
     leaf: int
@@ -566,6 +567,7 @@ class OutputSpec:
     slots: tuple[tuple[BufferRef, int], ...] = ()
     input_leaf: int | None = None
     literal: float | int | bool | None = None
+    weak_type: bool = False
 
     def __post_init__(self) -> None:
         _set(self, "source", OutputSource(self.source))
@@ -578,7 +580,8 @@ class OutputSpec:
             where = f"in{self.input_leaf}"
         else:
             where = f"literal {self.literal!r}"
-        return f"out{self.leaf}  {_shape_str(self.dtype, self.shape)} {self.path}  <- {where}"
+        weak = " (weak)" if self.weak_type else ""
+        return f"out{self.leaf}  {_shape_str(self.dtype, self.shape)}{weak} {self.path}  <- {where}"
 
 
 @dataclass(frozen=True)

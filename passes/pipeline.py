@@ -356,7 +356,15 @@ def _output_specs(traced: TracedStep, graph: StageGraph) -> tuple[OutputSpec, ..
         lit = o.literal.item() if hasattr(o.literal, "item") else o.literal
         out.append(
             OutputSpec(
-                o.leaf, info.path, info.shape, info.dtype, o.source, o.slots, o.input_leaf, lit
+                o.leaf,
+                info.path,
+                info.shape,
+                info.dtype,
+                o.source,
+                o.slots,
+                o.input_leaf,
+                lit,
+                info.weak_type,
             )
         )
     return tuple(out)

@@ -87,11 +87,13 @@ class LeafInfo:
     dtype: str
     is_batch: bool = False
     is_key: bool = False
+    weak_type: bool = False
 
     def __str__(self) -> str:
         b = " (batch)" if self.is_batch else ""
         k = " (key)" if self.is_key else ""
-        return f"{self.path}: {self.dtype}{list(self.shape)}{b}{k}"
+        w = " (weak)" if self.weak_type else ""
+        return f"{self.path}: {self.dtype}{list(self.shape)}{b}{k}{w}"
 
 
 @dataclass(frozen=True)
@@ -149,13 +151,16 @@ def _not_the_batch(where: str) -> str:
 def _abstract(leaf, where: str, arg_name: str):
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
-    if isinstance(leaf, jax.Array | np.ndarray | np.generic):
+    if isinstance(leaf, np.ndarray | np.generic):
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # RemoteArray and friends
-        return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype))
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # jax.Array, RemoteArray, ...
+        weak = bool(getattr(leaf, "weak_type", False))  # promotes as jax.jit's trace does
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype), weak_type=weak)
     if isinstance(leaf, bool | int | float) and arg_name != "batch":
+        # weakly typed, as jax.jit traces a Python scalar: ``0.5 * bf16_params`` stays bf16
         arr = np.asarray(leaf)
-        return jax.ShapeDtypeStruct(arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype))
+        dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
+        return jax.ShapeDtypeStruct(arr.shape, dtype, weak_type=not isinstance(leaf, bool))
     if arg_name == "batch":
         fix = (
             "every leaf of a batch argument must be an array (numpy or jax) with the batch "
@@ -340,9 +345,14 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     infos += stat_infos
     if draws:
         infos.append(LeafInfo(INDEX_PATH, (m,), "int32", True))
-    outputs = tuple(
-        LeafInfo("out" + _path_str(p), tuple(v.aval.shape), str(np.dtype(v.aval.dtype)))
-        for (p, _), v in zip(out_paths, closed.jaxpr.outvars, strict=True)
+    outputs = tuple(  # weak types as jax.jit returns them (a Python 0.0 is a weak float32)
+        LeafInfo(
+            "out" + _path_str(p),
+            tuple(v.aval.shape),
+            str(np.dtype(v.aval.dtype)),
+            weak_type=bool(getattr(s, "weak_type", False)),
+        )
+        for (p, s), v in zip(out_paths, closed.jaxpr.outvars, strict=True)
     )
     return TracedStep(
         closed=closed,

@@ -119,6 +119,8 @@ class RemoteArray:
 
     #: ``np.ndarray + remote`` defers to this array's operators, as with ``jax.Array``
     __array_priority__ = 100
+    #: True for a result ``jax.jit`` types weakly: passed back, a step traces it weakly too
+    weak_type = False
 
     def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
         self._fill(
@@ -249,7 +251,7 @@ class RemoteArray:
         functions and ``jax.jit`` of another function compute on, as on a step's
         result under ``jax.jit``."""
         if self._value is None:  # dropped again when the array is donated or deleted
-            self._value = jax.numpy.asarray(self.fetch())
+            self._value = as_result(self.fetch(), self.weak_type)
         return self._value
 
     def block_until_ready(self) -> RemoteArray:
@@ -622,11 +624,13 @@ class Executable:
         leaves = []
         owner, backend, free = weakref.ref(self), self.backend, self.schedule_frees
         track, stored = backend.track, RemoteArray._stored
-        for kind, what, shape, dtype, groups in self._out_specs:
+        for kind, what, shape, dtype, groups, weak in self._out_specs:
             if kind == "stored":
                 array = stored(
                     owner, backend, free, {w: base + off for w, off in what}, shape, dtype, groups
                 )
+                if weak:
+                    array.weak_type = True
                 track(array)
                 leaves.append(array)
             elif kind == "input":
@@ -638,18 +642,18 @@ class Executable:
 
     def _output_specs(self) -> tuple:
         """Per output leaf, what :meth:`_output_leaves` needs, normalised once: ``(kind,
-        holders | input leaf | literal, shape, dtype, groups)``."""
+        holders | input leaf | literal, shape, dtype, groups, weak type)``."""
         specs = []
         for o, lay in zip(self.plan.outputs, self.layout.outputs, strict=True):
-            shape, dtype = tuple(o.shape), np.dtype(o.dtype)
+            shape, dtype, weak = tuple(o.shape), np.dtype(o.dtype), o.weak_type
             if o.source == "literal":
-                value = as_result(np.asarray(o.literal, dtype=dtype).reshape(shape))
-                specs.append(("literal", value, shape, dtype, ()))
+                value = as_result(np.asarray(o.literal, dtype=dtype).reshape(shape), weak)
+                specs.append(("literal", value, shape, dtype, (), weak))
             elif o.source == "input":
-                specs.append(("input", o.input_leaf, shape, dtype, ()))
+                specs.append(("input", o.input_leaf, shape, dtype, (), weak))
             else:
                 groups = tuple(tuple(g) for g in lay.groups)
-                specs.append(("stored", tuple(lay.holders), shape, dtype, groups))
+                specs.append(("stored", tuple(lay.holders), shape, dtype, groups, weak))
         return tuple(specs)
 
     def _by_value(self, leaves: list, results: dict[int, dict]):
@@ -663,7 +667,7 @@ class Executable:
             value = results.get(w0, {}).get(off0)
             if value is not None:
                 leaves[i].deleted = True  # never stored: nothing to free
-                leaves[i] = as_result(value.reshape(o.shape))
+                leaves[i] = as_result(value.reshape(o.shape), o.weak_type)
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:
@@ -671,10 +675,16 @@ class Executable:
         self._out_tree = tree
 
 
-def as_result(value) -> jax.Array:
+def as_result(value, weak_type: bool = False) -> jax.Array:
     """A host value the step returns (a worker's by-value output, a literal, a NumPy or
-    Python value passed through) as the ``jax.Array`` ``jax.jit`` would return
-    (``benchmarks/by_value_results.py`` times it against returning the NumPy value)."""
+    Python value passed through) as the ``jax.Array`` ``jax.jit`` would return, weakly
+    typed where ``jax.jit``'s is (``benchmarks/by_value_results.py`` times it against
+    returning the NumPy value)."""
+    if weak_type and np.ndim(value) == 0:
+        scalar = np.asarray(value).item()  # JAX types a Python scalar weakly
+        weak = jax.numpy.asarray(scalar)
+        if weak.dtype == np.asarray(value).dtype:
+            return weak
     return jax.numpy.asarray(value)
 
 

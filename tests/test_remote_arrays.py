@@ -167,7 +167,8 @@ def test_an_nnx_model_trained_in_place_evaluates_outside_the_step(threads_cluste
 
 
 def small_results_step(state, batch):
-    """A step whose results are small (returned by value), a literal and a passthrough."""
+    """A step whose results are small (returned by value), literals (a NumPy and two
+    Python ones), a weakly typed computed result and a passthrough."""
     params, count, scale = state
 
     def loss_fn(p):
@@ -176,13 +177,15 @@ def small_results_step(state, batch):
     loss, grads = meshshard.value_and_grad(loss_fn)(params)
     params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
     hits = jnp.sum(batch[1] > 0).astype(jnp.int32)
-    return (params, count + 1, scale), (loss, hits, jnp.float32(2.5), loss / hits)
+    results = (loss, hits, jnp.float32(2.5), loss / hits, 0.0, 1, scale * 2.0)
+    return (params, count + 1, scale), results
 
 
 def test_small_results_are_jax_arrays_like_jits(threads_cluster):
     """Results the workers return by value, literals and host values passed through are
     ``jax.Array``s of ``jax.jit``'s dtypes and weak types: ``loss.block_until_ready()``
-    works, and ``loss / hits`` stays float32 (NumPy values made it float64)."""
+    works, ``loss / hits`` stays float32 (NumPy values made it float64), and a Python
+    ``0.0`` the step returns is a weak float32 (it was a strong one)."""
     params = MODEL.init(jax.random.PRNGKey(0), X)["params"]
     state = (params, np.int32(0), 0.5)  # a NumPy counter and a Python float pass through
     want_state, want = jax.jit(small_results_step)(state, (X, Y))
@@ -191,11 +194,11 @@ def test_small_results_are_jax_arrays_like_jits(threads_cluster):
         method=meshshard.DataParallel(num_micro_batches=2, mesh_shape=(1, 2)),
     )
     got_state, got = step(state, (X, Y))
-    loss, hits, literal, ratio = got
+    loss, hits, literal, *_ = got
     assert loss.block_until_ready() is loss
     assert float(hits) == float(want[1])
     for name, g, w in zip(
-        ["loss", "hits", "literal", "ratio", "count", "scale"],
+        ["loss", "hits", "literal", "ratio", "py float", "py int", "weak", "count", "scale"],
         [*got, *got_state[1:]],
         [*want, *want_state[1:]],
         strict=True,

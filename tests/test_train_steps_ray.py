@@ -55,3 +55,11 @@ def test_a_float64_step_under_jax_enable_x64_runs_on_the_actors(ray_cluster):
         assert floats == {np.dtype("float64")}  # (Adam's count is int32 under x64 too)
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+def test_a_python_float_hyperparameter_keeps_bfloat16_weights_bfloat16_on_ray(ray_cluster):
+    """The weakly typed Python float reaches the host-actors' traces: bfloat16 weights
+    stay bfloat16 through a two-stage pipeline, as under ``jax.jit``."""
+    from tests.test_compile_reuse import check_bf16_sgd
+
+    check_bf16_sgd(PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]))
