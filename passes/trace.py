@@ -43,6 +43,7 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, without_markers
 from meshshard.passes.batch_coupling import coupled_statistics
+from meshshard.passes.batch_indexing import batch_row_indexing, batch_row_indexing_message
 from meshshard.passes.batch_statistics import (
     PATH,
     Statistics,
@@ -294,6 +295,10 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
+    if m > 1:  # a graph batch: edge lists naming node rows cannot be cut into micro-batches
+        found = batch_row_indexing(micro, full, is_batch, wheres)
+        if found:
+            raise MeshshardInputError(batch_row_indexing_message(found, m))
     outs = micro.jaxpr.outvars
     stash = {outs[i] for i in stash_outputs(fn, out_shape) if not is_literal(outs[i])}  # 2BW
     if stash and stash.intersection(read_after_grad(micro.jaxpr, is_batch)):
