@@ -43,7 +43,7 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, without_markers
 from meshshard.passes.batch_coupling import coupled_statistics
-from meshshard.passes.batch_indexing import batch_row_indexing, batch_row_indexing_message
+from meshshard.passes.batch_indexing import batch_positions
 from meshshard.passes.batch_statistics import (
     PATH,
     Statistics,
@@ -152,10 +152,13 @@ def _not_the_batch(where: str) -> str:
 def _abstract(leaf, where: str, arg_name: str):
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
+    if isinstance(leaf, jax.Array):  # a weak one promotes as jax.jit's trace of it does
+        weak = bool(getattr(leaf, "weak_type", False))  # (typed keys have none)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=weak)
     if isinstance(leaf, np.ndarray | np.generic):
         return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # jax.Array, RemoteArray, ...
-        weak = bool(getattr(leaf, "weak_type", False))  # promotes as jax.jit's trace does
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # RemoteArray and friends
+        weak = bool(getattr(leaf, "weak_type", False))
         return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype), weak_type=weak)
     if isinstance(leaf, bool | int | float) and arg_name != "batch":
         # weakly typed, as jax.jit traces a Python scalar: ``0.5 * bf16_params`` stays bf16
@@ -295,10 +298,10 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     micro, out_shape = (
         (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
     )
-    if m > 1:  # a graph batch: edge lists naming node rows cannot be cut into micro-batches
-        found = batch_row_indexing(micro, full, is_batch, wheres)
-        if found:
-            raise MeshshardInputError(batch_row_indexing_message(found, m))
+    if m > 1:  # a graph batch's edge lists, keys per row number: not cut into micro-batches
+        positions = batch_positions(micro, full, is_batch, wheres)
+        if positions:
+            raise MeshshardInputError(positions.message(m))
     outs = micro.jaxpr.outvars
     stash = {outs[i] for i in stash_outputs(fn, out_shape) if not is_literal(outs[i])}  # 2BW
     if stash and stash.intersection(read_after_grad(micro.jaxpr, is_batch)):
