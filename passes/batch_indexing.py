@@ -1,7 +1,8 @@
 """Pass 0a'''': find where a step relies on rows' positions in the whole batch.
 
-Two ways, both refused with ``num_micro_batches > 1``: batch data that address the
-batch's own rows (a graph batch), and random keys made from row numbers.
+Three ways, all refused with ``num_micro_batches > 1``: batch data that address the
+batch's own rows (a graph batch), random keys made from row numbers, and rows flipped,
+shifted or cut by position (:mod:`~meshshard.passes.batch_order`).
 
 A batch leaf whose values are row numbers of the batch (a graph's edge lists, where
 ``senders`` and ``receivers`` name node rows; a partner index per example) couples the
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import is_literal, sub_jaxprs, user_line
+from meshshard.passes.batch_order import reordered_rows
 from meshshard.passes.reductions import same_program
 
 __all__ = ["BatchPositions", "batch_positions"]
@@ -80,9 +82,10 @@ class BatchPositions:
 
     rows: tuple[tuple[str, str], ...] = ()
     keys: tuple[str, ...] = ()
+    order: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.rows or self.keys)
+        return bool(self.rows or self.keys or self.order)
 
     def message(self, m: int) -> str:
         """The refusal, with the fixes."""
@@ -108,6 +111,16 @@ class BatchPositions:
                 "full batch's keys), fold in an example id carried in the batch, or use "
                 "num_micro_batches=1"
             )
+        if self.order:
+            parts.append(
+                f"the step pairs or picks examples by their position in the batch "
+                f"({'; '.join(self.order)}: a flip x[::-1] or jnp.roll along the batch, as "
+                "a mixup partner; h[1:] - h[:-1]; a cut such as h[: n // 2] or "
+                f"jnp.split(h, k)): num_micro_batches={m} would flip, shift or cut each "
+                "micro-batch's own rows, other examples than jax.jit's; mix or cut the "
+                "batch before the step (in the input pipeline), let num_micro_batches cut "
+                "it instead of the step, or use num_micro_batches=1"
+            )
         return "; and ".join(parts)
 
 
@@ -122,7 +135,8 @@ def batch_positions(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, wheres) -> 
         dep={v for i, v in enumerate(invars) if _flag(is_batch, i)},
     )
     walk.run(micro.jaxpr, full.jaxpr, wheres)
-    return BatchPositions(tuple(walk.rows), tuple(walk.keys))
+    order = reordered_rows(micro, full, is_batch)
+    return BatchPositions(tuple(walk.rows), tuple(walk.keys), order)
 
 
 def _flag(is_batch, i: int) -> bool:
