@@ -203,7 +203,30 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         if flip:  # -max(x) is the min of -x: a max over micro-batches would be wrong
             return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
         return which, "reduction over the batch"
+    if "scatter" in kinds:
+        return "", WRITES_ROWS
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+#: Why a value that writes the batch's rows into an array by index is refused: each
+#: micro-batch's array holds its own rows only, and no reduction of them gives the
+#: batch's (a mean halves every row), so a default would be a wrong number.
+WRITES_ROWS = "it writes the batch's rows into an array by index (x.at[i].set(rows))"
+
+
+def _writes_rows_message(label: str, producer, m: int) -> str:
+    """The refusal of a value (``label``, made by ``producer``) that :data:`WRITES_ROWS`."""
+    f = user_frame(producer) if producer is not None else None
+    where = f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
+    return (
+        f"{label}{where} writes the batch's rows into an array by index (x.at[i].set(rows): a "
+        f"memory bank of features by example id): with num_micro_batches={m} each "
+        "micro-batch's array would hold only its own rows, and no combination of them "
+        "gives the batch's (a mean halves every row); return the rows and their indices "
+        "from the step (per-example values come back concatenated over the micro-batches) "
+        "and write them outside it (bank = bank.at[idx].set(rows) under jax.jit), or use "
+        "num_micro_batches=1"
+    )
 
 
 def _into_zeros(scatter, producers) -> bool:
@@ -665,6 +688,8 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                     "mean averages the micro-batches' losses with equal weights, whatever "
                     "their counts)"
                 )
+            if not red and why == WRITES_ROWS:
+                raise MeshshardInputError(_writes_rows_message(label, p, m))
             if not red and label.startswith(PRE_GRAD_LABEL):
                 raise MeshshardInputError(_unclassified_pre_grad_message(p, why))
             if not red:

@@ -1,0 +1,88 @@
+"""A memory bank written by example id after the grad (``bank.at[idx].set(features)``):
+refused with micro-batches, whose banks each hold one micro-batch's rows; equal to
+``jax.jit`` in one micro-batch, and through the refusal's fix (return the rows and their
+ids, write them outside the step) in several."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshshard
+from meshshard import DataParallel
+from meshshard.errors import MeshshardInputError
+from tests.random_parity import check_step_parity
+
+BANK_ROWS = 16
+
+
+def features_and_grads(p, batch):
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w"])
+        return jnp.mean((h @ p["out"] - batch["y"]) ** 2), h
+
+    (loss, h), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(p)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss, jax.lax.stop_gradient(h)
+
+
+def bank_step(state, batch):
+    """Features written into the bank inside the step."""
+    p, bank = state
+    p, loss, h = features_and_grads(p, batch)
+    return (p, bank.at[batch["idx"]].set(h)), loss
+
+
+def rows_step(p, batch):
+    """The fix: the step returns the features and their ids."""
+    p, loss, h = features_and_grads(p, batch)
+    return p, loss, h, batch["idx"]
+
+
+def case():
+    rng = np.random.default_rng(7)
+    p = {
+        "w": rng.normal(size=(6, 8)).astype(np.float32) * 0.3,
+        "out": rng.normal(size=(8, 1)).astype(np.float32) * 0.3,
+    }
+    batches = [
+        {
+            "x": rng.normal(size=(8, 6)).astype(np.float32),
+            "y": rng.normal(size=(8, 1)).astype(np.float32),
+            "idx": np.arange(8 * i, 8 * i + 8, dtype=np.int32),
+        }
+        for i in range(2)
+    ]
+    return p, np.zeros((BANK_ROWS, 8), np.float32), batches
+
+
+def test_a_bank_written_after_the_grad_is_refused_with_micro_batches(threads_cluster):
+    """Before, each micro-batch wrote its 4 rows into its own bank and the banks were
+    averaged (a default mean, with a warning): every written row came back halved."""
+    p, bank, batches = case()
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
+    step = meshshard.parallelize(bank_step, method=method)
+    with pytest.raises(MeshshardInputError) as err:
+        step((p, bank), batches[0])
+    msg = str(err.value)
+    assert "(test_memory_bank.py:32) writes the batch's rows into an array by index" in msg
+    assert "write them outside it" in msg
+
+
+def test_a_bank_written_in_one_micro_batch_equals_jit(threads_cluster):
+    p, bank, batches = case()
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=1)
+    check_step_parity(bank_step, method, (p, bank), batches)
+
+
+def test_the_rows_written_outside_the_step_equal_jit_in_micro_batches(threads_cluster):
+    p, bank, batches = case()
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
+    step = meshshard.parallelize(rows_step, method=method)
+    write = jax.jit(lambda bank, rows, idx: bank.at[idx].set(rows))
+    want_p, want_bank, got_p, got_bank = p, bank, p, bank
+    for batch in batches:
+        (want_p, want_bank), _ = jax.jit(bank_step)((want_p, want_bank), batch)
+        got_p, _, rows, idx = step(got_p, batch)
+        got_bank = write(got_bank, rows, idx)
+    np.testing.assert_allclose(np.asarray(got_bank), np.asarray(want_bank), rtol=1e-5, atol=1e-7)
+    assert np.count_nonzero(np.asarray(got_bank).any(axis=1)) == BANK_ROWS
