@@ -230,3 +230,28 @@ def test_keys_split_per_row_or_from_example_ids_equal_jit_in_micro_batches(
     state, batches = keyed_case()
     method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
     check_step_parity(keyed_dropout_step(make_keys), method, state, batches)
+
+
+def test_a_table_in_the_batch_with_as_many_rows_as_the_batch_is_named():
+    """Class weights of 8 classes in a batch of 8: cut into micro-batches they would be
+    looked up by label in the wrong halves; the refusal says where the table belongs."""
+    rng = np.random.default_rng(8)
+    p = {"w": rng.normal(size=(4, 8)).astype(np.float32)}
+    batch = {
+        "x": rng.normal(size=(8, 4)).astype(np.float32),
+        "labels": rng.integers(0, 8, 8).astype(np.int32),
+        "class_weights": rng.uniform(size=8).astype(np.float32),
+    }
+
+    def weighted_loss(p, batch):
+        logp = jax.nn.log_softmax(batch["x"] @ p["w"])
+        picked = jnp.take_along_axis(logp, batch["labels"][:, None], axis=1)[:, 0]
+        return -jnp.mean(batch["class_weights"][batch["labels"]] * picked)
+
+    def step(p, batch):
+        return meshshard.value_and_grad(weighted_loss)(p, batch)
+
+    with pytest.raises(MeshshardInputError) as err:
+        trace_step(step, (p, batch), batch_argnums=(1,), num_micro_batches=2)
+    assert "args[1]['labels'] at test_batch_indexing.py" in str(err.value)
+    assert "belongs in a non-batch argument" in str(err.value)
