@@ -23,7 +23,13 @@ from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardPar
 from meshshard.nnx_modules import WritesBack, holds_modules, write_in_place
 from meshshard.plan import Plan
 from meshshard.replay import check_replay, load_plan
-from meshshard.static_args import WithStatic, dynamic_positions, static_key, static_positions
+from meshshard.static_args import (
+    WithStatic,
+    argnum_positions,
+    dynamic_positions,
+    static_key,
+    static_positions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -392,9 +398,8 @@ class ParallelizedFunction:
                 fn, _ = physical_call(_layered(self.fn, self.method), typed_args)
                 plan, traced = self._plan_for(fn, abstract, batch_argnums, cluster.spec)
                 phase(f"compiling {len(plan.programs)} programs on {len(plan.workers)} workers")
-                exe = Executable(
-                    plan, cluster.backend(), fn, abstract, batch_argnums, self.donate_argnums
-                )
+                donate = argnum_positions(self.donate_argnums, len(args), "donate_argnums")
+                exe = Executable(plan, cluster.backend(), fn, abstract, batch_argnums, donate)
             exe.set_out_tree(traced.out_tree)
             exe.traced = traced  # for compiled_collectives()
             exe.statistics = traced.statistics  # the full batch's, each call (see __call__)

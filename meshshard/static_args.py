@@ -53,16 +53,20 @@ def static_positions(args: tuple, static_argnums: Sequence[int] | str) -> tuple[
     cannot be an array (module docstring)."""
     if isinstance(static_argnums, str):
         return tuple(i for i, a in enumerate(args) if _is_static_value(a))
-    n = len(args)
-    out = set()
-    for i in static_argnums:
+    return argnum_positions(static_argnums, len(args), "static_argnums")
+
+
+def argnum_positions(argnums: Sequence[int], n: int, what: str) -> tuple[int, ...]:
+    """``argnums`` as positions among a call's ``n`` arguments (negative ones count from
+    the end, as in ``jax.jit``); one outside them is refused naming ``what``, as
+    ``jax.jit`` refuses it, instead of being ignored."""
+    for i in argnums:
         if not -n <= i < n:
             raise MeshshardInputError(
-                f"static_argnums names argument {i}, but the step was called with {n} "
+                f"{what} names argument {i}, but the step was called with {n} "
                 "argument(s); pass positions of the step's arguments"
             )
-        out.add(i % n)
-    return tuple(sorted(out))
+    return tuple(sorted({i % n for i in argnums}))
 
 
 def static_key(args: tuple, positions: tuple[int, ...]) -> tuple[tuple[int, Hashable], ...]:

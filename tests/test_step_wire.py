@@ -1,9 +1,11 @@
 """The numbering the driver and the workers share for step calls (runtime/step_wire.py)."""
 
 import jax
+import pytest
 
 import meshshard
 from examples import mlp
+from meshshard.errors import MeshshardInputError
 from meshshard.runtime.step_wire import KeyCounter, StepLayout
 
 
@@ -51,17 +53,19 @@ def test_key_blocks_never_overlap():
     assert keys.reserve(2) == 16
 
 
-def test_donated_state_is_released_and_the_batch_is_kept(threads_cluster):
+@pytest.mark.parametrize("donate", [(0,), (-2,)])
+def test_donated_state_is_released_and_the_batch_is_kept(threads_cluster, donate):
     """``donate_argnums=(0,)``: once a step has the state it was given, that state's
     stored arrays are dropped (found from the flattened arguments by position); the
-    batch argument and the step's new state stay usable, and training equals jax.jit."""
+    batch argument and the step's new state stay usable, and training equals jax.jit.
+    A negative position counts from the end, as in ``jax.jit`` (it was ignored)."""
     from meshshard.runtime.executable import RemoteArray
     from tests.conftest import assert_trees_close
 
     batches = [mlp.make_batch(8, seed=i) for i in range(3)]
     state = mlp.make_state(mlp.MLP(num_layers=4), batches[0]["x"])
     method = meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
-    step = meshshard.parallelize(mlp.train_step, method=method, donate_argnums=(0,))
+    step = meshshard.parallelize(mlp.train_step, method=method, donate_argnums=donate)
     ref, got = state, state
     kept = []
     for b in batches:
@@ -75,3 +79,13 @@ def test_donated_state_is_released_and_the_batch_is_kept(threads_cluster):
         assert remote(donated) and all(x.deleted for x in remote(donated))
     assert remote(got) and not any(x.deleted for x in remote(got))
     assert_trees_close(ref.params, got.params)
+
+
+def test_a_donated_position_outside_the_call_is_refused_as_jit_refuses_it(threads_cluster):
+    """It was ignored, so a typo left every state alive (twice the memory)."""
+    batch = mlp.make_batch(8)
+    state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
+    method = meshshard.DataParallel(mesh_shape=(1, 2))
+    step = meshshard.parallelize(mlp.train_step, method=method, donate_argnums=(2,))
+    with pytest.raises(MeshshardInputError, match=r"donate_argnums names argument 2, but"):
+        step(state, batch)
