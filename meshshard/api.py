@@ -349,11 +349,13 @@ class ParallelizedFunction:
         return variant
 
     def _batch_for(self, args) -> tuple[int, ...]:
-        """The batch positions for a call with ``args``: ``batch_argnums``, less the
-        default's second argument when the step was called with one."""
+        """The batch positions for a call with ``args``: ``batch_argnums`` (negative ones
+        counting from the end), less the default's second argument when the step was
+        called with one."""
+        n = len(args)
         if self._default_batch:
-            return tuple(i for i in self.batch_argnums if i < len(args))
-        return self.batch_argnums
+            return tuple(i for i in self.batch_argnums if i < n)
+        return tuple(i % n if -n <= i < 0 else i for i in self.batch_argnums)
 
     def _executable_for(self, args, raw_args=None, flat=None):
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw

@@ -212,7 +212,7 @@ def trace_step(
     """
     args = tuple(args)
     for i in batch_argnums:
-        if i >= len(args):
+        if not 0 <= i < len(args):
             raise MeshshardInputError(
                 f"batch_argnums={tuple(batch_argnums)} names argument {i}, but the step was "
                 f"called with {len(args)} arguments; pass batch_argnums indexing the batch"

@@ -130,3 +130,18 @@ def test_a_jitted_step_keeps_its_own_static_arguments(threads_cluster):
     step = meshshard.parallelize(first, method=PIPE, batch_argnums=(2,))
     assert_trees_close(first("l1", state, batch), step("l1", state, batch))
     assert list(step._variants) == [((0, "l1"),)]
+
+
+def test_a_negative_batch_position_counts_from_the_end_as_in_jit(threads_cluster):
+    """``batch_argnums=(-1,)`` ran the batch as state: no micro-batches, every device
+    computing the whole batch. Now it names the last argument; one outside is refused."""
+    batch = mlp.make_batch(8)
+    state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
+    step = meshshard.parallelize(mlp.train_step, method=method, batch_argnums=(-1,))
+    got, _ = step(state, batch)
+    assert {i.kind.value for i in step.plan.inputs if i.path.startswith("args[1]")} == {"batch"}
+    assert_trees_close(jax.jit(mlp.train_step)(state, batch)[0].params, got.params)
+    beyond = meshshard.parallelize(mlp.train_step, method=method, batch_argnums=(-3,))
+    with pytest.raises(MeshshardInputError, match=r"batch_argnums=\(-3,\) names argument -3"):
+        beyond(state, batch)
