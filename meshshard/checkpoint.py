@@ -36,7 +36,7 @@ from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.keys import is_typed_key, key_impl
 from meshshard.plan import Spec, spec_str
 from meshshard.runtime.checkpoint_io import ShardWriter, read_host
-from meshshard.runtime.executable import _KEYS, Executable, RemoteArray
+from meshshard.runtime.executable import _KEYS, Executable, RemoteArray, as_result
 
 # Flax's own serialization (``flax.serialization.to_bytes``, ``to_state_dict``) of a state
 # the step returned writes host copies of its remote arrays, as of ``jax.Array``s.
@@ -160,6 +160,8 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
                 backend_of.setdefault(w, leaf._backend)
             shape, dtype = leaf.shape, leaf.dtype
         else:  # a host value (or an array moved to the driver when its hosts restarted)
+            if isinstance(leaf, int | float | complex) and not isinstance(leaf, bool):
+                leaf = jax.numpy.asarray(leaf)  # what a step takes it as: a weak float32
             impl = key_impl(leaf) if is_typed_key(leaf) else None
             host[name] = np.asarray(leaf if impl is None else jax.random.key_data(leaf))
             part, shape, dtype = DRIVER_PART, host[name].shape, host[name].dtype
@@ -172,6 +174,8 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
         }
         if impl is not None:  # a typed key: its data saved, and how to wrap it back
             entry.update(key_impl=impl, key_shape=list(np.shape(leaf)))
+        if getattr(leaf, "weak_type", False):  # restored weak, so it promotes as before
+            entry["weak_type"] = True
         entries.append(entry)
     os.makedirs(path)
     by_backend: dict[int, tuple[object, dict]] = {}
@@ -275,12 +279,19 @@ def restore(path: str | os.PathLike, like):
         backend.restore_shards(reqs)
     for i, owner, keys, (shape, dtype), groups in made:
         out[i] = RemoteArray(owner, keys, shape, dtype, groups)
+        if entries[i].get("weak_type"):
+            out[i].weak_type = True
         owner.backend.track(out[i])  # moved, not lost, if its hosts restart later
     for part, names in host.items():
         arrays = read_host(os.path.join(path, part), [n for _, n in names])
         for i, n in names:
             impl = entries[i].get("key_impl")
-            out[i] = arrays[n] if impl is None else jax.random.wrap_key_data(arrays[n], impl=impl)
+            if impl is not None:
+                out[i] = jax.random.wrap_key_data(arrays[n], impl=impl)
+            elif entries[i].get("weak_type"):  # a learning rate saved weak comes back weak
+                out[i] = as_result(arrays[n], weak_type=True)
+            else:
+                out[i] = arrays[n]
     return jax.tree.unflatten(tree, out)
 
 

@@ -204,3 +204,27 @@ def test_a_state_holding_a_typed_key_saves_restores_and_trains_on(threads_cluste
         resumed = train(step, back, batches(2, 1))
         assert_bit_equal(host_copy(whole[0]), host_copy(resumed[0]))
         assert np.array_equal(jax.random.key_data(whole[1]), jax.random.key_data(resumed[1]))
+
+
+def test_a_weak_learning_rate_restores_weak_and_bfloat16_weights_stay_bfloat16(
+    threads_cluster, tmp_path
+):
+    """A Python-float learning rate is traced weakly (``lr * g`` keeps bfloat16 weights
+    bfloat16); saved and restored, it was a strong float32 and the next step made the
+    weights float32 and compiled anew. Now it comes back weak, onto the meshes or the
+    host, and training on equals training without the checkpoint."""
+    from tests.test_compile_reuse import BF16, bf16_case, bf16_sgd_step
+
+    state, (b1, b2) = bf16_case()
+    step = meshshard.parallelize(bf16_sgd_step, method=TWO_STAGES)
+    once, _ = step(state, b1)
+    for where, like in [("meshes", step.placement(once, b2)), ("host", state)]:
+        meshshard.save(tmp_path / where, once)
+        restored = meshshard.restore(tmp_path / where, like=like)
+        assert restored[1].weak_type, where
+        twice, _ = step(restored, b2)
+        assert [x.dtype for x in jax.tree.leaves(twice[0])] == [BF16, BF16], where
+    want, _ = jax.jit(bf16_sgd_step)(*jax.jit(bf16_sgd_step)(state, b1)[:1], b2)
+    as_f32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)  # noqa: E731
+    assert_trees_close(as_f32(want), as_f32(twice), rtol=1e-2)  # bfloat16 micro-batch sums
+    assert len({id(e) for e in step._executables.values()}) == 1
