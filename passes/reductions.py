@@ -216,8 +216,7 @@ WRITES_ROWS = "it writes the batch's rows into an array by index (x.at[i].set(ro
 
 def _writes_rows_message(label: str, producer, m: int) -> str:
     """The refusal of a value (``label``, made by ``producer``) that :data:`WRITES_ROWS`."""
-    f = user_frame(producer) if producer is not None else None
-    where = f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
+    where = _at_line(producer)
     return (
         f"{label}{where} writes the batch's rows into an array by index (x.at[i].set(rows): a "
         f"memory bank of features by example id): with num_micro_batches={m} each "
@@ -227,6 +226,12 @@ def _writes_rows_message(label: str, producer, m: int) -> str:
         "and write them outside it (bank = bank.at[idx].set(rows) under jax.jit), or use "
         "num_micro_batches=1"
     )
+
+
+def _at_line(producer) -> str:
+    """`` (file:line)`` of the user code that made ``producer``, or nothing."""
+    f = user_frame(producer) if producer is not None else None
+    return f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
 
 
 def _into_zeros(scatter, producers) -> bool:
@@ -716,8 +721,7 @@ def _unclassified_pre_grad_message(producer, why: str) -> str:
     """Why a batch value computed before the grad and read after it is refused: unlike
     an aux value the user returned (a default reduction, warned), nothing asked for it
     to be combined over micro-batches, so a guess would be a silent wrong number."""
-    f = user_frame(producer) if producer is not None else None
-    where = f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
+    where = _at_line(producer)
     return (
         f"a value the step computes from the batch before meshshard.grad{where} and reads "
         f"after it, or returns, combines no known way over micro-batches: {why}; compute "
