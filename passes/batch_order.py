@@ -118,17 +118,21 @@ def _along(em, k: int, axis: int) -> bool:
     """Whether ``em`` works along axis ``axis`` of its operand ``k`` (sorts, sums or
     contracts it, gathers or scatters), rather than row by row."""
     p, name = em.params, em.primitive.name
-    if name in ("gather", "scatter", "scatter-add", "scatter_add", "sort", "top_k", "argsort"):
+    if name == "gather":  # an embedding lookup by the batch's ids keeps their rows
+        return k != 1
+    if name.startswith("scatter"):
         return True
+    if name == "top_k":
+        return axis == len(em.invars[k].aval.shape) - 1
     if p.get("dimension") == axis or p.get("axis") == axis or axis in (p.get("axes") or ()):
-        return True
+        return True  # a sort, cumulative sum, reduction or argmax along the batch
     if name == "dot_general":
         (contract_l, contract_r), _ = p["dimension_numbers"]
         return axis in (contract_l if k == 0 else contract_r)
     if name == "conv_general_dilated":
         lhs_batch = p["dimension_numbers"].lhs_spec[0]
         return k != 0 or axis != lhs_batch
-    return name.startswith(("scatter", "reduce", "cum", "arg"))
+    return False
 
 
 def _same_rows(out_m, out_f, in_m, in_f, lay):

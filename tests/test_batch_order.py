@@ -54,6 +54,7 @@ REORDERING = {
     "shift by a pad": lambda h: h + jnp.pad(h[1:], ((0, 1), (0, 0))),
     "chunks paired": lambda h: jnp.concatenate([sum(jnp.split(h, 2))] * 2),
     "a window of a tile": lambda h: jnp.tile(h, (2, 1))[1 : len(h) + 1],
+    "row means flipped": lambda h: h * h.mean(-1, keepdims=True)[::-1],
 }
 
 
@@ -96,9 +97,10 @@ def time_flipped_copies(p, batch):
 
 
 def whole_copies(p, batch):
-    """A tile's first copy, and every other row of each example's two repeats."""
+    """A tile's first copy, every other row of each example's two repeats, and each
+    example's features sorted."""
     h = encode(p, batch["x"].mean(1))
-    h = jnp.tile(h, (2, 1))[: len(h)] + jnp.repeat(h, 2, axis=0)[::2]
+    h = jnp.tile(h, (2, 1))[: len(h)] + jnp.repeat(h, 2, axis=0)[::2] + jnp.sort(h, axis=-1)
     return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
 
 
