@@ -1,4 +1,4 @@
-"""Pass 0a'''': find where a step relies on rows' positions in the whole batch.
+"""A check at trace time: find where a step relies on rows' positions in the whole batch.
 
 Three ways, all refused with ``num_micro_batches > 1``: batch data that address the
 batch's own rows (a graph batch), random keys made from row numbers, and rows flipped,
