@@ -197,21 +197,32 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
     if kinds <= SUM_LIKE:
         return ("mean", "mean over the batch") if norms else ("sum", "sum over the batch")
-    if kinds in ({"reduce_max"}, {"reduce_min"}) and not norms:
-        which = kinds.pop()[len("reduce_") :]
+    extremes = {EXTREMES[k] for k in kinds if k in EXTREMES}
+    if kinds <= EXTREMES.keys() and len(extremes) == 1 and not norms:
+        which = extremes.pop()  # a batch max, or a running max x.at[i].max(rows)
         flip = _nonlinear_after_reduction(micro, tail, keep_order=True)
         if flip:  # -max(x) is the min of -x: a max over micro-batches would be wrong
             return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
         return which, "reduction over the batch"
-    if "scatter" in kinds:
+    if kinds & {"scatter", "scatter-mul"}:
         return "", WRITES_ROWS
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
+#: Reductions whose micro-batch results combine by their maximum or minimum: a batch's
+#: extreme, and rows folded into an array by index with ``x.at[i].max(rows)`` (each
+#: micro-batch's array holds the extremes of its rows; theirs, of all rows).
+EXTREMES = {
+    "reduce_max": "max",
+    "scatter-max": "max",
+    "reduce_min": "min",
+    "scatter-min": "min",
+}
+
 #: Why a value that writes the batch's rows into an array by index is refused: each
 #: micro-batch's array holds its own rows only, and no reduction of them gives the
 #: batch's (a mean halves every row), so a default would be a wrong number.
-WRITES_ROWS = "it writes the batch's rows into an array by index (x.at[i].set(rows))"
+WRITES_ROWS = "it writes the batch's rows into an array by index (x.at[i].set(rows) or .mul(rows))"
 
 
 def _writes_rows_message(label: str, producer, m: int) -> str:
