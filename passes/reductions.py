@@ -210,13 +210,16 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
 
 
 #: Reductions whose micro-batch results combine by their maximum or minimum: a batch's
-#: extreme, and rows folded into an array by index with ``x.at[i].max(rows)`` (each
-#: micro-batch's array holds the extremes of its rows; theirs, of all rows).
+#: extreme, ``jnp.any``/``jnp.all`` of it, and rows folded into an array by index with
+#: ``x.at[i].max(rows)`` (each micro-batch's array holds the extremes of its rows;
+#: theirs, of all rows).
 EXTREMES = {
     "reduce_max": "max",
     "scatter-max": "max",
+    "reduce_or": "max",  # jnp.any: true if any micro-batch's is
     "reduce_min": "min",
     "scatter-min": "min",
+    "reduce_and": "min",  # jnp.all: true if every micro-batch's is
 }
 
 #: Why a value that writes the batch's rows into an array by index is refused: each

@@ -383,3 +383,37 @@ def test_functions_of_batch_sums_are_computed_from_the_combined_sums(threads_clu
     micro-batch and averaged, with a 'default' warning: not the batch's F1 or variance."""
     state, batches = _case()
     check_step_parity(ratio_metrics_step, method, state, batches, rtol=1e-4)
+
+
+def all_and_any_step(p, batch):
+    """``jnp.all`` and ``jnp.any`` of the predictions, scored after the grad; ``flag``
+    makes one row of the second half fail the ``all`` and one of the first pass the
+    ``any``, so the two micro-batches' answers differ."""
+
+    def loss_fn(p):
+        pred = jnp.tanh(batch["x"] @ p["w"])[:, 0]
+        return jnp.mean((pred - batch["y"]) ** 2), pred
+
+    (loss, pred), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(p)
+    every = jnp.all(pred - 100.0 * batch["fail"] > -50.0)
+    some = jnp.any(pred + 100.0 * batch["pass"] > 50.0)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss, every, some
+
+
+def test_all_and_any_after_the_grad_combine_as_and_and_or(threads_cluster):
+    """``jnp.all`` was summed over the micro-batches by default (a warning): True + False
+    made True where jax.jit says False. It combines as the minimum now, ``jnp.any`` as
+    the maximum."""
+    rng = np.random.default_rng(9)
+    one_hot = lambda i: np.eye(8, dtype=np.float32)[i]  # noqa: E731
+    batch = {
+        "x": rng.normal(size=(8, 4)).astype(np.float32),
+        "y": rng.normal(size=(8,)).astype(np.float32),
+        "fail": one_hot(6),
+        "pass": one_hot(1),
+    }
+    p = {"w": rng.normal(size=(4, 2)).astype(np.float32)}
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
+    par = check_step_parity(all_and_any_step, method, p, [batch])
+    _, _, every, some = par(p, batch)
+    assert (bool(every), bool(some)) == (False, True)
