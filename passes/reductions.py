@@ -206,6 +206,8 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return which, "reduction over the batch"
     if kinds & {"scatter", "scatter-mul"}:
         return "", WRITES_ROWS
+    if kinds & {"argmax", "argmin"}:
+        return "", POSITION_IN_BATCH
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
@@ -228,6 +230,24 @@ EXTREMES = {
 WRITES_ROWS = "it writes the batch's rows into an array by index (x.at[i].set(rows) or .mul(rows))"
 
 
+#: Why the position of the batch's best example (``jnp.argmax`` along the batch) is
+#: refused: each micro-batch's is a position among its own rows, and no reduction of
+#: the positions gives the batch's.
+POSITION_IN_BATCH = "it is a position in the batch (jnp.argmax or argmin along it)"
+
+
+def _position_message(label: str, producer, m: int) -> str:
+    """The refusal of a value (``label``, made by ``producer``) that is a
+    :data:`POSITION_IN_BATCH`."""
+    return (
+        f"{label}{_at_line(producer)} is a position in the batch (jnp.argmax or jnp.argmin "
+        f"along it): with num_micro_batches={m} each micro-batch's is a position among its "
+        "own rows, and no combination of them gives the batch's; return the per-example "
+        "scores (they come back concatenated over the micro-batches) and take the argmax "
+        "outside the step, or use num_micro_batches=1"
+    )
+
+
 def _writes_rows_message(label: str, producer, m: int) -> str:
     """The refusal of a value (``label``, made by ``producer``) that :data:`WRITES_ROWS`."""
     where = _at_line(producer)
@@ -240,6 +260,10 @@ def _writes_rows_message(label: str, producer, m: int) -> str:
         "and write them outside it (bank = bank.at[idx].set(rows) under jax.jit), or use "
         "num_micro_batches=1"
     )
+
+
+#: The refusals of values whose micro-batch results no reduction combines, by reason.
+_REFUSED = {WRITES_ROWS: _writes_rows_message, POSITION_IN_BATCH: _position_message}
 
 
 def _at_line(producer) -> str:
@@ -707,8 +731,8 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
                     "mean averages the micro-batches' losses with equal weights, whatever "
                     "their counts)"
                 )
-            if not red and why == WRITES_ROWS:
-                raise MeshshardInputError(_writes_rows_message(label, p, m))
+            if not red and why in _REFUSED:
+                raise MeshshardInputError(_REFUSED[why](label, p, m))
             if not red and label.startswith(PRE_GRAD_LABEL):
                 raise MeshshardInputError(_unclassified_pre_grad_message(p, why))
             if not red:

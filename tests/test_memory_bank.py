@@ -120,3 +120,20 @@ def test_a_product_folded_in_by_index_is_refused_with_micro_batches(threads_clus
     method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
     with pytest.raises(MeshshardInputError, match="writes the batch's rows into an array"):
         meshshard.parallelize(step, method=method)((p, np.ones(3, np.float32)), batches[0])
+
+
+def best_example_step(p, batch):
+    """The position of the batch's best-scored example, taken after the grad."""
+    p, loss, h = features_and_grads(p, batch)
+    return p, loss, jnp.argmax(h[:, 0] + 10.0 * (batch["idx"] % 8 == 5))
+
+
+def test_the_position_of_the_best_example_is_refused_with_micro_batches(threads_cluster):
+    """Row 5 is the best; each micro-batch's argmax is a position among its own 4 rows,
+    which were summed by default (with a warning; in a probe, 4 where jax.jit said 5)."""
+    p, _, batches = case()
+    method = DataParallel(mesh_shape=(1, 2), num_micro_batches=2)
+    with pytest.raises(MeshshardInputError, match=r"\(test_memory_bank.py:\d+\) is a position"):
+        meshshard.parallelize(best_example_step, method=method)(p, batches[0])
+    whole = DataParallel(mesh_shape=(1, 2), num_micro_batches=1)
+    check_step_parity(best_example_step, whole, p, batches)
