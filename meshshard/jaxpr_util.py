@@ -134,6 +134,17 @@ def sub_jaxprs(eqn: JaxprEqn):
                 yield j
 
 
+def paired_bodies(em: JaxprEqn, ef: JaxprEqn):
+    """The sub-jaxprs of ``em`` paired with ``ef``'s (the same equation traced at another
+    batch size) whose inputs are the equation's own (a call's, a checkpoint's, a scan's,
+    a custom derivative's; not a cond's branches) and whose equations pair one to one."""
+    for bm, bf in zip(sub_jaxprs(em), sub_jaxprs(ef), strict=False):
+        if len(bm.invars) == len(em.invars) and [e.primitive for e in bm.eqns] == [
+            e.primitive for e in bf.eqns
+        ]:
+            yield bm, bf
+
+
 def is_literal(v) -> bool:
     """True for a jaxpr literal operand."""
     return isinstance(v, Literal)

@@ -24,7 +24,7 @@ found in its body, paired with the full-batch trace's.
 from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, is_marker, sub_jaxprs, user_line
+from meshshard.jaxpr_util import is_literal, is_marker, paired_bodies, user_line
 from meshshard.passes.batch_statistics import data_only, declared_slices
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import batch_shape_changes, marker_reductions, same_program
@@ -81,20 +81,10 @@ def _find(mj, fj, stop: int, flags, data: set, declared: set, used: dict) -> Non
         elif ins and any(_activation(o, dep, data, declared) for o in em.outvars):
             origin.update((o, em) for o in em.outvars)
         if ins and outs:
-            for bm, bf in _bodies(em, ef):
+            for bm, bf in paired_bodies(em, ef):
                 inner_flags = [not is_literal(v) and v in dep for v in em.invars]
                 inner_data = data_only(bm, [not is_literal(v) and v in data for v in em.invars])
                 _find(bm, bf, len(bm.eqns), inner_flags, inner_data, set(), used)
-
-
-def _bodies(em, ef):
-    """The paired sub-jaxprs of ``em`` and ``ef`` whose inputs are the equation's own
-    (a checkpoint's, a scan's, a custom derivative's; not a cond's branches)."""
-    for bm, bf in zip(sub_jaxprs(em), sub_jaxprs(ef), strict=False):
-        if len(bm.invars) == len(em.invars) and [e.primitive for e in bm.eqns] == [
-            e.primitive for e in bf.eqns
-        ]:
-            yield bm, bf
 
 
 def _activation(v, dep, data, declared) -> bool:

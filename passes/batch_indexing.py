@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, sub_jaxprs, user_line
+from meshshard.jaxpr_util import is_literal, paired_bodies, user_line
 from meshshard.passes.batch_order import reordered_rows
 from meshshard.passes.reductions import same_program
 
@@ -165,15 +165,13 @@ class _Walk:
                 self.sources.update((o, leaves) for o in em.outvars)
             if any(v in self.dep for v in ins):
                 self.dep.update(em.outvars)
-            for bm, bf in zip(sub_jaxprs(em), sub_jaxprs(ef), strict=False):
+            for bm, bf in paired_bodies(em, ef):
                 self._enter(em, bm, bf, wheres)
             self._check(em, ef, wheres)
 
     def _enter(self, em, bm, bf, wheres) -> None:
         """Walk the body ``bm`` of a call, a checkpoint or a scan with its operands' facts;
         a call's results hold what its body's do."""
-        if len(bm.invars) != len(em.invars) or len(bm.eqns) != len(bf.eqns):
-            return  # not the call's own inputs (a cond's branches), or unpaired
         pairs = [(v, b) for v, b in zip(em.invars, bm.invars, strict=True) if not is_literal(v)]
         outer = self.sources
         self.sources = {b: outer[v] for v, b in pairs if v in outer}

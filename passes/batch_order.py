@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import is_literal, sub_jaxprs, user_frame, user_line
+from meshshard.jaxpr_util import is_literal, paired_bodies, sub_jaxprs, user_frame, user_line
 
 __all__ = ["reordered_rows"]
 
@@ -50,11 +50,11 @@ def _walk(mj, fj, layouts: dict, found: dict, caller=None) -> None:
         laid = [(k, layouts[v]) for k, v in enumerate(em.invars) if _laid(v, layouts)]
         if not laid:
             continue
-        bodies = list(zip(sub_jaxprs(em), sub_jaxprs(ef), strict=False))
+        bodies = list(paired_bodies(em, ef))
         for bm, bf in bodies:
             _enter(em, bm, bf, layouts, found, em if user_frame(em) else caller)
-        if bodies:
-            continue  # the body said what its results hold (or they are not followed)
+        if bodies or next(sub_jaxprs(em), None) is not None:
+            continue  # the body said what its results hold (a cond's: not followed)
         outs = _step(em, ef, laid)
         if outs is _REORDERS:
             found[user_line(em if user_frame(em) or caller is None else caller)] = None
@@ -69,8 +69,6 @@ def _laid(v, layouts) -> bool:
 def _enter(em, bm, bf, layouts: dict, found: dict, caller) -> None:
     """Walk a call's, a checkpoint's or a scan's body with its operands' layouts; the
     call's results take its body's."""
-    if len(bm.invars) != len(em.invars) or len(bm.eqns) != len(bf.eqns):
-        return
     inner = {b: layouts[v] for v, b in zip(em.invars, bm.invars, strict=True) if _laid(v, layouts)}
     _walk(bm, bf, inner, found, caller)
     if len(bm.outvars) == len(em.outvars):
