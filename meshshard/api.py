@@ -312,8 +312,11 @@ class ParallelizedFunction:
                 return self._variant(("nnx",), WritesBack(self.fn)), args
             self._last_variant = None
             return self, args
-        donate = dynamic_positions(self.donate_argnums, static, "donate_argnums")
-        batch = dynamic_positions(self.batch_argnums, static, "batch_argnums")
+        # positions in the full call (negative ones from its end), then among the rest
+        n = len(args)
+        donate = argnum_positions(self.donate_argnums, n, "donate_argnums")
+        donate = dynamic_positions(donate, static, "donate_argnums")
+        batch = dynamic_positions(self._batch_for(args), static, "batch_argnums")
         key = static_key(args, static)
         variant = self._variant(key, WithStatic(self.fn, key), donate, batch)
         return variant, tuple(a for i, a in enumerate(args) if i not in static)

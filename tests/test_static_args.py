@@ -74,6 +74,24 @@ def test_static_argument_before_the_state_shifts_batch_and_donated_positions(thr
     assert jax.tree.structure(placement) == jax.tree.structure(state)
 
 
+def test_negative_positions_count_from_the_end_of_the_whole_call(threads_cluster):
+    """With static arguments after them, -3 and -4 name the batch and the state of
+    ``moded_step(state, batch, mode, scale)``: counted among the arguments left once the
+    statics were taken out, -3 was refused and -4 named no argument."""
+    state, batch = setup()
+    step = meshshard.parallelize(
+        moded_step,
+        method=PIPE,
+        static_argnums=(2, 3),
+        batch_argnums=(-3,),
+        donate_argnums=(-4,),
+    )
+    got = step(state, batch, "l1", 2)
+    assert_trees_close(reference(moded_step, state, batch, "l1", 2, static=(2, 3)), got)
+    variant = step._variants[((2, "l1"), (3, 2))]
+    assert (variant.batch_argnums, variant.donate_argnums) == ((1,), (0,))
+
+
 def test_no_static_arguments_keeps_the_plain_path(threads_cluster):
     state, batch = setup()
     step = meshshard.parallelize(mlp.train_step, method=DataParallel(mesh_shape=(1, 2)))
