@@ -582,19 +582,11 @@ def _abstract(args, batch_argnums=()):
     """Arguments with every array leaf (and Python scalars outside the batch) replaced by a
     ShapeDtypeStruct; anything else is left for the tracer to reject with a clear error."""
 
+    from meshshard.passes.trace import abstract_leaf
+
     def one(x, scalars_ok=True):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        if hasattr(x, "shape") and hasattr(x, "dtype"):  # weak as a jax.Array or result is
-            weak = bool(getattr(x, "weak_type", False))
-            return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), weak_type=weak)
-        if scalars_ok and isinstance(x, bool | int | float | complex):
-            # weakly typed, as jax.jit traces a Python scalar: a learning rate of 0.01
-            # times bfloat16 parameters stays bfloat16
-            a = np.asarray(x)
-            dtype = jax.dtypes.canonicalize_dtype(a.dtype)
-            return jax.ShapeDtypeStruct(a.shape, dtype, weak_type=not isinstance(x, bool))
-        return x
+        found = abstract_leaf(x, (bool, int, float, complex) if scalars_ok else ())
+        return x if found is None else found
 
     return tuple(
         jax.tree.map(lambda x, ok=(i not in batch_argnums): one(x, ok), a)

@@ -149,22 +149,32 @@ def _not_the_batch(where: str) -> str:
     return f" (if {arg} is not the batch, pass the batch's position as batch_argnums)"
 
 
-def _abstract(leaf, where: str, arg_name: str):
+def abstract_leaf(
+    leaf, scalars: tuple[type, ...] = (bool, int, float)
+) -> jax.ShapeDtypeStruct | None:
+    """What ``jax.jit`` traces ``leaf`` as: an array's (a NumPy, JAX or remote array)
+    shape and dtype, weakly typed where the array is; a Python scalar of one of
+    ``scalars`` weakly typed but for a bool (``0.5 * bf16_params`` stays bfloat16);
+    None for anything else."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
-    if isinstance(leaf, jax.Array):  # a weak one promotes as jax.jit's trace of it does
-        weak = bool(getattr(leaf, "weak_type", False))  # (typed keys have none)
+    if isinstance(leaf, jax.Array):  # (a typed key's dtype is no NumPy dtype)
+        weak = bool(getattr(leaf, "weak_type", False))
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, weak_type=weak)
-    if isinstance(leaf, np.ndarray | np.generic):
-        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # RemoteArray and friends
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # NumPy, RemoteArray and friends
         weak = bool(getattr(leaf, "weak_type", False))
         return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype), weak_type=weak)
-    if isinstance(leaf, bool | int | float) and arg_name != "batch":
-        # weakly typed, as jax.jit traces a Python scalar: ``0.5 * bf16_params`` stays bf16
+    if scalars and isinstance(leaf, scalars):
         arr = np.asarray(leaf)
         dtype = jax.dtypes.canonicalize_dtype(arr.dtype)
         return jax.ShapeDtypeStruct(arr.shape, dtype, weak_type=not isinstance(leaf, bool))
+    return None
+
+
+def _abstract(leaf, where: str, arg_name: str):
+    found = abstract_leaf(leaf, () if arg_name == "batch" else (bool, int, float))
+    if found is not None:
+        return found
     if arg_name == "batch":
         fix = (
             "every leaf of a batch argument must be an array (numpy or jax) with the batch "
