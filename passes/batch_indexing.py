@@ -35,24 +35,16 @@ from dataclasses import dataclass, field
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import is_literal, paired_bodies, user_line
-from meshshard.passes.batch_order import reordered_rows
+from meshshard.passes.batch_order import grown_dims, reordered_rows
 from meshshard.passes.reductions import same_program
 
 __all__ = ["BatchPositions", "batch_positions"]
 
 #: Primitives that address rows of their first operand by the values of their second,
 #: and the field of their ``dimension_numbers`` naming the operand dimensions addressed.
-_INDEXING = {
-    "gather": "start_index_map",
-    "scatter": "scatter_dims_to_operand_dims",
-    "scatter-add": "scatter_dims_to_operand_dims",
-    "scatter_add": "scatter_dims_to_operand_dims",
-    "scatter-mul": "scatter_dims_to_operand_dims",
-    "scatter_mul": "scatter_dims_to_operand_dims",
-    "scatter-min": "scatter_dims_to_operand_dims",
-    "scatter_min": "scatter_dims_to_operand_dims",
-    "scatter-max": "scatter_dims_to_operand_dims",
-    "scatter_max": "scatter_dims_to_operand_dims",
+_INDEXING = {"gather": "start_index_map"} | {
+    name: "scatter_dims_to_operand_dims"
+    for name in ("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max")
 }
 
 
@@ -194,20 +186,12 @@ class _Walk:
         dims = getattr(numbers, _INDEXING.get(name, ""), None)
         if dims is not None and len(em.invars) > 1:
             operand, indices = em.invars[0], em.invars[1]
-            grown = _grown_dims(operand, ef.invars[0])
+            grown = grown_dims(operand, ef.invars[0])
             if grown.intersection(dims) and not is_literal(indices) and indices in self.sources:
                 for leaf in sorted(self.sources[indices]):
                     self.rows[(wheres[leaf], user_line(em))] = None
         if name in _KEYS_FROM_NUMBERS and em.outvars:
             numbers_in = em.invars[_KEYS_FROM_NUMBERS[name]]
-            grown = _grown_dims(em.outvars[0], ef.outvars[0])
+            grown = grown_dims(em.outvars[0], ef.outvars[0])
             if grown and not is_literal(numbers_in) and numbers_in not in self.dep:
                 self.keys[user_line(em)] = None
-
-
-def _grown_dims(micro_var, full_var) -> set[int]:
-    """The dimensions of a value whose size differs between the two traces."""
-    a, b = getattr(micro_var.aval, "shape", ()), getattr(full_var.aval, "shape", ())
-    if len(a) != len(b):
-        return set()
-    return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y}

@@ -24,7 +24,7 @@ import math
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import is_literal, paired_bodies, sub_jaxprs, user_frame, user_line
 
-__all__ = ["reordered_rows"]
+__all__ = ["grown_dims", "reordered_rows"]
 
 #: The label of a segment of zeros (a pad), which holds no example.
 ZEROS = -1
@@ -222,10 +222,15 @@ def _concat_layout(em, ef, layouts_of: dict, axis: int):
     return [segments] if len(units) == 1 else None
 
 
+def grown_dims(micro_var, full_var) -> set[int]:
+    """The dimensions of a value whose size differs between the two traces."""
+    a, b = getattr(micro_var.aval, "shape", ()), getattr(full_var.aval, "shape", ())
+    if len(a) != len(b):
+        return set()
+    return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y}
+
+
 def _grown_axis(vm, vf) -> int | None:
     """The one axis of a value whose size differs between the two traces, if one."""
-    a, b = getattr(vm.aval, "shape", ()), getattr(vf.aval, "shape", ())
-    if len(a) != len(b):
-        return None
-    grown = [d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    return grown[0] if len(grown) == 1 else None
+    grown = grown_dims(vm, vf)
+    return grown.pop() if len(grown) == 1 else None
