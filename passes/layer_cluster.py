@@ -8,7 +8,8 @@ top-level equations picks ``L - 1`` cut positions that
 * give every layer at least one heavy operation (``dot_general``/``conv``), and
 * minimise the largest number of bytes crossing a cut (values defined before the cut
   and read after it; the function's own inputs never cross, each stage reads its
-  parameters directly), then the total bytes crossing all cuts.
+  parameters directly), then the total bytes crossing all cuts, then (among cuts
+  crossing equal bytes) the unevenness of the layers' FLOPs.
 
 A cut at position ``p`` means "a pipeline boundary before equation ``p``";
 :mod:`meshshard.autodiff` inserts the boundary there, carrying the crossing values.
@@ -21,11 +22,11 @@ A cut at position ``p`` means "a pipeline boundary before equation ``p``";
     >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
     >>> j = jax.make_jaxpr(f)(w, w, w, x).jaxpr
     >>> cluster_layers(j, 3)
-    (1, 3)
-    >>> print(layer_table(j, (1, 3)))
-    layer 0: eqns [0, 1) 64 FLOPs, 1 heavy, 32 B out
-    layer 1: eqns [1, 3) 72 FLOPs, 1 heavy, 32 B out
-    layer 2: eqns [3, 6) 73 FLOPs, 1 heavy
+    (2, 4)
+    >>> print(layer_table(j, (2, 4)))
+    layer 0: eqns [0, 2) 72 FLOPs, 1 heavy, 32 B out
+    layer 1: eqns [2, 4) 72 FLOPs, 1 heavy, 32 B out
+    layer 2: eqns [4, 6) 65 FLOPs, 1 heavy
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ MAX_AUTO_LAYERS = 16
 def eqn_flops(eqn) -> float:
     """FLOPs of one equation: ``2 * out * contracted`` for a dot or a convolution, one per
     output element otherwise; equations holding sub-jaxprs (pjit, remat, custom_jvp)
-    count their body."""
+    count their body, a scan its body once per iteration (a while loop's trip count is
+    unknown: once)."""
     heavy = contraction_flops(eqn)
     if heavy is not None:
         return heavy
     subs = list(sub_jaxprs(eqn))
     if subs:
-        return float(sum(eqn_flops(e) for j in subs for e in j.eqns))
+        trips = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        return trips * float(sum(eqn_flops(e) for j in subs for e in j.eqns))
     return float(sum(aval_size(v.aval) for v in eqn.outvars))
 
 
@@ -137,7 +140,7 @@ def cluster_layers(jaxpr, num_layers: int | str, eps: float = DEFAULT_EPS) -> tu
             break
         bound = min(bound * 1.25, fpre[-1])
     masked = np.where(cost <= best_max, cost, np.inf)
-    total, cuts = _dp(masked, windows, num_layers, n, "sum")
+    total, cuts = _dp(masked, windows, num_layers, n, "sum", balance=fpre)
     assert math.isfinite(total), "every layer count up to the heavy ops fits at the total"
     return cuts
 
@@ -154,9 +157,13 @@ def _windows(fpre: np.ndarray, hpre: np.ndarray, bound: float) -> list[tuple[int
     return out
 
 
-def _dp(cost: np.ndarray, windows, num_layers: int, n: int, how: str):
+def _dp(cost: np.ndarray, windows, num_layers: int, n: int, how: str, balance=None):
     """Best cuts: ``g[k][j]`` = best value with ``k`` layers covering ``[0, j)``, cut at ``j``
-    charged (``how`` = "max" or "sum" of the charged cuts)."""
+    charged (``how`` = "max" or "sum" of the charged cuts).
+
+    With ``balance`` (the FLOPs' prefix sums), each layer also adds half the square of its
+    share of the FLOPs: less than one byte in all, so among cuts crossing equal bytes
+    the most even layers win (equal blocks scanned or looped alike tie on bytes)."""
     inf = np.inf
     g = np.full(n + 1, inf)
     g[0] = 0.0
@@ -170,6 +177,8 @@ def _dp(cost: np.ndarray, windows, num_layers: int, n: int, how: str):
             if lo > hi:
                 continue
             seg = g[lo : hi + 1]
+            if balance is not None and balance[-1] > 0:
+                seg = seg + 0.5 * ((balance[j] - balance[lo : hi + 1]) / balance[-1]) ** 2
             i = int(np.argmin(seg))
             if not math.isfinite(seg[i]):
                 continue

@@ -101,3 +101,18 @@ def test_more_layers_than_heavy_ops_is_refused():
         cluster_layers(j, 3)
     with pytest.raises(MeshshardInputError, match=r"layers=0: pass 'auto' or a positive int"):
         cluster_layers(j, 0)
+
+
+@pytest.mark.parametrize("blocks,layers", [(4, 2), (6, 2), (6, 3), (8, 4)])
+def test_equal_blocks_crossing_equal_bytes_split_evenly(blocks, layers):
+    # was: among cuts crossing the same bytes the first in the balance window won, so
+    # four equal blocks split 136 : 153 FLOPs (the cut fell before a block's tanh)
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    j = jax.make_jaxpr(f)([jnp.ones((4, 4))] * blocks, jnp.ones((2, 4))).jaxpr
+    cuts = cluster_layers(j, layers)
+    per_block = len(j.eqns) // blocks  # dot, tanh
+    assert cuts == tuple(per_block * blocks // layers * k for k in range(1, layers))
