@@ -30,6 +30,7 @@ from meshshard.jaxpr_util import (
 from meshshard.metrics import check_reduction
 from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
 from meshshard.passes.inline import inline_calls
+from meshshard.passes.unroll_scans import layer_stack_scans, marked_scans, split_note, split_scans
 from meshshard.primitives import boundary_p
 
 __all__ = ["grad", "value_and_grad", "AutoLayers"]
@@ -102,7 +103,9 @@ def _marked_value_and_grad(
     applies to ``aux``, and the leaves of ``rest`` (a dict by argument position) are
     labelled ``rest_label`` formatted with the position, then their path."""
     args = two_bw.substitute(args, argnums)  # 2BW: differentiate at the stashed weights
-    layered = _with_boundaries(fun, args, has_aux)
+    argset = {argnums} if isinstance(argnums, int) else set(argnums)
+    weights = [k in argset for k, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    layered = _with_boundaries(fun, args, has_aux, weights)
     value, grads = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
     loss, aux = value if has_aux else (value, None)
     rest = None
@@ -179,11 +182,13 @@ def grad(
     return wrapped
 
 
-def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
-    """``fun`` re-expressed so each user marker carries the values that cross it."""
+def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bool]) -> Callable:
+    """``fun`` re-expressed so each user marker carries the values that cross it;
+    ``weights`` flags the flattened arguments that are differentiated."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     _check_loss(out_shape, has_aux)
     closed = inline_calls(closed)  # boundaries inside a jax.jit-wrapped loss or layer
+    closed, scan_notes = _split_layer_scans(closed, weights)
     _check_nested_boundaries(closed.jaxpr)
     jaxpr = closed.jaxpr
     out_tree = jax.tree.structure(out_shape)
@@ -231,6 +236,8 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool) -> Callable:
         # ``detached`` only when there are some: a step's fingerprint (and so a saved
         # plan's) stays what it was without them
         extra = {"detached": len(detached)} if detached else {}
+        if scan_notes:
+            extra["split_scans"] = scan_notes
         (loss,) = boundary_p.bind(loss, kind="loss", index=0, **extra)
         return (loss, aux) if has_aux else loss
 
@@ -375,6 +382,39 @@ def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
     from meshshard.passes.layer_cluster import cluster_layers
 
     return cluster_layers(jaxpr, layers)
+
+
+#: ``layers=N`` splits a scan over stacked layers into up to this many pieces per layer,
+#: so the layer clustering can balance the layers to a fraction of one piece.
+SCAN_PIECES_PER_LAYER = 4
+
+
+def _split_layer_scans(closed, weights: list[bool]):
+    """``closed`` with its scans over stacked layers cut into pieces the stages can split
+    (:mod:`meshshard.passes.unroll_scans`), and the plan's notes saying so."""
+    from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
+
+    jaxpr = closed.jaxpr
+    pieces = marked_scans(jaxpr)
+    notes = [
+        split_note(
+            jaxpr.eqns[i],
+            n,
+            "its body calls mark_pipeline_boundary(), a boundary after each iteration",
+        )
+        for i, n in pieces.items()
+    ]
+    layers = _AUTO_LAYERS.get()
+    wanted = MAX_AUTO_LAYERS if layers == "auto" else layers
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1:
+        for i in layer_stack_scans(jaxpr, weights):
+            if i in pieces:
+                continue
+            eqn = jaxpr.eqns[i]
+            pieces[i] = min(eqn.params["length"], SCAN_PIECES_PER_LAYER * wanted)
+            why = f"a scan over stacked layers, which layers={layers!r} may cut between pieces"
+            notes.append(split_note(eqn, pieces[i], why))
+    return split_scans(closed, pieces), tuple(notes)
 
 
 #: A value the loss computes from its data alone, up to this size, is computed outside

@@ -66,12 +66,17 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence) -> list:
     The new equation keeps ``eqn``'s traceback, so messages can name the user's line
     that made it (as ``jax.core.eval_jaxpr`` does), however often passes re-trace it."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    keep_source = source_info_util.user_context(
-        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
-    )
-    with keep_source, eqn.ctx.manager:
+    with source_of(eqn), eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def source_of(eqn: JaxprEqn):
+    """A context in which new equations take ``eqn``'s traceback: equations a pass binds
+    in place of ``eqn`` then name the user's line that made it."""
+    return source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack()
+    )
 
 
 def eval_eqns(

@@ -31,6 +31,7 @@ from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, read_var, retrace, sub_jaxprs, var_ids
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.slicing import FWD, GRAD_END, LayerSlicing, boundaries_inside
+from meshshard.passes.unroll_scans import marked_scans, split_scans
 from meshshard.primitives import boundary_p
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
 
@@ -57,9 +58,11 @@ FORWARD_ONLY_NOTE = (
 
 def with_forward_boundaries(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` with each user marker turned into a ``fwd`` boundary carrying the
-    values live across it (unchanged when it has no user markers)."""
+    values live across it (unchanged when it has no user markers); a scan whose body
+    marks boundaries is unrolled first (:mod:`meshshard.passes.unroll_scans`)."""
     from meshshard.autodiff import _live_across
 
+    closed = split_scans(closed, marked_scans(closed.jaxpr))  # nn.scan layers that mark
     jaxpr = closed.jaxpr
     marks = [
         i

@@ -46,7 +46,12 @@ from meshshard.passes.shard_plan import (
     zero_notes,
 )
 from meshshard.passes.sharding import build_buffers, unsplit_batch_notes
-from meshshard.passes.slicing import boundaries_inside, detached_notes, slice_layers
+from meshshard.passes.slicing import (
+    boundaries_inside,
+    detached_notes,
+    slice_layers,
+    split_scan_notes,
+)
 from meshshard.passes.sparse_rows import find_sparse_rows, with_sparse_rows
 from meshshard.passes.split_backward import split_backward
 from meshshard.passes.stage_cost import step_layer_stats
@@ -104,8 +109,8 @@ def _layout(st: CompileState) -> CompileState:
     if hidden:
         raise MeshshardInputError(
             f"{asked} pipeline stages were asked for, but the model's pipeline boundaries "
-            f"are all inside the body of {hidden} (a decode loop calling the model, layers "
-            "under nn.scan), which runs whole inside one stage: stages are cut at the "
+            f"are all inside the body of {hidden} (a decode loop calling the model), "
+            "which runs whole inside one stage: stages are cut at the "
             "step's top-level boundaries only; loop in Python instead (for i in range(n): "
             "...) so each iteration's boundaries are cut, or use one stage (DataParallel)"
         )
@@ -225,6 +230,7 @@ def _assemble(st: CompileState) -> CompileState:
         notes.append(f"{st.slicing.num_layers - 1} pipeline boundaries ignored by DataParallel")
     notes += reduction_notes(traced.jaxpr, traced.num_micro_batches)
     notes += detached_notes(traced.jaxpr)
+    notes += split_scan_notes(traced.jaxpr)
     notes += traced.coupled
     notes += traced.notes
     notes += unsplit_batch_notes(traced, st.meshes)

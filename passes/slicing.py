@@ -130,6 +130,12 @@ def slice_layers(jaxpr) -> LayerSlicing:
     return LayerSlicing(num_layers, tuple(layer), tuple(phase), g)
 
 
+def split_scan_notes(jaxpr) -> list[str]:
+    """The plan's notes for the scans ``meshshard.grad`` cut into pieces
+    (:mod:`meshshard.passes.unroll_scans`), read from its ``loss`` markers."""
+    return [n for e in jaxpr.eqns if is_marker(e, "loss") for n in e.params.get("split_scans", ())]
+
+
 def detached_notes(jaxpr) -> list[str]:
     """A plan note when ``meshshard.grad`` found pipeline boundaries that carry nothing
     the loss is differentiated through (its ``loss`` marker's ``detached`` count)."""

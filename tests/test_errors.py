@@ -181,17 +181,18 @@ def test_boundaries_only_inside_a_decode_loop_are_named():
     params = mlp.make_state(model, batch["x"]).params
 
     def decode(params, x):
-        def body(i, h):  # a layer-by-layer decode step, as a loop over positions would be
-            return h * jnp.mean(model.apply({"params": params}, h))
+        def body(carry):  # a decode step, until a condition on the outputs holds
+            i, h = carry
+            return i + 1, h * jnp.mean(model.apply({"params": params}, h))
 
-        return jax.lax.fori_loop(0, 3, body, x)
+        return jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.max(c[1]) < 1e3), body, (0, x))[1]
 
     step = meshshard.parallelize(
         decode, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
     )
     with pytest.raises(
         MeshshardInputError,
-        match=r"boundaries are all inside the body of a jax.lax.scan, fori_loop or nn.scan "
+        match=r"boundaries are all inside the body of a jax.lax.fori_loop or while_loop "
         r".*loop in Python instead",
     ):
         step.lower(params, batch["x"], cluster=CLUSTER)
