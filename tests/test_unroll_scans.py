@@ -297,3 +297,36 @@ def test_marked_scans_finds_markers_in_nested_bodies():
         jnp.ones((3, 4, 4)), jnp.ones((2, 4))
     ).jaxpr
     assert marked_scans(j) == {}
+
+
+@pytest.mark.slow
+def test_boundaries_inside_a_fori_loop_over_stacked_weights_match_jit(threads_cluster):
+    # fori_loop with static bounds is a scan whose body indexes the stack by its counter
+    rng = np.random.RandomState(0)
+    params = {
+        "stack": (rng.randn(4, 16, 16) * 0.3).astype(np.float32),
+        "out": (rng.randn(16, 1) * 0.3).astype(np.float32),
+    }
+    batches = [
+        {"x": rng.randn(8, 16).astype(np.float32), "y": rng.randn(8, 1).astype(np.float32)}
+        for _ in range(2)
+    ]
+
+    def step(params, batch):
+        def loss_fn(p):
+            def layer(i, h):
+                h = h + jnp.tanh(h @ p["stack"][i])
+                meshshard.mark_pipeline_boundary()
+                return h
+
+            h = jax.lax.fori_loop(0, 4, layer, batch["x"])
+            return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2)] * 4)
+    step = check_step_parity(step, method, params, batches)
+    plan = step.lower(params, batches[0], cluster=CLUSTER)
+    stages = [ln for ln in str(plan).splitlines() if ln.startswith("  stage")]
+    assert len(stages) == 4 and all("dot_general" in ln for ln in stages)
