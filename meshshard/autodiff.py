@@ -104,7 +104,10 @@ def _marked_value_and_grad(
     labelled ``rest_label`` formatted with the position, then their path."""
     args = two_bw.substitute(args, argnums)  # 2BW: differentiate at the stashed weights
     argset = {argnums} if isinstance(argnums, int) else set(argnums)
-    weights = [k in argset for k, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    n = len(args)
+    weights = [
+        k in argset or k - n in argset for k, a in enumerate(args) for _ in jax.tree.leaves(a)
+    ]
     layered = _with_boundaries(fun, args, has_aux, weights)
     value, grads = jax.value_and_grad(layered, argnums=argnums, has_aux=has_aux)(*args)
     loss, aux = value if has_aux else (value, None)

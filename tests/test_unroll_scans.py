@@ -330,3 +330,20 @@ def test_boundaries_inside_a_fori_loop_over_stacked_weights_match_jit(threads_cl
     plan = step.lower(params, batches[0], cluster=CLUSTER)
     stages = [ln for ln in str(plan).splitlines() if ln.startswith("  stage")]
     assert len(stages) == 4 and all("dot_general" in ln for ln in stages)
+
+
+@pytest.mark.fast
+def test_weights_differentiated_by_a_negative_argnum_are_found():
+    state, batches = _case(Stacked(mark=False))
+
+    def step(state, batch):
+        def loss_fn(batch, params):
+            return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn, argnums=-1)(batch, state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    inputs = {"x": batches[0]["x"], "y": batches[0]["y"]}
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], layers=2)
+    plan = meshshard.parallelize(step, method=method).lower(state, inputs, cluster=CLUSTER)
+    assert any("a scan over stacked layers" in n for n in plan.notes)
