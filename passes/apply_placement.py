@@ -12,7 +12,10 @@ result.  Values of different meshes meet in two ways:
   partial result per mesh (its own terms) and one cross-mesh **all-reduce**, after
   which every mesh holds the total;
 * **moves**: any other equation runs on the mesh holding most of its operand bytes;
-  the other operands are sent there by the resharding planner.
+  the other operands are sent there by the resharding planner.  An operand that an
+  update equation grew from a smaller one (a zero-padded gradient slice,
+  ``passes/narrow_gradients.py``; a broadcast) is not sent: its smaller operand is, and
+  the growing equation runs again at the destination.
 
 Communication splits the update into *phases*: phase ``k+1`` of a mesh starts once the
 all-reduces and moves that end phase ``k`` are complete.  A step with no cross-mesh
@@ -30,6 +33,9 @@ from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize
 
 #: Primitive -> the reduction an all-reduce applies for it.
 REDUCIBLE = {"add": "sum", "add_any": "sum", "max": "max", "min": "min", "and": "and", "or": "or"}
+#: Equations that make one operand larger: where their result must move, their operand
+#: moves instead and they run again at the destination.
+GROWING = frozenset({"pad", "broadcast_in_dim"})
 #: Values up to this size are combined by partial reductions and an all-reduce; larger
 #: ones are moved to one mesh through the resharding planner.
 ALLREDUCE_MAX_BYTES = 4096
@@ -98,6 +104,7 @@ class _Placer:
         self.needed: dict = {}  # ANY Var -> set of meshes
         self.reductions: list[Reduction] = []
         self.moves: list[Move] = []
+        self.producer: dict = {}  # Var -> index of the update equation computing it
 
     def place(self, apply_eqns) -> None:
         eqns = self.jaxpr.eqns
@@ -126,6 +133,7 @@ class _Placer:
             for v in e.outvars:
                 if not is_dropvar(v):
                     self.ready[v] = dict(ph)
+                    self.producer[v] = i
         for v in self.jaxpr.outvars:
             if not is_literal(v) and v in self.partial:
                 self._materialize(v)
@@ -191,12 +199,36 @@ class _Placer:
                 weight[m] = weight.get(m, 0) + nbytes
         target = min(weight, key=lambda m: (-weight[m], m))
         for v in located:
-            if target not in self.ready[v]:
-                src = min(self.ready[v], key=lambda m: (self.ready[v][m], m))
-                phase = self.ready[v][src]
-                self.moves.append(Move(self.ids[v], src, target, phase))
-                self.ready[v][target] = phase + 1
+            self._send(v, target)
         return target
+
+    def _send(self, v, target: int) -> None:
+        """Make ``v`` readable on ``target``: computed there again from its smaller
+        operand when an update equation grew it (a padded gradient slice, a broadcast),
+        else moved from the mesh where it is ready first."""
+        if target in self.ready[v]:
+            return
+        i = self.producer.get(v)
+        grown = self.jaxpr.eqns[i] if i is not None else None
+        ins = [] if grown is None else [u for u in grown.invars if not is_literal(u)]
+        if (
+            grown is not None
+            and grown.primitive.name in GROWING
+            and len(ins) == 1
+            and ins[0] in self.ready
+            and _nbytes(ins[0]) < _nbytes(v)
+        ):
+            self._send(ins[0], target)
+            phase = self.ready[ins[0]][target]
+            self.runs[i][target] = phase
+            for out in grown.outvars:
+                if not is_dropvar(out):
+                    self.ready[out][target] = phase
+            return
+        src = min(self.ready[v], key=lambda m: (self.ready[v][m], m))
+        phase = self.ready[v][src]
+        self.moves.append(Move(self.ids[v], src, target, phase))
+        self.ready[v][target] = phase + 1
 
     def place_lazy(self) -> None:
         """Equations that read no placed value run (in phase 0) wherever their results
@@ -248,6 +280,10 @@ def place_apply(
             sorted((ids[v], tuple(sorted(ms))) for v, ms in p.needed.items() if v in ids)
         ),
     )
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * itemsize(v.aval.dtype)
 
 
 def _as_set(s) -> frozenset:

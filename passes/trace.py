@@ -62,6 +62,7 @@ from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.loss_seed import seed_micro_batch_shares
+from meshshard.passes.narrow_gradients import narrow_padded_gradients
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
@@ -349,7 +350,8 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, flags + [True] * bool(draws))
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
-    closed = split_shared_gradients(set_reductions(closed, reduce, m))
+    closed = narrow_padded_gradients(set_reductions(closed, reduce, m))
+    closed = split_shared_gradients(closed)
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)
