@@ -71,20 +71,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax.training import train_state
 
     import meshshard
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            pred = state.apply_fn({"params": params}, batch["x"])
-            return jnp.mean((pred - batch["y"]) ** 2)
-
-        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    from examples import mlp  # its train step: mean squared error, meshshard.grad
 
     rng = np.random.default_rng(0)
     batch = {
@@ -112,7 +104,7 @@ def main(argv=None) -> int:
             method = meshshard.PipeshardParallel(
                 num_micro_batches=args.micro_batches, stages=[(1, 2), (1, 2)], layers=layers
             )
-            steps[name] = meshshard.parallelize(train_step, method=method)
+            steps[name] = meshshard.parallelize(mlp.train_step, method=method)
             for _ in range(3):  # compile and warm up
                 state, loss = steps[name](state, batch)
             jax.block_until_ready(meshshard.fetch(loss))

@@ -115,26 +115,36 @@ def test_narrowed_stacked_gradients_match_jit(threads_cluster, schedule):
     check_step_parity(train_step, method, state, batches)
 
 
+def column_step(params, batch):
+    """Two stages reading the two column halves of one weight: their gradients are
+    padded and added, not joined."""
+
+    def loss_fn(p):
+        h = jnp.tanh(batch["x"] @ p["w"][:, :32]) @ jnp.ones((32, 64))
+        meshshard.mark_pipeline_boundary()
+        return jnp.mean((h @ p["w"][:, 32:] - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
+
+
+def _column_case(seed, steps=1):
+    rng = np.random.RandomState(seed)
+    params = {"w": rng.randn(64, 64).astype(np.float32) * 0.1}
+    batches = [
+        {"x": rng.randn(8, 64).astype(np.float32), "y": rng.randn(8, 32).astype(np.float32)}
+        for _ in range(steps)
+    ]
+    return params, batches
+
+
 @pytest.mark.fast
 def test_a_padded_gradient_moves_unpadded_to_the_owner():
-    # columns of one weight read by two stages: their gradients are padded and added,
-    # not joined; the update sends stage 1's [64, 32] slice and pads it again on stage 0
-    # (was: stage 1 padded it to [64, 64] and sent that)
-    rng = np.random.RandomState(0)
-    params = {"w": rng.randn(64, 64).astype(np.float32) * 0.1}
-    batch = {"x": rng.randn(8, 64).astype(np.float32), "y": rng.randn(8, 32).astype(np.float32)}
-
-    def step(params, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["w"][:, :32]) @ jnp.ones((32, 64))
-            meshshard.mark_pipeline_boundary()
-            return jnp.mean((h @ p["w"][:, 32:] - batch["y"]) ** 2)
-
-        loss, grads = meshshard.value_and_grad(loss_fn)(params)
-        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
-
+    # the update sends stage 1's [64, 32] slice and pads it again on stage 0 (was:
+    # stage 1 padded it to [64, 64] and sent that)
+    params, (batch,) = _column_case(0)
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 1), (1, 1)])
-    plan = meshshard.parallelize(step, method=method).lower(params, batch, cluster=CLUSTER)
+    plan = meshshard.parallelize(column_step, method=method).lower(params, batch, cluster=CLUSTER)
     back = [t for t in plan.transfers if t.src_mesh == 1 and str(t.producer).startswith("m1.")]
     assert [t.tensor.shape for t in back] == [(64, 32)]
 
@@ -143,21 +153,6 @@ def test_a_padded_gradient_moves_unpadded_to_the_owner():
 def test_a_padded_gradient_moved_unpadded_matches_jit(threads_cluster):
     from tests.random_parity import check_step_parity
 
-    rng = np.random.RandomState(1)
-    params = {"w": rng.randn(64, 64).astype(np.float32) * 0.1}
-    batches = [
-        {"x": rng.randn(8, 64).astype(np.float32), "y": rng.randn(8, 32).astype(np.float32)}
-        for _ in range(2)
-    ]
-
-    def step(params, batch):
-        def loss_fn(p):
-            h = jnp.tanh(batch["x"] @ p["w"][:, :32]) @ jnp.ones((32, 64))
-            meshshard.mark_pipeline_boundary()
-            return jnp.mean((h @ p["w"][:, 32:] - batch["y"]) ** 2)
-
-        loss, grads = meshshard.value_and_grad(loss_fn)(params)
-        return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), loss
-
+    params, batches = _column_case(1, steps=2)
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
-    check_step_parity(step, method, params, batches)
+    check_step_parity(column_step, method, params, batches)
