@@ -62,7 +62,7 @@ def _zero_pad(eqn) -> bool:
 
 
 def padded_terms(jaxpr, g: int) -> dict[int, tuple[list, set]]:
-    """``{grad_end operand position: (terms, add equations)}`` for the operands that
+    """``{grad_end operand position: (terms, add equations)}`` for the gradients that
     sum (with single-use ``add_any``s) at least one zero-padded term: each term is a
     variable, and the adds are what the pass drops to add the terms after the marker."""
     eqns = jaxpr.eqns
@@ -79,9 +79,10 @@ def padded_terms(jaxpr, g: int) -> dict[int, tuple[list, set]]:
             return [v], set()
         return [t for p in parts for t in p[0]], {i}.union(*(p[1] for p in parts))
 
+    labels = marker_reductions(eqns[g])
     found = {}
     for pos, v in enumerate(eqns[g].invars):
-        if is_literal(v):
+        if is_literal(v) or labels[pos][0] != "grad":  # aux may combine by concatenation
             continue
         ts, adds = terms(v)
         if any(t in producer and _zero_pad(eqns[producer[t]]) for t in ts):
@@ -103,7 +104,7 @@ def _combine(parts: list) -> object:
     disjoint rows of axis 0 are joined by one ``concatenate`` (zeros between them), so
     the update moves each slice to where the whole gradient is used, not its padding."""
     rows = [None if pad is None else _rows(pad) for _, pad in parts]
-    if all(r is not None for r in rows):
+    if len(parts) > 1 and all(r is not None for r in rows):
         order = sorted(range(len(parts)), key=lambda k: rows[k])
         spans = [rows[k] for k in order]
         if all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)):

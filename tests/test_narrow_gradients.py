@@ -83,6 +83,20 @@ def test_a_gradient_read_whole_is_left_alone():
 
 
 @pytest.mark.fast
+def test_a_padded_aux_value_is_left_alone():
+    # aux values may combine by concatenation, which a pad along the batch does not
+    # commute with; only gradients are narrowed
+    def step(x):
+        aux = jnp.pad(jnp.tanh(x), ((0, 2), (0, 0)))
+        return boundary_p.bind(
+            aux, kind="grad_end", index=0, reduce=(("aux['padded']", "concat", "declared"),)
+        )
+
+    closed = jax.make_jaxpr(step)(jnp.ones((4, 3)))
+    assert narrow_padded_gradients(closed) is closed
+
+
+@pytest.mark.fast
 def test_each_stage_accumulates_and_sends_only_its_layers_rows():
     # was: A1 held the whole stack's gradient (2 kernels of [4,16,16] and 2 biases of
     # [4,16]) and sent it whole to stage 0 once per step
