@@ -87,7 +87,7 @@ def test_a_padded_aux_value_is_left_alone():
     # aux values may combine by concatenation, which a pad along the batch does not
     # commute with; only gradients are narrowed
     def step(x):
-        aux = jnp.pad(jnp.tanh(x), ((0, 2), (0, 0)))
+        aux = jax.lax.pad(jnp.tanh(x), 0.0, [(0, 2, 0), (0, 0, 0)])  # as a slice's transpose
         return boundary_p.bind(
             aux, kind="grad_end", index=0, reduce=(("aux['padded']", "concat", "declared"),)
         )
