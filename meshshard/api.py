@@ -19,7 +19,13 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.keys import physical_call, physical_leaves
 from meshshard.long_work import LongWork, phase
-from meshshard.methods import DataParallel, FollowParallel, Method, PipeshardParallel
+from meshshard.methods import (
+    DataParallel,
+    FollowParallel,
+    Method,
+    PipeshardParallel,
+    sharding_mode,
+)
 from meshshard.nnx_modules import WritesBack, holds_modules, write_in_place
 from meshshard.plan import Plan
 from meshshard.replay import check_replay, load_plan
@@ -651,9 +657,12 @@ def _writes_nnx_back(fn: Callable, method: Method, args: tuple) -> bool:
 
 def _layered(fn: Callable, method: Method) -> Callable:
     """``fn`` with automatic layer clustering (``layers=``) and per-layer
-    rematerialization (``remat=``) when the method asks for them."""
-    from meshshard.autodiff import AutoLayers, Rematerialized
+    rematerialization (``remat=``) when the method asks for them, and its scans over
+    stacked layers unrolled where the sharding ILP shards the programs."""
+    from meshshard.autodiff import AutoLayers, Rematerialized, UnrolledStacks
 
+    if sharding_mode(method) in ("auto", "zero2", "zero3"):
+        fn = UnrolledStacks(fn, True)
     remat = getattr(method, "remat", None)
     if remat is not None:
         fn = Rematerialized(fn, remat)

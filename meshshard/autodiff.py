@@ -33,7 +33,7 @@ from meshshard.passes.inline import inline_calls
 from meshshard.passes.unroll_scans import layer_stack_scans, marked_scans, split_note, split_scans
 from meshshard.primitives import boundary_p
 
-__all__ = ["grad", "value_and_grad", "AutoLayers"]
+__all__ = ["grad", "value_and_grad", "AutoLayers", "UnrolledStacks"]
 
 
 def value_and_grad(
@@ -387,6 +387,20 @@ def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
     return cluster_layers(jaxpr, layers)
 
 
+#: Whether the method being compiled shards each program with the sharding ILP (see
+#: :class:`UnrolledStacks`).
+_UNROLL_STACKS: ContextVar[bool] = ContextVar("meshshard_unroll_stacks", default=False)
+
+
+class UnrolledStacks(_TracedWith):
+    """``fn`` with its scans over stacked layers unrolled: the sharding ILP has no rule
+    for a scan (it would run replicated, every device computing the whole batch), so
+    for ``sharding="auto"``, ``"zero2"`` and ``"zero3"`` every ``meshshard.grad`` traced
+    inside it gives the ILP one copy of the layer per iteration to split."""
+
+    _setting = _UNROLL_STACKS
+
+
 #: ``layers=N`` splits a scan over stacked layers into up to this many pieces per layer,
 #: so the layer clustering can balance the layers to a fraction of one piece.
 SCAN_PIECES_PER_LAYER = 4
@@ -407,6 +421,13 @@ def _split_layer_scans(closed, weights: list[bool]):
         )
         for i, n in pieces.items()
     ]
+    if _UNROLL_STACKS.get():
+        for i in layer_stack_scans(jaxpr, weights):
+            eqn = jaxpr.eqns[i]
+            if i not in pieces:
+                pieces[i] = eqn.params["length"]
+                why = "a scan over stacked layers, which the sharding ILP would run replicated"
+                notes.append(split_note(eqn, pieces[i], why))
     layers = _AUTO_LAYERS.get()
     wanted = MAX_AUTO_LAYERS if layers == "auto" else layers
     if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1:

@@ -347,3 +347,41 @@ def test_weights_differentiated_by_a_negative_argnum_are_found():
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], layers=2)
     plan = meshshard.parallelize(step, method=method).lower(state, inputs, cluster=CLUSTER)
     assert any("a scan over stacked layers" in n for n in plan.notes)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("sharding", ["auto", "zero2", "zero3"])
+def test_the_sharding_ilp_gets_stacked_layers_unrolled(sharding):
+    # was: "mesh0 scan runs replicated (no sharding rule)": the ILP has no rule for a
+    # scan, so every device computed the whole batch through all the stacked layers
+    state, batches = _case(Stacked(mark=False))
+    method = meshshard.ShardParallel((1, 2), sharding=sharding)
+    plan = meshshard.parallelize(train_step, method=method).lower(
+        state, batches[0], cluster=CLUSTER
+    )
+    assert not [n for n in plan.notes if "scan runs replicated" in n]
+    assert any("which the sharding ILP would run replicated" in n for n in plan.notes)
+
+
+@pytest.mark.fast
+def test_plain_data_parallelism_keeps_the_scan():
+    state, batches = _case(Stacked(mark=False))
+    method = meshshard.DataParallel((1, 2))
+    plan = meshshard.parallelize(train_step, method=method).lower(
+        state, batches[0], cluster=CLUSTER
+    )
+    assert not [n for n in plan.notes if "lax.scan at" in n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.ShardParallel((1, 2), sharding="auto", num_micro_batches=2),
+        meshshard.ShardParallel((1, 2), sharding="zero3", num_micro_batches=2),
+    ],
+    ids=["auto", "zero3"],
+)
+def test_unrolled_stacked_layers_under_the_sharding_ilp_match_jit(threads_cluster, method):
+    state, batches = _case(Stacked(mark=False, rate=0.2))
+    check_step_parity(train_step, method, state, batches, rtol=1e-4)  # sharded sums' order
