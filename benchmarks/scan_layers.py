@@ -1,17 +1,19 @@
 """What stacking the layers under ``nn.scan`` costs a pipeline, against a Python loop.
 
-    python benchmarks/scan_layers.py [--depth 8] [--width 256] [--batch 64] [--micro-batches 4]
-                                     [--steps 10]
-                                     [--rounds 3] [--json OUT.json]
+    python benchmarks/scan_layers.py [--depth 8] [--width 256] [--batch 64]
+        [--micro-batches 4] [--sharding auto|zero2|zero3] [--steps 10] [--rounds 3]
+        [--json OUT.json]
 
 The same residual MLP blocks, written two ways: a Python loop of separate modules (each
 stage owns its layers' weights) and ``nn.scan`` over one stacked block (one weight array
 for all layers, which meshshard unrolls or splits into pieces: ``passes/unroll_scans.py``).
 Each is cut into 2 stages of ``(1, 2)`` meshes on the local Ray cluster, by
-``mark_pipeline_boundary()`` after every block and by ``layers=2``; 1F1B, 4 micro-batches by default,
-Adam.  Steps are timed in alternating rounds after a warm-up; reported: the median step
-of each variant and its ratio to the loop with markers, measured in one run, and the
-bytes of the stacked weights every other stage receives once per step.
+``mark_pipeline_boundary()`` after every block and by ``layers=2``; 1F1B, 4 micro-batches
+by default, Adam.  With ``--sharding MODE`` the two models run on one ``(1, 2)`` mesh
+under ``ShardParallel(sharding=MODE)`` instead, without markers.  Steps are timed in
+alternating rounds after a warm-up; reported: the median step of each variant and its
+ratio to the first (the loop), measured in one run, and the bytes of the stacked
+weights that stage 1 receives once per step.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument(
+        "--sharding",
+        default=None,
+        help="run ShardParallel((1, 2), sharding=...) on one mesh instead of the pipeline",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -89,6 +96,8 @@ def main(argv=None) -> int:
         "loop, layers=2": ("loop", False, 2),
         "scan, layers=2": ("scan", False, 2),
     }
+    if args.sharding:
+        variants = {"loop": ("loop", False, None), "scan": ("scan", False, None)}
     meshshard.init()
     steps, states, times = {}, {}, {name: [] for name in variants}
     stack_bytes = 0
@@ -101,9 +110,14 @@ def main(argv=None) -> int:
             state = train_state.TrainState.create(
                 apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
             )
-            method = meshshard.PipeshardParallel(
-                num_micro_batches=args.micro_batches, stages=[(1, 2), (1, 2)], layers=layers
-            )
+            if args.sharding:
+                method = meshshard.ShardParallel(
+                    (1, 2), sharding=args.sharding, num_micro_batches=args.micro_batches
+                )
+            else:
+                method = meshshard.PipeshardParallel(
+                    num_micro_batches=args.micro_batches, stages=[(1, 2), (1, 2)], layers=layers
+                )
             steps[name] = meshshard.parallelize(mlp.train_step, method=method)
             for _ in range(3):  # compile and warm up
                 state, loss = steps[name](state, batch)
@@ -121,14 +135,16 @@ def main(argv=None) -> int:
     finally:
         meshshard.shutdown()
 
-    base = statistics.median(times["loop, markers"])
+    first = next(iter(times))
+    base = statistics.median(times[first])
     rows = []
-    print(f"{'variant':<16} {'median ms':>10} {'/ loop, markers':>16}")
+    print(f"{'variant':<16} {'median ms':>10} {'/ ' + first:>16}")
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append({"variant": name, "median_s": med, "ratio": med / base, "steps": len(ts)})
         print(f"{name:<16} {med * 1e3:>10.1f} {med / base:>16.2f}")
-    print(f"stacked weights: {stack_bytes / 2**20:.2f} MiB, received by stage 1 once per step")
+    if not args.sharding:
+        print(f"stacked weights: {stack_bytes / 2**20:.2f} MiB, sent to stage 1 once per step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "stack_bytes": stack_bytes}, f, indent=1)
