@@ -44,6 +44,7 @@ __all__ = [
     "aval_nbytes",
     "DEFAULT_EPS",
     "eqn_flops",
+    "is_heavy",
     "crossing_bytes",
     "cluster_layers",
     "auto_layer_count",
@@ -70,10 +71,11 @@ def eqn_flops(eqn) -> float:
     return float(sum(aval_size(v.aval) for v in eqn.outvars))
 
 
-def _is_heavy(eqn) -> bool:
+def is_heavy(eqn) -> bool:
+    """True for a matmul or a convolution, or an equation whose body holds one."""
     if eqn.primitive.name in HEAVY:
         return True
-    return any(_is_heavy(e) for j in sub_jaxprs(eqn) for e in j.eqns)
+    return any(is_heavy(e) for j in sub_jaxprs(eqn) for e in j.eqns)
 
 
 def crossing_bytes(jaxpr) -> np.ndarray:
@@ -102,7 +104,7 @@ def crossing_bytes(jaxpr) -> np.ndarray:
 
 def auto_layer_count(jaxpr, max_layers: int = MAX_AUTO_LAYERS) -> int:
     """``layers="auto"``: one layer per heavy operation, at most ``max_layers``."""
-    heavy = sum(_is_heavy(e) for e in jaxpr.eqns)
+    heavy = sum(is_heavy(e) for e in jaxpr.eqns)
     return max(1, min(heavy, max_layers))
 
 
@@ -119,7 +121,7 @@ def cluster_layers(jaxpr, num_layers: int | str, eps: float = DEFAULT_EPS) -> tu
         raise MeshshardInputError(
             f"layers={num_layers!r}: pass 'auto' or a positive int number of layers"
         )
-    heavy = np.array([_is_heavy(e) for e in jaxpr.eqns], dtype=np.int64)
+    heavy = np.array([is_heavy(e) for e in jaxpr.eqns], dtype=np.int64)
     if num_layers > max(1, int(heavy.sum())):
         raise MeshshardInputError(
             f"layers={num_layers} asks for more layers than the loss function has heavy "
@@ -207,7 +209,7 @@ def layer_table(jaxpr, cuts: Sequence[int]) -> str:
     for k in range(len(bounds) - 1):
         a, b = bounds[k], bounds[k + 1]
         fl = sum(eqn_flops(e) for e in jaxpr.eqns[a:b])
-        hv = sum(_is_heavy(e) for e in jaxpr.eqns[a:b])
+        hv = sum(is_heavy(e) for e in jaxpr.eqns[a:b])
         out = f", {int(cost[b])} B out" if b < n else ""
         lines.append(f"layer {k}: eqns [{a}, {b}) {fl:.4g} FLOPs, {hv} heavy{out}")
     return "\n".join(lines)

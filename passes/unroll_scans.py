@@ -12,8 +12,9 @@ pass rewrites those scans as equivalent top-level code:
 * for ``PipeshardParallel(layers=N)``, a scan over stacked layers (a float operand it
   scans over comes from the differentiated weights alone, and its body holds a matmul
   or convolution) is split into consecutive shorter scans over slices of its operands,
-  which the layer clustering may cut between.  A scan over time or over the batch is
-  left whole.
+  which the layer clustering may cut between; under the sharding ILP (which has no
+  rule for a scan and would run it replicated) it is unrolled.  A scan over time or
+  over the batch is left whole.
 
 What is computed is unchanged: the pieces run the same body over the same slices, in
 the same order, carrying the same values.  The stacked weights stay one array, read by
@@ -49,6 +50,7 @@ from meshshard.jaxpr_util import (
     with_caller_source,
 )
 from meshshard.passes.inline import inline_hook
+from meshshard.passes.layer_cluster import is_heavy
 
 __all__ = [
     "has_marker",
@@ -58,8 +60,6 @@ __all__ = [
     "piece_bounds",
     "split_note",
 ]
-
-HEAVY = ("dot_general", "conv_general_dilated")
 
 
 def has_marker(jaxpr, kinds: tuple[str, ...] = ("mark",)) -> bool:
@@ -77,12 +77,6 @@ def _unrolls(eqn) -> bool:
         return False
     body = eqn.params["jaxpr"].jaxpr
     return has_marker(body) and not has_marker(body, ("grad_end",))
-
-
-def _has_heavy(jaxpr) -> bool:
-    return any(
-        e.primitive.name in HEAVY or any(_has_heavy(j) for j in sub_jaxprs(e)) for e in jaxpr.eqns
-    )
 
 
 def _is_scan(eqn) -> bool:
@@ -105,7 +99,7 @@ def layer_stack_scans(jaxpr, weights: Sequence[bool]) -> list[int]:
         reads = [v for v in e.invars if not is_literal(v)]
         if reads and all(v in pure for v in reads):
             pure.update(e.outvars)
-        if not _is_scan(e) or not _has_heavy(e.params["jaxpr"].jaxpr):
+        if not _is_scan(e) or not is_heavy(e):
             continue
         start = e.params["num_consts"] + e.params["num_carry"]
         xs = e.invars[start:]
