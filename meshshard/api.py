@@ -661,7 +661,7 @@ def _layered(fn: Callable, method: Method) -> Callable:
     stacked layers unrolled where the sharding ILP shards the programs."""
     from meshshard.autodiff import AutoLayers, Rematerialized, UnrolledStacks
 
-    if sharding_mode(method) in ("auto", "zero2", "zero3"):
+    if sharding_mode(method) != "data_parallel":  # the sharding ILP plans each program
         fn = UnrolledStacks(fn, True)
     remat = getattr(method, "remat", None)
     if remat is not None:

@@ -30,6 +30,7 @@ from meshshard.jaxpr_util import (
 from meshshard.metrics import check_reduction
 from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
 from meshshard.passes.inline import inline_calls
+from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
 from meshshard.passes.unroll_scans import layer_stack_scans, marked_scans, split_note, split_scans
 from meshshard.primitives import boundary_p
 
@@ -409,8 +410,6 @@ SCAN_PIECES_PER_LAYER = 4
 def _split_layer_scans(closed, weights: list[bool]):
     """``closed`` with its scans over stacked layers cut into pieces the stages can split
     (:mod:`meshshard.passes.unroll_scans`), and the plan's notes saying so."""
-    from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
-
     jaxpr = closed.jaxpr
     pieces = marked_scans(jaxpr)
     notes = [
@@ -421,23 +420,22 @@ def _split_layer_scans(closed, weights: list[bool]):
         )
         for i, n in pieces.items()
     ]
-    if _UNROLL_STACKS.get():
-        for i in layer_stack_scans(jaxpr, weights):
-            eqn = jaxpr.eqns[i]
-            if i not in pieces:
-                pieces[i] = eqn.params["length"]
-                why = "a scan over stacked layers, which the sharding ILP would run replicated"
-                notes.append(split_note(eqn, pieces[i], why))
+    unroll = _UNROLL_STACKS.get()
     layers = _AUTO_LAYERS.get()
     wanted = MAX_AUTO_LAYERS if layers == "auto" else layers
-    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1:
-        for i in layer_stack_scans(jaxpr, weights):
-            if i in pieces:
-                continue
-            eqn = jaxpr.eqns[i]
-            pieces[i] = min(eqn.params["length"], SCAN_PIECES_PER_LAYER * wanted)
+    by_layers = isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1
+    for i in layer_stack_scans(jaxpr, weights) if unroll or by_layers else ():
+        if i in pieces:
+            continue
+        eqn = jaxpr.eqns[i]
+        length = eqn.params["length"]
+        if unroll:  # the sharding ILP: every layer its own equations
+            pieces[i] = length
+            why = "a scan over stacked layers, which the sharding ILP would run replicated"
+        else:
+            pieces[i] = min(length, SCAN_PIECES_PER_LAYER * wanted)
             why = f"a scan over stacked layers, which layers={layers!r} may cut between pieces"
-            notes.append(split_note(eqn, pieces[i], why))
+        notes.append(split_note(eqn, pieces[i], why))
     return split_scans(closed, pieces), tuple(notes)
 
 

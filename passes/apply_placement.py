@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, itemsize
+from meshshard.jaxpr_util import aval_nbytes, is_dropvar, is_literal
 
 #: Primitive -> the reduction an all-reduce applies for it.
 REDUCIBLE = {"add": "sum", "add_any": "sum", "max": "max", "min": "min", "and": "and", "or": "or"}
@@ -142,8 +142,7 @@ class _Placer:
         out = e.outvars[0]
         if any(tuple(v.aval.shape) != tuple(out.aval.shape) for v in ins):
             return False
-        nbytes = int(np.prod(out.aval.shape, dtype=np.int64)) * itemsize(out.aval.dtype)
-        if nbytes > ALLREDUCE_MAX_BYTES:
+        if aval_nbytes(out.aval) > ALLREDUCE_MAX_BYTES:
             return False
         if any(v in self.partial for v in ins):
             return True
@@ -194,9 +193,8 @@ class _Placer:
         """Move ``e``'s operands to the mesh holding most of their bytes; returns it."""
         weight: dict[int, int] = {}
         for v in located:
-            nbytes = int(np.prod(v.aval.shape, dtype=np.int64)) * itemsize(v.aval.dtype)
             for m in self.ready[v]:
-                weight[m] = weight.get(m, 0) + nbytes
+                weight[m] = weight.get(m, 0) + aval_nbytes(v.aval)
         target = min(weight, key=lambda m: (-weight[m], m))
         for v in located:
             self._send(v, target)
@@ -216,7 +214,7 @@ class _Placer:
             and grown.primitive.name in GROWING
             and len(ins) == 1
             and ins[0] in self.ready
-            and _nbytes(ins[0]) < _nbytes(v)
+            and aval_nbytes(ins[0].aval) < aval_nbytes(v.aval)
         ):
             self._send(ins[0], target)
             phase = self.ready[ins[0]][target]
@@ -280,10 +278,6 @@ def place_apply(
             sorted((ids[v], tuple(sorted(ms))) for v, ms in p.needed.items() if v in ids)
         ),
     )
-
-
-def _nbytes(v) -> int:
-    return int(np.prod(v.aval.shape, dtype=np.int64)) * itemsize(v.aval.dtype)
 
 
 def _as_set(s) -> frozenset:

@@ -33,16 +33,9 @@ from collections import Counter
 from jax import lax
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import (
-    aval_size,
-    bind_eqn,
-    is_dropvar,
-    is_literal,
-    is_marker,
-    read_var,
-    retrace,
-)
+from meshshard.jaxpr_util import aval_size, is_literal, is_marker
 from meshshard.passes.reductions import marker_reductions
+from meshshard.passes.shared_grads import terms_through_grad_end
 
 __all__ = ["narrow_padded_gradients", "padded_terms"]
 
@@ -140,39 +133,10 @@ def narrow_padded_gradients(closed: ClosedJaxpr) -> ClosedJaxpr:
     eqns = jaxpr.eqns
     producer = {v: i for i, e in enumerate(eqns[:g]) for v in e.outvars}
     dropped = set().union(*(adds for _, adds in found.values()))
-    info = marker_reductions(eqns[g])
 
-    def hook(i, eqn, env, extra) -> bool:
-        if i in dropped:
-            return True  # the sum is taken after the marker instead
-        if i != g:
-            return False
-        operands = [None if k in found else read_var(env, v) for k, v in enumerate(eqn.invars)]
-        reduce = list(info)
-        rebuild = {}  # operand position: [(operand index, pad equation or None)]
-        for pos, (ts, _) in found.items():
-            parts = []
-            for k, t in enumerate(ts):
-                pad = eqns[producer[t]] if t in producer else None
-                if pad is not None and _zero_pad(pad):
-                    value = read_var(env, pad.invars[0])
-                else:
-                    value, pad = read_var(env, t), None
-                if k == 0:
-                    operands[pos] = value
-                    parts.append((pos, pad))
-                else:
-                    parts.append((len(operands), pad))
-                    operands.append(value)
-                    reduce.append(info[pos])
-            rebuild[pos] = parts
-        e = eqn.replace(params=dict(eqn.params, reduce=tuple(reduce)))
-        outs = bind_eqn(e, operands)
-        for pos, parts in rebuild.items():
-            outs[pos] = _combine([(outs[k], pad) for k, pad in parts])
-        for v, x in zip(eqn.outvars, outs, strict=False):
-            if not is_dropvar(v):
-                env[v] = x
-        return True
+    def unpadded(t):
+        pad = eqns[producer[t]] if t in producer else None
+        return (pad.invars[0], pad) if pad is not None and _zero_pad(pad) else (t, None)
 
-    return retrace(closed, hook)
+    splits = {pos: ts for pos, (ts, _) in found.items()}
+    return terms_through_grad_end(closed, g, splits, dropped, unpadded, _combine)

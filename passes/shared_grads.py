@@ -46,32 +46,58 @@ def split_shared_gradients(closed: ClosedJaxpr) -> ClosedJaxpr:
     splits, dropped = _gradient_sums(jaxpr, g, layer_of)
     if not splits:
         return closed
-    g_eqn = jaxpr.eqns[g]
-    info = marker_reductions(g_eqn)
+    return terms_through_grad_end(closed, g, splits, dropped)
+
+
+def terms_through_grad_end(closed, g: int, splits: dict, dropped: set, source=None, combine=None):
+    """``closed`` with each operand ``pos`` of its ``grad_end`` marker (equation ``g``)
+    passed through as the terms ``splits[pos]``, each its own operand with the operand's
+    reduction, and recombined right after the marker; the equations ``dropped`` (the
+    sums the recombination replaces) are left out.
+
+    ``source(t)`` names what passes for term ``t``: ``(variable, tag)``, by default
+    ``(t, None)``.  ``combine([(value, tag), ...])`` makes the operand's value from the
+    terms' marker outputs, by default their sum in order."""
+    info = marker_reductions(closed.jaxpr.eqns[g])
+    source = source or (lambda t: (t, None))
+    combine = combine or _sum_in_order
 
     def hook(i, eqn, env, extra) -> bool:
         if i in dropped:
-            return True  # a cross-layer add: done after the marker instead
+            return True  # a sum: done after the marker instead
         if i != g:
             return False
         operands = [None if k in splits else read_var(env, v) for k, v in enumerate(eqn.invars)]
-        reduce, extra_pos = list(info), {}
+        reduce, parts_of = list(info), {}
         for pos, terms in splits.items():
-            operands[pos] = read_var(env, terms[0])
-            extra_pos[pos] = list(range(len(operands), len(operands) + len(terms) - 1))
-            operands += [read_var(env, t) for t in terms[1:]]
-            reduce += [info[pos]] * (len(terms) - 1)
+            parts = []
+            for k, t in enumerate(terms):
+                var, tag = source(t)
+                at = pos if k == 0 else len(operands)
+                if k == 0:
+                    operands[pos] = read_var(env, var)
+                else:
+                    operands.append(read_var(env, var))
+                    reduce.append(info[pos])
+                parts.append((at, tag))
+            parts_of[pos] = parts
         e = eqn.replace(params=dict(eqn.params, reduce=tuple(reduce)))
         outs = bind_eqn(e, operands)
-        for pos, more in extra_pos.items():
-            for k in more:
-                outs[pos] = lax.add(outs[pos], outs[k])
+        for pos, parts in parts_of.items():
+            outs[pos] = combine([(outs[k], tag) for k, tag in parts])
         for v, x in zip(eqn.outvars, outs, strict=False):
             if not is_dropvar(v):
                 env[v] = x
         return True
 
     return retrace(closed, hook)
+
+
+def _sum_in_order(parts: list):
+    total = parts[0][0]
+    for x, _ in parts[1:]:
+        total = lax.add(total, x)
+    return total
 
 
 def _gradient_sums(jaxpr, g: int, layer_of: dict) -> tuple[dict, set]:
