@@ -37,13 +37,21 @@ def _inline_hook(i, eqn, env, extra=()) -> bool:
     callee = _callee(eqn)
     if callee is None:
         return False
-    inner = dict(zip(callee.jaxpr.constvars, callee.consts, strict=True))
-    inner.update(zip(callee.jaxpr.invars, [read_var(env, v) for v in eqn.invars], strict=True))
-    body = [with_caller_source(e, eqn) for e in callee.jaxpr.eqns]
-    eval_eqns(body, inner, on_eqn=_inline_hook)
-    for out, v in zip(eqn.outvars, callee.jaxpr.outvars, strict=True):
-        env[out] = read_var(inner, v)
+    invals = [read_var(env, v) for v in eqn.invars]
+    outs = eval_inlined(callee, eqn, invals, _inline_hook)
+    env.update(zip(eqn.outvars, outs, strict=True))
     return True
+
+
+def eval_inlined(callee: ClosedJaxpr, caller, invals: list, on_eqn=None) -> list:
+    """``callee``'s outputs on ``invals``, its equations evaluated in the current trace
+    (``on_eqn`` as in ``eval_eqns``); each keeps ``caller``'s line where its own names
+    no user code."""
+    inner = dict(zip(callee.jaxpr.constvars, callee.consts, strict=True))
+    inner.update(zip(callee.jaxpr.invars, invals, strict=True))
+    body = [with_caller_source(e, caller) for e in callee.jaxpr.eqns]
+    eval_eqns(body, inner, on_eqn=on_eqn)
+    return [read_var(inner, v) for v in callee.jaxpr.outvars]
 
 
 def has_calls(closed: ClosedJaxpr) -> bool:

@@ -39,7 +39,6 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import (
     bind_eqn,
-    eval_eqns,
     is_literal,
     is_marker,
     read_var,
@@ -47,9 +46,8 @@ from meshshard.jaxpr_util import (
     source_of,
     sub_jaxprs,
     user_line,
-    with_caller_source,
 )
-from meshshard.passes.inline import inline_hook
+from meshshard.passes.inline import eval_inlined, inline_hook
 from meshshard.passes.layer_cluster import is_heavy
 
 __all__ = [
@@ -153,7 +151,7 @@ def _run_in_pieces(eqn, env: dict, pieces: int) -> None:
         if b - a == 1:
             with source_of(eqn):
                 x_i = [x[a] for x in xs]
-            outs = _inline_body(eqn, [*consts, *carry, *x_i])
+            outs = eval_inlined(p["jaxpr"], eqn, [*consts, *carry, *x_i], _unroll_marked)
             with source_of(eqn):
                 ys = [y[None] for y in outs[nk:]]
         else:
@@ -172,15 +170,6 @@ def _run_in_pieces(eqn, env: dict, pieces: int) -> None:
             stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
     for var, val in zip(eqn.outvars, [*carry, *stacked], strict=True):
         env[var] = val
-
-
-def _inline_body(eqn, invals: list) -> list:
-    body = eqn.params["jaxpr"]
-    inner = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
-    inner.update(zip(body.jaxpr.invars, invals, strict=True))
-    eqns = [with_caller_source(e, eqn) for e in body.jaxpr.eqns]
-    eval_eqns(eqns, inner, on_eqn=_unroll_marked)
-    return [read_var(inner, v) for v in body.jaxpr.outvars]
 
 
 def split_note(eqn, pieces: int, why: str) -> str:
