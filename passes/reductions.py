@@ -487,14 +487,17 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
     mean plus anything the same on every micro-batch (a weight penalty) is a mean, and
     batch sums add to a sum, but a batch sum plus a constant counts the constant once
     per micro-batch, a mean plus a sum is neither, and two maxima do not add to the
-    maximum of the sums.  Each term is classified on its own (:func:`classify`).  Only
+    maximum of the sums.  A concatenation (a split scan's per-layer values, see
+    :mod:`~meshshard.passes.unroll_scans`) follows the same rules, except that its parts
+    stay apart: maxima concatenate to maxima.  Each term is classified on its own
+    (:func:`classify`).  Only
     sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
     norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
     batch again, per micro-batch, not a term of the value.  ``tail``: the value's tail
     equations (:func:`_tail`)."""
     tail = {id(em) for em in tail}
     for em, _, ins, outs in producers:
-        if ins or outs or em.primitive.name not in ("add", "sub", "add_any"):
+        if ins or outs or em.primitive.name not in ("add", "sub", "add_any", "concatenate"):
             continue
         if id(em) not in tail:
             continue
@@ -508,14 +511,16 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
                 return why
             kinds.append(red)
         terms = [k for k in kinds if k != "const"]
+        joins = em.primitive.name == "concatenate"
+        verb = "concatenates" if joins else "adds"
         if len(set(terms)) > 1:
-            return f"it adds a batch {terms[0]} and a batch {terms[1]}"
+            return f"it {verb} a batch {terms[0]} and a batch {terms[1]}"
         if terms and terms[0] == "sum" and "const" in kinds:
             return (
-                "it adds a value that does not depend on the batch to a batch sum (each "
+                f"it {verb} a value that does not depend on the batch to a batch sum (each "
                 "micro-batch's value would count it once)"
             )
-        if len(terms) > 1 and terms[0] in ("max", "min"):
+        if len(terms) > 1 and terms[0] in ("max", "min") and not joins:
             return f"it adds two batch {terms[0]}ima"
     return ""
 
@@ -569,6 +574,9 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> st
             em.primitive is aux_reduce_p
             or (name in LINEAR_AFTER and len(which) == 1)
             or name in ("add", "sub", "add_any")
+            # per-layer values a split scan's pieces stack (unroll_scans): element-wise
+            # each is the reduction it was, and _mixed_terms checks they agree
+            or name == "concatenate"
             or (name == "mul" and len(which) == 1)
             or (name == "div" and which == [0])
             # summed or weighted over another axis (an ensemble's mean of its members'

@@ -492,6 +492,14 @@ def _classify_loss(loss_fn, m=4):
         (lambda x: jnp.zeros((2, 2)).at[(x[:, 0] > 10) * 1, (x[:, 1] > 20) * 1].add(1.0), "sum"),
         # into a running total: each micro-batch would add the total again
         (lambda x: jnp.arange(3.0).at[(x[:, 0] > 10).astype(int)].add(x[:, 1]), ""),
+        # per-layer batch means joined (a split scan's pieces, passes/unroll_scans.py):
+        # each element is the mean it was (was refused: "it applies concatenate")
+        (lambda x: jnp.sum(jnp.concatenate([jnp.mean(x, 0), jnp.mean(x**2, 0)])), "mean"),
+        (lambda x: jnp.concatenate([jnp.max(x, 0), jnp.max(-x, 0)]), "max"),
+        # the same rules as a sum's terms: a constant beside a batch sum counts once per
+        # micro-batch, and a mean beside a sum is neither
+        (lambda x: jnp.concatenate([jnp.sum(x, 0), jnp.ones(2)]), ""),
+        (lambda x: jnp.concatenate([jnp.sum(x, 0), jnp.mean(x, 0)]), ""),
     ],
     ids=[
         "mean",
@@ -524,10 +532,23 @@ def _classify_loss(loss_fn, m=4):
         "class-histogram",
         "confusion-matrix",
         "scatter-into-a-total",
+        "joined-means",
+        "joined-maxima",
+        "constant-beside-a-sum",
+        "sum-beside-a-mean",
     ],
 )
 def test_classify(fn, want):
     assert _classify_loss(fn) == want
+
+
+def test_a_joined_sum_and_constant_says_concatenates():
+    fn = lambda x: jnp.concatenate([jnp.sum(x, 0), jnp.ones(2)])  # noqa: E731
+    x_full = jnp.arange(32.0).reshape(8, 4)
+    micro, full = jax.make_jaxpr(fn)(x_full[:2]), jax.make_jaxpr(fn)(x_full)
+    dep = batch_dependent(micro.jaxpr, [True], len(micro.jaxpr.eqns))
+    why = classify(micro, full, micro.jaxpr.outvars[0], 4, dep)[1]
+    assert why.startswith("it concatenates a value that does not depend on the batch")
 
 
 def test_a_scatter_into_a_running_total_says_how_to_write_it():

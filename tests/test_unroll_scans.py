@@ -385,3 +385,62 @@ def test_plain_data_parallelism_keeps_the_scan():
 def test_unrolled_stacked_layers_under_the_sharding_ilp_match_jit(threads_cluster, method):
     state, batches = _case(Stacked(mark=False, rate=0.2))
     check_step_parity(train_step, method, state, batches, rtol=1e-4)  # sharded sums' order
+
+
+class GatedBlock(nn.Module):
+    """A residual block that also returns its gate's load, a mean over the batch (an MoE
+    layer's balancing loss), one per layer through the scan."""
+
+    mark: bool = False
+
+    @nn.compact
+    def __call__(self, x, _):
+        gate = nn.softmax(nn.Dense(4)(x))
+        load = jnp.mean(gate**2)
+        x = x + nn.Dense(16)(jnp.tanh(nn.Dense(32)(x)))
+        if self.mark:
+            meshshard.mark_pipeline_boundary()
+        return x, load
+
+
+class Gated(nn.Module):
+    mark: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16)(x)
+        layers = nn.scan(
+            GatedBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        x, loads = layers(self.mark)(x, None)
+        return nn.Dense(1)(x), loads
+
+
+def gated_step(state, batch):
+    def loss_fn(params):
+        pred, loads = state.apply_fn({"params": params}, batch["x"])
+        mse = jnp.mean((pred - batch["y"]) ** 2)
+        return mse + 0.01 * loads.sum(), loads
+
+    (loss, loads), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), (loss, loads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mark,method",
+    [
+        (False, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], layers=2)),
+        (False, PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], layers="auto")),
+        (True, PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 5)),
+        (False, meshshard.ShardParallel((1, 2), sharding="zero2", num_micro_batches=2)),
+    ],
+    ids=["layers2", "layers-auto", "markers", "zero2"],
+)
+def test_per_layer_losses_of_a_split_scan_combine_over_micro_batches(threads_cluster, mark, method):
+    # was refused: "it applies concatenate to a value reduced over the batch": the pieces
+    # of a split scan join its per-layer means with a concatenate, which the loss's
+    # classification did not know as linear (the scan itself, under DataParallel, ran)
+    state, batches = _case(Gated(mark=mark))
+    batches = [{"x": b["x"], "y": b["y"]} for b in batches]  # no dropout key
+    check_step_parity(gated_step, method, state, batches, rtol=1e-4)
