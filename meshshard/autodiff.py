@@ -34,7 +34,14 @@ from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
 from meshshard.passes.unroll_scans import layer_stack_scans, marked_scans, split_note, split_scans
 from meshshard.primitives import boundary_p
 
-__all__ = ["grad", "value_and_grad", "AutoLayers", "UnrolledStacks"]
+__all__ = [
+    "grad",
+    "value_and_grad",
+    "AutoLayers",
+    "UnrolledStacks",
+    "LayerCuts",
+    "SharingLayerCuts",
+]
 
 
 def value_and_grad(
@@ -385,7 +392,44 @@ def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
         )
     from meshshard.passes.layer_cluster import cluster_layers
 
-    return cluster_layers(jaxpr, layers)
+    table = _LAYER_CUTS.get()
+    key = (layers, tuple(e.primitive.name for e in jaxpr.eqns))
+    if table is not None and key in table.chosen:
+        return table.chosen[key]
+    cuts = cluster_layers(jaxpr, layers)
+    if table is not None:
+        table.chosen[key] = cuts
+    return cuts
+
+
+class LayerCuts:
+    """The cuts ``layers=`` chose for each loss program traced under it (the setting and
+    the program's primitives in order -> cut positions).
+
+    A step is traced at micro-batch and at full-batch shape, and the two traces are
+    paired equation by equation (how the loss combines over micro-batches, the batch
+    statistics).  The bytes crossing a cut grow with the batch and the values of the
+    weights alone do not, so each shape alone may choose other cuts: the full batch's
+    trace takes the micro-batch's, which run.  Tables compare by identity, so a trace
+    under one is never JAX's cached trace under another."""
+
+    def __init__(self, chosen: Mapping | None = None):
+        self.chosen = dict(chosen or {})
+
+    def disagrees(self, other: LayerCuts) -> bool:
+        """Whether ``other`` cut a program both cut elsewhere."""
+        return any(self.chosen.get(k, v) != v for k, v in other.chosen.items())
+
+
+#: The table the ``layers=`` cuts being traced are read from and recorded into.
+_LAYER_CUTS: ContextVar[LayerCuts | None] = ContextVar("meshshard_layer_cuts", default=None)
+
+
+class SharingLayerCuts(_TracedWith):
+    """``fn`` with its ``layers=`` cuts read from (where a program was cut before) and
+    recorded into a :class:`LayerCuts` table."""
+
+    _setting = _LAYER_CUTS
 
 
 #: Whether the method being compiled shards each program with the sharding ILP (see

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from meshshard._compat import ClosedJaxpr
+from meshshard.autodiff import LayerCuts, SharingLayerCuts
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, without_markers
 from meshshard.passes.batch_coupling import coupled_statistics
@@ -287,8 +288,9 @@ def _cached(key) -> TracedStep | None:
 
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     """:func:`trace_step` without the cache."""
+    full_cuts, micro_cuts = LayerCuts(), LayerCuts()  # layers=: the cuts each shape chose
     try:
-        full, full_out, transposed, notes = _trace(fn, treedef, full_abs)
+        full, full_out, transposed, notes = _trace(fn, treedef, full_abs, full_cuts)
     except Exception as exc:  # leaves of other lengths are the likelier fault: say so
         if m > 1 and not isinstance(exc, MeshshardInputError):
             _check_row_counts(full_abs, wheres, in_batch, m, cause=exc)
@@ -307,8 +309,12 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
         for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
     ]
     micro, out_shape = (
-        (full, full_out) if m == 1 else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs)
+        (full, full_out)
+        if m == 1
+        else _trace_micro(fn, treedef, micro_abs, m, wheres, full_abs, micro_cuts)
     )
+    if full_cuts.disagrees(micro_cuts):  # the micro-batch's cuts run: pair the traces
+        full = _trace(fn, treedef, full_abs, LayerCuts(micro_cuts.chosen))[0]
     if m > 1:  # a graph batch's edge lists, keys per row number: not cut into micro-batches
         positions = batch_positions(micro, full, is_batch, wheres)
         if positions:
@@ -345,7 +351,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     flags = is_batch + [False] * len(stat_infos)  # per input of micro: a batch leaf?
     coupled = coupled_statistics(micro, full, flags) if m > 1 else ()
     draws = find_batch_draws(micro, full, m)
-    pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink)
+    pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink, micro_cuts)
     reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m)
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, flags + [True] * bool(draws))
@@ -390,11 +396,11 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     )
 
 
-def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
+def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs, cuts: LayerCuts) -> tuple:
     """The step traced at micro-batch shape, and its output shape.  The full batch traced
     already, so a failure here comes from cutting the batch leaves: say so, and which."""
     try:
-        return _trace(fn, treedef, micro_abs)[:2]
+        return _trace(fn, treedef, micro_abs, cuts)[:2]
     except MeshshardInputError:
         raise
     except Exception as e:
@@ -415,13 +421,14 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs) -> tuple:
         ) from e
 
 
-def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sink):
+def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sink, cuts):
     """Two traces whose batch sizes differ ``m``-fold (none for the second when ``m`` is
     1), for ``resolve`` to tell how the loss and aux values combine over micro-batches.
 
     Normally the micro-batch and the full batch.  JAX specializes a dimension of size 1,
     so a one-row micro-batch often traces other equations than the full batch, and the
-    two cannot be paired: there the step is traced again at 2 and ``2 m`` rows."""
+    two cannot be paired: there the step is traced again at 2 and ``2 m`` rows, both
+    cut where the first of them is (``cuts``: the micro-batch's :class:`LayerCuts`)."""
     if m == 1:
         return micro, None
     rows = {a.shape[0] for a, b in zip(micro_abs, is_batch, strict=True) if b and a.shape}
@@ -434,15 +441,22 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sin
             for a, b in zip(micro_abs, is_batch, strict=True)
         ]
 
-    two, many = sink(_trace(fn, treedef, at(2))[0]), sink(_trace(fn, treedef, at(2 * m))[0])
+    shared = LayerCuts(cuts.chosen)
+    two = sink(_trace(fn, treedef, at(2), shared)[0])
+    many = sink(_trace(fn, treedef, at(2 * m), shared)[0])
     return (two, many) if same_program(two, many) else (micro, full)
 
 
-def _trace(fn: Callable, treedef, leaves: list) -> tuple[ClosedJaxpr, object, bool, tuple]:
+def _trace(
+    fn: Callable, treedef, leaves: list, cuts: LayerCuts | None = None
+) -> tuple[ClosedJaxpr, object, bool, tuple]:
     """The step's jaxpr with calls inlined, keys held as raw data and the user's own
     sharding constraints dropped, its output shape, whether it holds transposed
-    (backward) equations, and the notes on what the user should know (or ())."""
-    closed, out = jax.make_jaxpr(fn, return_shape=True)(*jax.tree.unflatten(treedef, leaves))
+    (backward) equations, and the notes on what the user should know (or ()).
+    ``layers=`` cuts are shared through ``cuts`` (:class:`LayerCuts`)."""
+    target = fn if cuts is None else SharingLayerCuts(fn, cuts)
+    args = jax.tree.unflatten(treedef, leaves)
+    closed, out = jax.make_jaxpr(target, return_shape=True)(*args)
     lost = getattr(fn, "in_place_note", None)  # a KeyedStep's (meshshard.keys)
     transposed = has_transposed_eqns(closed)  # before re-traces drop the name stacks
     note = user_sharding_note(closed)

@@ -397,7 +397,7 @@ class GatedBlock(nn.Module):
     def __call__(self, x, _):
         gate = nn.softmax(nn.Dense(4)(x))
         load = jnp.mean(gate**2)
-        x = x + nn.Dense(16)(jnp.tanh(nn.Dense(32)(x)))
+        x = x + nn.Dense(16)(nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
         if self.mark:
             meshshard.mark_pipeline_boundary()
         return x, load
@@ -444,3 +444,32 @@ def test_per_layer_losses_of_a_split_scan_combine_over_micro_batches(threads_clu
     state, batches = _case(Gated(mark=mark))
     batches = [{"x": b["x"], "y": b["y"]} for b in batches]  # no dropout key
     check_step_parity(gated_step, method, state, batches, rtol=1e-4)
+
+
+@pytest.mark.fast
+def test_the_full_batch_trace_takes_the_micro_batch_cuts():
+    # layers= weighs the bytes crossing each cut: activations grow with the batch, values
+    # of the weights alone do not, so the micro-batch (4 rows) and the full batch (8 rows)
+    # chose cuts 3 equations apart, the two traces no longer paired equation by equation,
+    # and the loss was refused ("the step traces differently at micro-batch and
+    # full-batch shape")
+    from meshshard.autodiff import AutoLayers, LayerCuts, SharingLayerCuts
+
+    state, batches = _case(Gated())
+    step = AutoLayers(gated_step, "auto")
+    full = {"x": batches[0]["x"], "y": batches[0]["y"]}
+    micro = {k: v[:4] for k, v in full.items()}
+    full_cuts, micro_cuts = LayerCuts(), LayerCuts()
+    jax.make_jaxpr(SharingLayerCuts(step, full_cuts))(state, full)
+    jax.make_jaxpr(SharingLayerCuts(step, micro_cuts))(state, micro)
+    assert full_cuts.disagrees(micro_cuts)  # each shape alone cuts elsewhere
+    shared = LayerCuts(micro_cuts.chosen)
+    again = jax.make_jaxpr(SharingLayerCuts(step, shared))(state, full)
+    assert shared.chosen == micro_cuts.chosen
+    boundaries = [
+        i for i, e in enumerate(again.jaxpr.eqns) if e.primitive.name == "pipeline_boundary"
+    ]
+    micro_trace = jax.make_jaxpr(SharingLayerCuts(step, LayerCuts(micro_cuts.chosen)))(state, micro)
+    assert boundaries == [
+        i for i, e in enumerate(micro_trace.jaxpr.eqns) if e.primitive.name == "pipeline_boundary"
+    ]
