@@ -217,7 +217,8 @@ def data_only(jaxpr, is_batch) -> set:
     data.update(jaxpr.constvars)
     for e in jaxpr.eqns:
         if is_marker(e, *_CARRYING):
-            data.update(o for a, o in zip(e.invars, e.outvars, strict=True) if a in data)
+            pairs = zip(e.invars, e.outvars, strict=True)
+            data.update(o for a, o in pairs if is_literal(a) or a in data)
         elif _pure(e) and all(is_literal(v) or v in data for v in e.invars):
             data.update(_outs(e))
     return data

@@ -374,3 +374,36 @@ def test_gradients_divided_by_the_token_count_after_the_grad_equal_jit(threads_c
     params = TinyLM().init(jax.random.key(0), batches[0]["ids"][:, :-1])["params"]
     state = (params, LM_TX.init(params), jnp.zeros(()))
     check_step_parity(token_normalised_step, method, state, batches, rtol=1e-4)
+
+
+def _aux_across_cuts_step(params, batch):
+    """Three layers cut by ``layers=``; the first layer's pre-activation norm, returned as
+    aux, crosses the cut with no gradient (its cotangent at the backward boundary is a
+    literal zero)."""
+
+    def loss_fn(p):
+        pre = batch["x"] @ p["w0"]
+        norm = jnp.mean(pre**2)
+        h = jnp.tanh(jnp.tanh(pre) @ p["w1"])
+        pred = h @ p["w2"]
+        return jnp.mean((pred - batch["y"]) ** 2), norm
+
+    (loss, norm), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads), (loss, norm)
+
+
+@pytest.mark.slow
+def test_an_aux_value_crossing_cuts_with_a_zero_cotangent_equals_jit(threads_cluster):
+    # was: TypeError "unhashable type: 'Literal'" from looking the backward boundary's
+    # literal zero cotangent up among the batch data (a Flax sow'd intermediate did it)
+    rng = np.random.RandomState(0)
+    params = {
+        k: rng.randn(*s).astype(np.float32) * 0.5
+        for k, s in {"w0": (6, 16), "w1": (16, 16), "w2": (16, 1)}.items()
+    }
+    batches = [
+        {"x": rng.randn(8, 6).astype(np.float32), "y": rng.randn(8, 1).astype(np.float32)}
+        for _ in range(2)
+    ]
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], layers=2)
+    check_step_parity(_aux_across_cuts_step, method, params, batches, rtol=1e-5)
