@@ -369,7 +369,9 @@ class AutoLayers(_TracedWith):
     cuts its loss into ``layers`` layers (:mod:`meshshard.passes.layer_cluster`).
 
     The compiler wraps a step this way for ``PipeshardParallel(layers=...)``; the workers
-    trace the same wrapped function, so they cut at the same places.
+    trace the same wrapped function, so they cut at the same places.  A step without
+    ``meshshard.grad`` (inference) is cut after its trace: the setting is recorded in the
+    trace's :class:`LayerCuts` table for that.
     """
 
     _setting = _AUTO_LAYERS
@@ -377,6 +379,12 @@ class AutoLayers(_TracedWith):
     @property
     def layers(self) -> str | int:
         return self._value
+
+    def __call__(self, *args):
+        table = _LAYER_CUTS.get()
+        if table is not None:
+            table.layers = self._value
+        return super().__call__(*args)
 
 
 def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
@@ -415,6 +423,8 @@ class LayerCuts:
 
     def __init__(self, chosen: Mapping | None = None):
         self.chosen = dict(chosen or {})
+        #: the ``layers=`` setting the traced step was wrapped with (see AutoLayers)
+        self.layers: str | int | None = None
 
     def disagrees(self, other: LayerCuts) -> bool:
         """Whether ``other`` cut a program both cut elsewhere."""

@@ -86,6 +86,40 @@ def with_forward_boundaries(closed: ClosedJaxpr) -> ClosedJaxpr:
     return retrace(closed, lambda i, eqn, env, extra: on_eqn(i, eqn, env))
 
 
+def with_auto_layers(micro: ClosedJaxpr, full: ClosedJaxpr, layers, weights: list[bool]):
+    """``PipeshardParallel(layers=...)`` for a forward-only step: ``micro`` and ``full``
+    (the step traced at micro-batch and full-batch shape, ``full`` may be ``micro``) cut
+    into ``layers`` layers by :func:`~meshshard.passes.layer_cluster.cluster_layers`,
+    chosen on ``micro`` and applied to both so they pair equation by equation, as
+    ``meshshard.grad`` cuts a loss; scans over stacked layers (of the state leaves flagged
+    in ``weights``) are split first.  Returns ``(micro, full, notes)``."""
+    from meshshard.autodiff import _AUTO_LAYERS, _auto_cuts, _live_across, _split_layer_scans
+
+    marks = sum(is_marker(e, "fwd") for e in micro.jaxpr.eqns)
+    token = _AUTO_LAYERS.set(layers)
+    try:
+        split, notes = _split_layer_scans(micro, weights)
+        cuts = _auto_cuts(split.jaxpr, marks)
+        other = split if full is micro else _split_layer_scans(full, weights)[0]
+    finally:
+        _AUTO_LAYERS.reset(token)
+    index_of = {p: k for k, p in enumerate(cuts)}
+
+    def cut(closed: ClosedJaxpr) -> ClosedJaxpr:
+        live = _live_across(closed.jaxpr, list(cuts), before=True)
+
+        def on_eqn(i, eqn, env, extra) -> bool:
+            if i in index_of:  # a boundary before equation i, then equation i itself
+                vals = boundary_p.bind(*[env[v] for v in live[i]], kind="fwd", index=index_of[i])
+                env.update(zip(live[i], vals, strict=True))
+            return False
+
+        return retrace(closed, on_eqn)
+
+    cut_micro = cut(split)
+    return cut_micro, cut_micro if full is micro else cut(other), notes
+
+
 def has_transposed_eqns(closed: ClosedJaxpr) -> bool:
     """True if ``closed`` (or a sub-jaxpr) holds equations JAX's autodiff transposed:
     a backward pass, as ``jax.grad`` leaves it (their name stack reads ``transpose(...)``).

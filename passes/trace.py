@@ -58,6 +58,7 @@ from meshshard.passes.forward_only import (
     is_forward_only,
     output_reductions,
     several_grads_message,
+    with_auto_layers,
 )
 from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
@@ -315,6 +316,11 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     )
     if full_cuts.disagrees(micro_cuts):  # the micro-batch's cuts run: pair the traces
         full = _trace(fn, treedef, full_abs, LayerCuts(micro_cuts.chosen))[0]
+    layers = (micro_cuts if m > 1 else full_cuts).layers
+    if layers is not None and is_forward_only(micro.jaxpr) and not transposed:  # inference
+        weights = [not b for b in is_batch]
+        micro, full, split_notes = with_auto_layers(micro, full, layers, weights)
+        notes += split_notes
     if m > 1:  # a graph batch's edge lists, keys per row number: not cut into micro-batches
         positions = batch_positions(micro, full, is_batch, wheres)
         if positions:

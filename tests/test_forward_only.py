@@ -268,3 +268,44 @@ def test_forward_only_reads_optax_free_state():
     assert kinds["args[0].step"] == "unused"
     assert kinds["args[1]['x']"] == "batch"
     assert all(k == "state" for p, k in kinds.items() if ".params[" in p)
+
+
+class _Deep(nn.Module):
+    """Three dense layers and no mark_pipeline_boundary(): layers= cuts them."""
+
+    @nn.compact
+    def __call__(self, x):
+        for width in (16, 16):
+            x = jnp.tanh(nn.Dense(width)(x))
+        return nn.Dense(1)(x)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_layers_cut_an_inference_step(threads_cluster, m):
+    # was refused: "2 pipeline stages were asked for, but the model has no pipeline
+    # boundary": layers= cut only a loss inside meshshard.grad
+    _, batch = setup()
+    state = mlp.make_state(_Deep(), batch["x"])
+    method = PipeshardParallel(num_micro_batches=m, stages=[(1, 2), (1, 2)], layers=2)
+    step = meshshard.parallelize(eval_step, method=method)
+    assert_trees_close(jax.jit(eval_step)(state, batch), step(state, batch))
+    plan = step.lower(state, batch, cluster=CLUSTER)
+    stages = [ln for ln in str(plan).splitlines() if ln.startswith("  stage")]
+    assert len(stages) == 2 and all("dot_general" in ln for ln in stages)  # a layer each
+
+
+def test_layers_split_a_scan_over_stacked_layers_in_an_inference_step(threads_cluster):
+    from tests.test_unroll_scans import Gated, _case
+
+    state, batches = _case(Gated())
+
+    def predict(params, x):
+        return state.apply_fn({"params": params}, x)
+
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 1)] * 4, layers=4)
+    step = meshshard.parallelize(predict, method=method)
+    x = batches[0]["x"]
+    assert_trees_close(jax.jit(predict)(state.params, x), step(state.params, x))
+    plan = step.lower(state.params, x, cluster=CLUSTER)
+    assert len(plan.stages) == 4
+    assert any("which layers=4 may cut between pieces" in n for n in plan.notes)
