@@ -31,7 +31,15 @@ from meshshard.metrics import check_reduction
 from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
-from meshshard.passes.unroll_scans import layer_stack_scans, marked_scans, split_note, split_scans
+from meshshard.passes.unroll_scans import (
+    counter_indexed_stacks,
+    counter_note,
+    layer_stack_scans,
+    marked_scans,
+    scan_over_counter_stacks,
+    split_note,
+    split_scans,
+)
 from meshshard.primitives import boundary_p
 
 __all__ = [
@@ -478,6 +486,11 @@ def _split_layer_scans(closed, weights: list[bool]):
     layers = _AUTO_LAYERS.get()
     wanted = MAX_AUTO_LAYERS if layers == "auto" else layers
     by_layers = isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1
+    if (unroll or by_layers) and not pieces:  # fori_loop(..., ws[i] ...): scan over ws
+        found = counter_indexed_stacks(jaxpr, weights)
+        notes += [counter_note(jaxpr.eqns[i], len(stacks)) for i, stacks in found.items()]
+        closed = scan_over_counter_stacks(closed, found)
+        jaxpr = closed.jaxpr
     for i in layer_stack_scans(jaxpr, weights) if unroll or by_layers else ():
         if i in pieces:
             continue

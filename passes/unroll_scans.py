@@ -33,12 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import (
     bind_eqn,
+    eval_eqns,
     is_literal,
     is_marker,
     read_var,
@@ -54,6 +56,9 @@ __all__ = [
     "has_marker",
     "marked_scans",
     "layer_stack_scans",
+    "counter_indexed_stacks",
+    "scan_over_counter_stacks",
+    "counter_note",
     "split_scans",
     "piece_bounds",
     "split_note",
@@ -107,6 +112,172 @@ def layer_stack_scans(jaxpr, weights: Sequence[bool]) -> list[int]:
         ):
             found.append(i)
     return found
+
+
+def counter_indexed_stacks(jaxpr, weights: Sequence[bool]) -> dict[int, tuple[int, ...]]:
+    """``{equation index: stacked operands}`` of the top-level scans that read stacked
+    layers by their counter, as ``fori_loop(0, L, lambda i, h: layer(ws[i], h), h)``
+    does: a float operand held constant through the scan, computed from the inputs
+    flagged in ``weights`` alone, that the body reads only as row ``i`` with ``i`` the
+    loop counter (a carry starting at a literal ``lo`` and growing by one each
+    iteration, so row ``lo + t`` at iteration ``t``).  The body must hold a matmul or
+    convolution.  Such a scan is a scan over the rows ``lo .. lo + L`` of each stacked
+    operand (:func:`scan_over_counter_stacks`)."""
+    pure = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
+    found = {}
+    for i, e in enumerate(jaxpr.eqns):
+        reads = [v for v in e.invars if not is_literal(v)]
+        if reads and all(v in pure for v in reads):
+            pure.update(e.outvars)
+        if _is_scan(e) and is_heavy(e) and not _unrolls(e):
+            stacks = _counter_stacks(e, pure)
+            if stacks:
+                found[i] = stacks
+    return found
+
+
+def _counter_stacks(eqn, pure: set) -> tuple[int, ...]:
+    """The constant operands of scan ``eqn`` it reads as row ``counter`` (see
+    :func:`counter_indexed_stacks`), by position among its operands."""
+    p = eqn.params
+    nc, length = p["num_consts"], p["length"]
+    body = p["jaxpr"].jaxpr
+    counter = _counter(eqn)
+    if counter is None or p["reverse"]:
+        return ()
+    lo = int(np.asarray(eqn.invars[nc + counter].val))
+    counter_var = body.invars[nc + counter]
+    uses: dict = {}
+    for e in body.eqns:
+        for k, v in enumerate(e.invars):
+            if not is_literal(v):
+                uses.setdefault(v, []).append((e, k))
+    for v in body.outvars:
+        if not is_literal(v):
+            uses.setdefault(v, []).append((None, -1))
+    stacks = []
+    for k in range(nc):
+        top, inner = eqn.invars[k], body.invars[k]
+        if is_literal(top) or top not in pure or not jnp.issubdtype(top.aval.dtype, jnp.floating):
+            continue
+        shape = tuple(top.aval.shape)
+        if not shape or shape[0] < lo + length or inner not in uses:
+            continue
+        if all(
+            e is not None
+            and pos == 0
+            and e.primitive.name == "dynamic_slice"
+            and tuple(e.params["slice_sizes"]) == (1, *shape[1:])
+            and _reads_row_counter(body, e, counter_var, lo, length)
+            for e, pos in uses[inner]
+        ):
+            stacks.append(k)
+    return tuple(stacks)
+
+
+def _counter(eqn) -> int | None:
+    """The carry of scan ``eqn`` that counts its iterations (an integer starting at a
+    literal and returned plus one), or None."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body = p["jaxpr"].jaxpr
+    made = {o: e for e in body.eqns for o in e.outvars}
+    for c in range(nk):
+        init, inner, out = eqn.invars[nc + c], body.invars[nc + c], body.outvars[c]
+        if not is_literal(init) or not jnp.issubdtype(inner.aval.dtype, jnp.integer):
+            continue
+        e = made.get(out)
+        if e is None or e.primitive.name != "add":
+            continue
+        a, b = e.invars
+        if (a is inner and is_literal(b) and b.val == 1) or (
+            b is inner and is_literal(a) and a.val == 1
+        ):
+            return c
+    return None
+
+
+def _reads_row_counter(body, ds, counter_var, lo: int, length: int) -> bool:
+    """Whether ``dynamic_slice`` equation ``ds`` of ``body`` reads row ``counter`` and
+    starts every other dim at 0, for each counter value ``lo .. lo + length - 1``: its
+    index operands are computed from the counter and literals alone (as ``ws[i]`` wraps
+    a negative ``i``), evaluated on each value."""
+    needed, made = [], {o: e for e in body.eqns for o in e.outvars}
+    stack, seen = [v for v in ds.invars[1:] if not is_literal(v)], set()
+    while stack:
+        v = stack.pop()
+        if v is counter_var or v in seen:
+            continue
+        seen.add(v)
+        e = made.get(v)
+        if e is None or e.primitive.name in ("scan", "while", "cond", "pjit"):
+            return False  # another input, or control flow: not the counter alone
+        needed.append(e)
+        stack += [u for u in e.invars if not is_literal(u)]
+    order = {id(e): n for n, e in enumerate(body.eqns)}
+    needed = sorted({id(e): e for e in needed}.values(), key=lambda e: order[id(e)])
+    for value in range(lo, lo + length):
+        env = {counter_var: np.asarray(value, counter_var.aval.dtype)}
+        with jax.ensure_compile_time_eval():  # concrete, inside the step's trace
+            eval_eqns(needed, env)
+            starts = [int(np.asarray(read_var(env, v))) for v in ds.invars[1:]]
+        if starts != [value] + [0] * (len(starts) - 1):
+            return False
+    return True
+
+
+def scan_over_counter_stacks(closed: ClosedJaxpr, found: Mapping[int, tuple[int, ...]]):
+    """``closed`` with each scan of ``found`` (:func:`counter_indexed_stacks`) scanning
+    over the rows it read by its counter: the same iterations on the same rows, now a
+    scan over stacked layers that :func:`split_scans` can cut."""
+    if not found:
+        return closed
+
+    def hook(i, eqn, env, extra=()) -> bool:
+        if i not in found:
+            return False
+        _scan_rows(eqn, env, found[i])
+        return True
+
+    return retrace(closed, hook)
+
+
+def _scan_rows(eqn, env: dict, stacks: tuple[int, ...]) -> None:
+    p = eqn.params
+    nc, nk, length = p["num_consts"], p["num_carry"], p["length"]
+    body = p["jaxpr"]
+    lo = int(np.asarray(eqn.invars[nc + _counter(eqn)].val))
+    vals = [read_var(env, v) for v in eqn.invars]
+    with source_of(eqn):
+        rows = [vals[k][lo : lo + length] for k in stacks]
+    inner = {body.jaxpr.invars[k]: n for n, k in enumerate(stacks)}
+
+    def step(carry, xs):
+        row, x = xs
+        benv = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
+        ins = [*vals[:nc], *carry, *x]
+        benv.update((v, a) for v, a in zip(body.jaxpr.invars, ins, strict=True) if v not in inner)
+
+        def take_row(j, e, benv) -> bool:  # ws[i] -> this iteration's row
+            if e.primitive.name == "dynamic_slice" and e.invars[0] in inner:
+                benv[e.outvars[0]] = row[inner[e.invars[0]]][None]
+                return True
+            return False
+
+        eval_eqns(body.jaxpr.eqns, benv, on_eqn=take_row)
+        outs = [read_var(benv, v) for v in body.jaxpr.outvars]
+        return outs[:nk], outs[nk:]
+
+    with source_of(eqn):
+        carry, ys = jax.lax.scan(
+            step,
+            vals[nc : nc + nk],
+            (rows, vals[nc + nk :]),
+            length=length,
+            unroll=p.get("unroll", 1),
+        )
+    for var, val in zip(eqn.outvars, [*carry, *ys], strict=True):
+        env[var] = val
 
 
 def piece_bounds(length: int, pieces: int) -> list[tuple[int, int]]:
@@ -170,6 +341,14 @@ def _run_in_pieces(eqn, env: dict, pieces: int) -> None:
             stacked = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars[nk:]]
     for var, val in zip(eqn.outvars, [*carry, *stacked], strict=True):
         env[var] = val
+
+
+def counter_note(eqn, stacks: int) -> str:
+    """The plan's note for a scan that read ``stacks`` stacked operands by its counter."""
+    return (
+        f"fori_loop at {user_line(eqn)} ({eqn.params['length']} iterations) reads "
+        f"{stacks} stacked operand(s) one row per iteration: run as a scan over their rows"
+    )
 
 
 def split_note(eqn, pieces: int, why: str) -> str:
