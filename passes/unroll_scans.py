@@ -96,14 +96,8 @@ def layer_stack_scans(jaxpr, weights: Sequence[bool]) -> list[int]:
     """Indices of the top-level scans over stacked layers: a float operand scanned over
     is computed from the inputs flagged in ``weights`` alone (the differentiated
     arguments), and the body holds a matmul or convolution."""
-    pure = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
     found = []
-    for i, e in enumerate(jaxpr.eqns):
-        reads = [v for v in e.invars if not is_literal(v)]
-        if reads and all(v in pure for v in reads):
-            pure.update(e.outvars)
-        if not _is_scan(e) or not is_heavy(e):
-            continue
+    for i, e, pure in _heavy_scans(jaxpr, weights):
         start = e.params["num_consts"] + e.params["num_carry"]
         xs = e.invars[start:]
         if any(
@@ -123,17 +117,24 @@ def counter_indexed_stacks(jaxpr, weights: Sequence[bool]) -> dict[int, tuple[in
     iteration, so row ``lo + t`` at iteration ``t``).  The body must hold a matmul or
     convolution.  Such a scan is a scan over the rows ``lo .. lo + L`` of each stacked
     operand (:func:`scan_over_counter_stacks`)."""
-    pure = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
     found = {}
+    for i, e, pure in _heavy_scans(jaxpr, weights):
+        stacks = () if _unrolls(e) else _counter_stacks(e, pure)
+        if stacks:
+            found[i] = stacks
+    return found
+
+
+def _heavy_scans(jaxpr, weights: Sequence[bool]):
+    """``(index, equation, values of the weights alone so far)`` for each top-level scan
+    whose body holds a matmul or convolution; ``weights`` flags the inputs."""
+    pure = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
     for i, e in enumerate(jaxpr.eqns):
         reads = [v for v in e.invars if not is_literal(v)]
         if reads and all(v in pure for v in reads):
             pure.update(e.outvars)
-        if _is_scan(e) and is_heavy(e) and not _unrolls(e):
-            stacks = _counter_stacks(e, pure)
-            if stacks:
-                found[i] = stacks
-    return found
+        if _is_scan(e) and is_heavy(e):
+            yield i, e, pure
 
 
 def _counter_stacks(eqn, pure: set) -> tuple[int, ...]:
