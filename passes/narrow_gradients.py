@@ -111,13 +111,24 @@ def _combine(parts: list) -> object:
                 at = end
             if at < full.shape[0]:
                 pieces.append(lax.full((full.shape[0] - at, *full.shape[1:]), 0, full.dtype))
-            return pieces[0] if len(pieces) == 1 else lax.concatenate(pieces, 0)
+            return _joined(pieces)
     total = None
     for x, pad in parts:
         if pad is not None:
             x = lax.pad(x, lax.full((), 0, x.dtype), pad.params["padding_config"])
         total = x if total is None else lax.add(total, x)
     return total
+
+
+def _joined(pieces: list) -> object:
+    """``pieces`` joined along axis 0 by a balanced tree of ``concatenate``s.  The update
+    placement runs each join where its operands are, so the adjacent rows one stage
+    holds are joined there and move as one message, not one per piece (XLA flattens
+    the nested joins within a program)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    mid = len(pieces) // 2
+    return lax.concatenate([_joined(pieces[:mid]), _joined(pieces[mid:])], 0)
 
 
 def narrow_padded_gradients(closed: ClosedJaxpr) -> ClosedJaxpr:
