@@ -231,16 +231,7 @@ def scan_over_counter_stacks(closed: ClosedJaxpr, found: Mapping[int, tuple[int,
     """``closed`` with each scan of ``found`` (:func:`counter_indexed_stacks`) scanning
     over the rows it read by its counter: the same iterations on the same rows, now a
     scan over stacked layers that :func:`split_scans` can cut."""
-    if not found:
-        return closed
-
-    def hook(i, eqn, env, extra=()) -> bool:
-        if i not in found:
-            return False
-        _scan_rows(eqn, env, found[i])
-        return True
-
-    return retrace(closed, hook)
+    return _rewritten(closed, found, _scan_rows)
 
 
 def _scan_rows(eqn, env: dict, stacks: tuple[int, ...]) -> None:
@@ -292,13 +283,19 @@ def split_scans(closed: ClosedJaxpr, pieces: Mapping[int, int]) -> ClosedJaxpr:
     """``closed`` with the top-level scan at each index of ``pieces`` run as that many
     consecutive scans; a piece of one iteration is the body itself, inlined.  Scans
     nested in an inlined body that call ``mark_pipeline_boundary()`` are unrolled too."""
-    if not pieces:
+    return _rewritten(closed, pieces, _run_in_pieces)
+
+
+def _rewritten(closed: ClosedJaxpr, at: Mapping, rewrite) -> ClosedJaxpr:
+    """``closed`` with the top-level equation at each index of ``at`` evaluated by
+    ``rewrite(eqn, env, at[index])`` instead (unchanged when ``at`` is empty)."""
+    if not at:
         return closed
 
     def hook(i, eqn, env, extra=()) -> bool:
-        if i not in pieces:
+        if i not in at:
             return False
-        _run_in_pieces(eqn, env, pieces[i])
+        rewrite(eqn, env, at[i])
         return True
 
     return retrace(closed, hook)
