@@ -207,7 +207,8 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     _check_loss(out_shape, has_aux)
     closed = inline_calls(closed)  # boundaries inside a jax.jit-wrapped loss or layer
-    closed, scan_notes = _split_layer_scans(closed, weights)
+    layers = _AUTO_LAYERS.get()
+    closed, scan_notes = _split_layer_scans(closed, weights, layers, _UNROLL_STACKS.get())
     _check_nested_boundaries(closed.jaxpr)
     jaxpr = closed.jaxpr
     out_tree = jax.tree.structure(out_shape)
@@ -219,7 +220,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
     live = _live_across(jaxpr, marker_pos)
     detached = _detached_markers(jaxpr, marker_pos, live)
     index_of = {pos: k for k, pos in enumerate(p for p in marker_pos if p not in detached)}
-    cuts = _auto_cuts(jaxpr, len(marker_pos))
+    cuts = _auto_cuts(jaxpr, len(marker_pos), layers)
     cut_live = _live_across(jaxpr, list(cuts), before=True)
     cut_index = {p: (k, cut_live[p]) for k, p in enumerate(cuts)}
 
@@ -395,9 +396,8 @@ class AutoLayers(_TracedWith):
         return super().__call__(*args)
 
 
-def _auto_cuts(jaxpr, num_markers: int) -> tuple[int, ...]:
-    """Cut positions for ``layers=`` (none when the setting is off)."""
-    layers = _AUTO_LAYERS.get()
+def _auto_cuts(jaxpr, num_markers: int, layers: str | int | None) -> tuple[int, ...]:
+    """Cut positions for the ``layers=`` setting ``layers`` (none when it is off)."""
     if layers is None:
         return ()
     if num_markers:
@@ -469,9 +469,10 @@ class UnrolledStacks(_TracedWith):
 SCAN_PIECES_PER_LAYER = 4
 
 
-def _split_layer_scans(closed, weights: list[bool]):
+def _split_layer_scans(closed, weights: list[bool], layers, unroll: bool):
     """``closed`` with its scans over stacked layers cut into pieces the stages can split
-    (:mod:`meshshard.passes.unroll_scans`), and the plan's notes saying so."""
+    (:mod:`meshshard.passes.unroll_scans`), and the plan's notes saying so: for the
+    ``layers=`` setting ``layers``, or each unrolled when ``unroll`` (the sharding ILP)."""
     jaxpr = closed.jaxpr
     pieces = marked_scans(jaxpr)
     notes = [
@@ -482,11 +483,11 @@ def _split_layer_scans(closed, weights: list[bool]):
         )
         for i, n in pieces.items()
     ]
-    unroll = _UNROLL_STACKS.get()
-    layers = _AUTO_LAYERS.get()
     wanted = MAX_AUTO_LAYERS if layers == "auto" else layers
     by_layers = isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 1
-    if (unroll or by_layers) and not pieces:  # fori_loop(..., ws[i] ...): scan over ws
+    # fori_loop(..., ws[i] ...) as a scan over ws; not beside marked scans, whose
+    # indices in ``pieces`` the rewrite would shift
+    if (unroll or by_layers) and not pieces:
         found = counter_indexed_stacks(jaxpr, weights)
         notes += [counter_note(jaxpr.eqns[i], len(stacks)) for i, stacks in found.items()]
         closed = scan_over_counter_stacks(closed, found)

@@ -93,16 +93,12 @@ def with_auto_layers(micro: ClosedJaxpr, full: ClosedJaxpr, layers, weights: lis
     chosen on ``micro`` and applied to both so they pair equation by equation, as
     ``meshshard.grad`` cuts a loss; scans over stacked layers (of the state leaves flagged
     in ``weights``) are split first.  Returns ``(micro, full, notes)``."""
-    from meshshard.autodiff import _AUTO_LAYERS, _auto_cuts, _live_across, _split_layer_scans
+    from meshshard.autodiff import _auto_cuts, _live_across, _split_layer_scans
 
     marks = sum(is_marker(e, "fwd") for e in micro.jaxpr.eqns)
-    token = _AUTO_LAYERS.set(layers)
-    try:
-        split, notes = _split_layer_scans(micro, weights)
-        cuts = _auto_cuts(split.jaxpr, marks)
-        other = split if full is micro else _split_layer_scans(full, weights)[0]
-    finally:
-        _AUTO_LAYERS.reset(token)
+    split, notes = _split_layer_scans(micro, weights, layers, False)
+    cuts = _auto_cuts(split.jaxpr, marks, layers)
+    other = split if full is micro else _split_layer_scans(full, weights, layers, False)[0]
     index_of = {p: k for k, p in enumerate(cuts)}
 
     def cut(closed: ClosedJaxpr) -> ClosedJaxpr:

@@ -217,13 +217,13 @@ def _reads_row_counter(body, ds, counter_var, lo: int, length: int) -> bool:
         stack += [u for u in e.invars if not is_literal(u)]
     order = {id(e): n for n, e in enumerate(body.eqns)}
     needed = sorted({id(e): e for e in needed}.values(), key=lambda e: order[id(e)])
-    for value in range(lo, lo + length):
-        env = {counter_var: np.asarray(value, counter_var.aval.dtype)}
-        with jax.ensure_compile_time_eval():  # concrete, inside the step's trace
+    with jax.ensure_compile_time_eval():  # concrete, inside the step's trace
+        for value in range(lo, lo + length):
+            env = {counter_var: np.asarray(value, counter_var.aval.dtype)}
             eval_eqns(needed, env)
             starts = [int(np.asarray(read_var(env, v))) for v in ds.invars[1:]]
-        if starts != [value] + [0] * (len(starts) - 1):
-            return False
+            if starts != [value] + [0] * (len(starts) - 1):
+                return False
     return True
 
 
