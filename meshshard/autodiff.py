@@ -396,14 +396,17 @@ class AutoLayers(_TracedWith):
         return super().__call__(*args)
 
 
-def _auto_cuts(jaxpr, num_markers: int, layers: str | int | None) -> tuple[int, ...]:
-    """Cut positions for the ``layers=`` setting ``layers`` (none when it is off)."""
+def _auto_cuts(
+    jaxpr, num_markers: int, layers: str | int | None, what: str = "loss"
+) -> tuple[int, ...]:
+    """Cut positions for the ``layers=`` setting ``layers`` (none when it is off);
+    ``what`` names the cut function in errors (``"loss"``, or ``"step"`` for inference)."""
     if layers is None:
         return ()
     if num_markers:
         raise MeshshardInputError(
-            f"PipeshardParallel(layers={layers!r}) cuts the loss into layers automatically, "
-            f"but the loss already calls mark_pipeline_boundary() {num_markers} times; drop "
+            f"PipeshardParallel(layers={layers!r}) cuts the {what} into layers automatically, "
+            f"but the {what} already calls mark_pipeline_boundary() {num_markers} times; drop "
             "layers= to use the markers, or remove the markers"
         )
     from meshshard.passes.layer_cluster import cluster_layers
@@ -412,7 +415,7 @@ def _auto_cuts(jaxpr, num_markers: int, layers: str | int | None) -> tuple[int, 
     key = (layers, tuple(e.primitive.name for e in jaxpr.eqns))
     if table is not None and key in table.chosen:
         return table.chosen[key]
-    cuts = cluster_layers(jaxpr, layers)
+    cuts = cluster_layers(jaxpr, layers, what=f"the {what} function")
     if table is not None:
         table.chosen[key] = cuts
     return cuts

@@ -543,6 +543,16 @@ class FollowParallel:
         return "broadcast"
 
     @property
+    def layers(self) -> int | None:
+        """The followed step's layer count when its method cut the step into layers
+        automatically (``layers=``): this step is cut into as many, by the same
+        clustering, so its stage ``i`` runs the layers the followed stage ``i`` ran; None
+        when the followed step was cut by ``mark_pipeline_boundary()`` markers."""
+        if getattr(getattr(self.step, "method", None), "layers", None) is None:
+            return None
+        return sum(len(st.layers) for st in self.plan.stages)
+
+    @property
     def followed_replicas(self) -> int:
         """The followed step's data-parallel replicas (``PipeshardParallel.data_parallel``)."""
         return getattr(getattr(self.step, "method", None), "data_parallel", 1)

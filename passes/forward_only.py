@@ -97,7 +97,7 @@ def with_auto_layers(micro: ClosedJaxpr, full: ClosedJaxpr, layers, weights: lis
 
     marks = sum(is_marker(e, "fwd") for e in micro.jaxpr.eqns)
     split, notes = _split_layer_scans(micro, weights, layers, False)
-    cuts = _auto_cuts(split.jaxpr, marks, layers)
+    cuts = _auto_cuts(split.jaxpr, marks, layers, "step")
     other = split if full is micro else _split_layer_scans(full, weights, layers, False)[0]
     index_of = {p: k for k, p in enumerate(cuts)}
 

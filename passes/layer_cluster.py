@@ -108,11 +108,13 @@ def auto_layer_count(jaxpr, max_layers: int = MAX_AUTO_LAYERS) -> int:
     return max(1, min(heavy, max_layers))
 
 
-def cluster_layers(jaxpr, num_layers: int | str, eps: float = DEFAULT_EPS) -> tuple[int, ...]:
+def cluster_layers(
+    jaxpr, num_layers: int | str, eps: float = DEFAULT_EPS, what: str = "the loss function"
+) -> tuple[int, ...]:
     """Cut positions (equation indices, ascending) splitting ``jaxpr`` into ``num_layers``.
 
-    ``num_layers="auto"`` takes :func:`auto_layer_count`.  Raises a clear error when the
-    function has fewer heavy operations than layers asked for.
+    ``num_layers="auto"`` takes :func:`auto_layer_count`.  Raises a clear error, naming
+    the cut function as ``what``, when it has fewer heavy operations than layers asked for.
     """
     n = len(jaxpr.eqns)
     if num_layers == "auto":
@@ -124,7 +126,7 @@ def cluster_layers(jaxpr, num_layers: int | str, eps: float = DEFAULT_EPS) -> tu
     heavy = np.array([is_heavy(e) for e in jaxpr.eqns], dtype=np.int64)
     if num_layers > max(1, int(heavy.sum())):
         raise MeshshardInputError(
-            f"layers={num_layers} asks for more layers than the loss function has heavy "
+            f"layers={num_layers} asks for more layers than {what} has heavy "
             f"operations ({int(heavy.sum())} dot_general/conv equations); each layer needs "
             f"one: ask for at most {max(1, int(heavy.sum()))} layers or layers='auto'"
         )

@@ -135,9 +135,10 @@ def follow_layout(method: FollowParallel, num_layers: int):
     if have != num_layers:
         auto = getattr(getattr(method.step, "method", None), "layers", None)
         why = (
-            f"; the followed step was cut into layers automatically (layers={auto!r}), "
-            "which this step does not follow: put mark_pipeline_boundary() calls in the "
-            "model and drop layers= from the followed step's method"
+            f"; the followed step was cut into layers automatically (layers={auto!r}) and "
+            f"this step was clustered into {num_layers} layers to follow it, which its "
+            "model cannot give: put mark_pipeline_boundary() calls in the model and drop "
+            "layers= from the followed step's method"
             if auto is not None
             else ""
         )

@@ -244,6 +244,48 @@ def test_follow_parallel_needs_a_plan_and_the_same_layers():
         follow.lower(small_state, batch, cluster=CLUSTER)
 
 
+@pytest.mark.parametrize(
+    "layers,stages,d",
+    [(2, [(1, 2)] * 2, 1), ("auto", "auto", 1), (2, [(1, 1)] * 2, 2)],
+    ids=["layers2", "auto", "replicas"],
+)
+def test_eval_follows_a_train_step_cut_into_layers(monkeypatch, layers, stages, d):
+    # was refused: "the followed step was cut into layers automatically (layers=2),
+    # which this step does not follow"
+    _, batch = setup()
+    state = mlp.make_state(_Deep(), batch["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=stages, layers=layers, data_parallel=d)
+    with use_cluster(ThreadsCluster(2, 2)):
+        train = meshshard.parallelize(mlp.train_step, method=method)
+        got, _ = train(state, batch)
+        evaluate = meshshard.parallelize(eval_step, method=FollowParallel(train, 2))
+
+        def no_fetch(self):
+            raise AssertionError(f"{self} was moved through the driver")
+
+        monkeypatch.setattr(RemoteArray, "fetch", no_fetch)
+        loss, pred = evaluate(got, batch)
+        monkeypatch.undo()
+    ref, _ = jax.jit(mlp.train_step)(state, batch)
+    assert_trees_close(jax.jit(eval_step)(ref, batch), (np.asarray(loss), np.asarray(pred)))
+    assert len(train.plan.stages) > 1
+    assert [st.layers for st in evaluate.plan.stages] == [st.layers for st in train.plan.stages]
+    assert evaluate.plan.meshes == train.plan.meshes
+
+
+def test_layers_on_a_marked_inference_step_names_the_step():
+    """The refusal spoke of "the loss" where the step has none."""
+    state, batch = setup()  # mlp.MLP marks its layers
+    method = PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2, layers=2)
+    step = meshshard.parallelize(eval_step, method=method)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cuts the step into layers automatically, but the step already calls "
+        r"mark_pipeline_boundary\(\) 3 times",
+    ):
+        step.lower(state, batch, cluster=CLUSTER)
+
+
 def test_method_defaults_to_data_parallel_over_the_cluster():
     state, batch = setup()
     step = meshshard.parallelize(mlp.train_step)

@@ -12,7 +12,7 @@ import pytest
 from flax.training.train_state import TrainState
 
 import meshshard
-from meshshard import FollowParallel, MeshshardInputError, PipeshardParallel, ShardParallel
+from meshshard import FollowParallel, PipeshardParallel, ShardParallel
 from tests.conftest import assert_trees_close
 
 pytestmark = pytest.mark.slow  # each test compiles and runs a parallelized step
@@ -74,17 +74,19 @@ def _state_and_batches(markers=False):
     return state, train, evaluate
 
 
-def test_follow_parallel_pipeshard(threads_cluster):
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "layers2"])
+def test_follow_parallel_pipeshard(threads_cluster, markers):
     # origin: tests/runtime/test_follow_parallel.py::test_pipeshard_parallel (train with 2
     # layers and 2 micro-batches; the eval step, on a batch twice as big, follows it with
-    # 2 micro-batches).  Alpa's layers come from AutoLayerOption(layer_num=2); an eval
-    # step does not follow automatic layers here (the next test), so the model marks them.
-    state, train, evaluate = _state_and_batches(markers=True)
+    # 2 micro-batches).  Alpa's layers come from AutoLayerOption(layer_num=2): layers=2
+    # (was refused: "an eval step does not follow automatic layers"); or marked by hand.
+    state, train, evaluate = _state_and_batches(markers=markers)
 
     def eval_step(params, batch):
         return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
 
-    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    layers = None if markers else 2
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, layers=layers)
     p_train = meshshard.parallelize(follow_train_step, method=method)
     p_eval = meshshard.parallelize(eval_step, method=FollowParallel(p_train, num_micro_batches=2))
     new_state = p_train(state, train)
@@ -92,22 +94,7 @@ def test_follow_parallel_pipeshard(threads_cluster):
     ref_state = jax.jit(follow_train_step)(state, train)
     assert_trees_close(jax.jit(eval_step)(ref_state.params, evaluate), got)
     assert [m.shape for m in p_eval.plan.meshes] == [m.shape for m in p_train.plan.meshes]
-
-
-def test_follow_parallel_of_automatic_layers_is_refused_clearly(threads_cluster):
-    # origin: tests/runtime/test_follow_parallel.py::test_pipeshard_parallel with Alpa's
-    # AutoLayerOption(layer_num=2): a deliberate difference (tests/peer/README.md)
-    state, train, evaluate = _state_and_batches()
-
-    def eval_step(params, batch):
-        return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
-
-    method = PipeshardParallel(num_micro_batches=2, layers=2, stages=[(1, 2)] * 2)
-    p_train = meshshard.parallelize(follow_train_step, method=method)
-    p_eval = meshshard.parallelize(eval_step, method=FollowParallel(p_train, num_micro_batches=2))
-    p_train.lower(state, train)
-    with pytest.raises(MeshshardInputError, match=r"cut into layers automatically \(layers=2\)"):
-        p_eval.lower(state.params, evaluate)
+    assert [st.layers for st in p_eval.plan.stages] == [st.layers for st in p_train.plan.stages]
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2])
