@@ -533,6 +533,12 @@ def parallelize(
     """
 
     def make(f):
+        if not callable(f):
+            raise MeshshardInputError(
+                f"parallelize takes the train step function to parallelize, got {f!r} (type "
+                f"{type(f).__name__}); pass a function, or use @parallelize(method=...) as a "
+                "decorator"
+            )
         return ParallelizedFunction(
             f,
             method,

@@ -462,7 +462,13 @@ def _trace(
     ``layers=`` cuts are shared through ``cuts`` (:class:`LayerCuts`)."""
     target = fn if cuts is None else SharingLayerCuts(fn, cuts)
     args = jax.tree.unflatten(treedef, leaves)
-    closed, out = jax.make_jaxpr(target, return_shape=True)(*args)
+    try:
+        closed, out = jax.make_jaxpr(target, return_shape=True)(*args)
+    except TypeError as exc:  # JAX's words name neither the step nor the result's path
+        bad = _non_array_results(target, args)
+        if bad:
+            raise MeshshardInputError(_non_array_message(fn, bad)) from exc
+        raise
     lost = getattr(fn, "in_place_note", None)  # a KeyedStep's (meshshard.keys)
     transposed = has_transposed_eqns(closed)  # before re-traces drop the name stacks
     note = user_sharding_note(closed)
@@ -470,6 +476,52 @@ def _trace(
     # jit-wrapped steps/losses first, then one equation per mesh in the update part
     closed = physical_keys(inline_update_calls(inline_calls(closed)))
     return closed, out, transposed, tuple(n for n in (note, lost) if n)
+
+
+def _is_array_result(leaf) -> bool:
+    """Whether a step may return ``leaf``: an array, a NumPy or Python number."""
+    numbers = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+    return isinstance(leaf, numbers) or hasattr(leaf, "__jax_array__")
+
+
+def _non_array_results(target: Callable, args) -> list[tuple[str, str]]:
+    """(path, type name) of each result leaf of ``target(*args)`` that is not an array,
+    found by tracing it again with those leaves dropped (only after a trace failed)."""
+    bad: list[tuple[str, str]] = []
+
+    def arrays_only(*a):
+        out = target(*a)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(out)
+        kept = []
+        for path, leaf in paths:
+            if _is_array_result(leaf):
+                kept.append(leaf)
+            else:
+                bad.append(("out" + jax.tree_util.keystr(path), type(leaf).__name__))
+                kept.append(None)
+        return jax.tree.unflatten(treedef, kept)
+
+    try:
+        jax.make_jaxpr(arrays_only)(*args)
+    except Exception:  # noqa: BLE001 - the first failure is the one to report
+        return bad
+    return bad
+
+
+def _non_array_message(fn: Callable, bad: list[tuple[str, str]]) -> str:
+    name = "the step"
+    for _ in range(8):  # through meshshard's wrappers (keys, layers=) to the user's function
+        if isinstance(getattr(fn, "__name__", None), str):
+            name = fn.__name__
+            break
+        fn = getattr(fn, "fn", None) or getattr(fn, "__wrapped__", None)
+    listed = ", ".join(f"{path} (type {kind})" for path, kind in bad[:4])
+    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+    return (
+        f"{name} returns values that are not arrays: {listed}{more}; a parallelized step "
+        "returns arrays and numbers only (as jax.jit's does): compute strings, flags and "
+        "other Python objects outside the step, or return them as arrays"
+    )
 
 
 def key_inputs(jaxpr) -> frozenset:

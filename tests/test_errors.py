@@ -246,6 +246,32 @@ def test_non_array_leaf_in_batch(setup, bad):
         lower(mlp.train_step, DataParallel(), state, {**batch, "note": bad})
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_result_that_is_not_an_array_is_named(setup, stages):
+    # was JAX's TypeError: "function <unknown> traced for jit returned a value of type
+    # <class 'str'> at output component [1], which is not a valid JAX type"
+    _, batch, state = setup
+
+    def tagged_step(state, batch):
+        state, loss = mlp.train_step(state, batch)
+        return state, {"loss": loss, "phase": "warmup", "ok": None}
+
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * stages)
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"tagged_step returns values that are not arrays: out\[1\]\['phase'\] "
+        r"\(type str\); .*outside the step",
+    ):
+        lower(tagged_step, method, state, batch)
+
+
+def test_parallelize_of_something_not_callable():
+    with pytest.raises(MeshshardInputError, match=r"got 3 \(type int\); pass a function"):
+        meshshard.parallelize(3)
+    with pytest.raises(MeshshardInputError, match=r"got 'train' \(type str\)"):
+        meshshard.parallelize(method=DataParallel())("train")
+
+
 def test_jax_grad_instead_of_meshshard_grad(setup):
     _, batch, state = setup
 
