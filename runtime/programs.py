@@ -44,10 +44,18 @@ class CompiledProgram:
     input_groups: tuple[BufferRef, ...]
     output_groups: tuple[BufferRef, ...]
     output_sizes: tuple[int, ...]
+    #: (flat output, flat input) pairs the program hands back as they came in, uncopied:
+    #: ``fn`` does not return them (see :func:`passed_through`)
+    passed: tuple[tuple[int, int], ...] = ()
 
     def __call__(self, groups: Sequence[tuple]) -> list[tuple]:
         flat = [a for g in groups for a in g]
         outs = self.fn(*flat)
+        if self.passed:
+            computed = iter(outs)
+            given = dict(self.passed)
+            total = len(outs) + len(given)
+            outs = [flat[given[j]] if j in given else next(computed) for j in range(total)]
         result, pos = [], 0
         for n in self.output_sizes:
             result.append(tuple(outs[pos : pos + n]))
@@ -122,6 +130,12 @@ def build_programs(
             _flat_arrays(plan, spec.inputs, mesh_id, in_sh),
             _flat_arrays(plan, spec.outputs, mesh_id, out_sh),
         )
+        passed = passed_through(plan, spec, mesh_id, in_sh, out_sh, donate)
+        if passed:
+            fn, out_sh = (
+                _without_outputs(fn, {j for j, _ in passed}),
+                tuple(s for j, s in enumerate(out_sh) if j not in {j for j, _ in passed}),
+            )
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(
             spec.name,
@@ -129,8 +143,45 @@ def build_programs(
             spec.inputs,
             spec.outputs,
             tuple(len(_specs_for(plan, g, mesh_id)) for g in spec.outputs),
+            passed,
         )
     return out
+
+
+def passed_through(plan: Plan, spec, mesh_id: int, in_sh, out_sh, donate) -> tuple:
+    """(flat output, flat input) pairs of program ``spec`` whose output is a parameter it
+    reads, unchanged and laid out alike: a shared parameter's copy for another stage.
+
+    XLA would copy such an output on every run (every micro-batch, though the copy moves
+    once per step); the runtime hands back the input array itself instead.
+    """
+    ins = _flat_arrays(plan, spec.inputs, mesh_id, in_sh)
+    outs = _flat_arrays(plan, spec.outputs, mesh_id, out_sh)
+    in_vars = [
+        (g.kind, v) for g in spec.inputs for v in group_contents(plan, g).vars
+    ]  # one per flat input, as _flat_arrays
+    where = {
+        v: i for i, (kind, v) in enumerate(in_vars) if kind is BufferKind.PARAMS and i not in donate
+    }
+    pairs = []
+    j = 0
+    for g in spec.outputs:
+        for v in group_contents(plan, g).vars:
+            i = where.get(v)
+            if g.kind is BufferKind.TRANSFER and i is not None and ins[i] == outs[j]:
+                pairs.append((j, i))
+            j += 1
+    return tuple(pairs)
+
+
+def _without_outputs(fn: Callable, dropped: set[int]) -> Callable:
+    """``fn`` returning its flat outputs less the positions in ``dropped``."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        return tuple(o for j, o in enumerate(fn(*args)) if j not in dropped)
+
+    return run
 
 
 def _constrainer(mesh: Mesh, specs: dict) -> Callable | None:

@@ -109,3 +109,50 @@ def test_tied_gpt_clip_adamw_matches_jit(threads_cluster, stages):
     method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * stages)
     step = check(gpt_setup(tx, tied=True), method)
     assert step.plan.reductions  # the clip's global norm: a cross-mesh all-reduce
+
+
+def test_the_owner_hands_over_the_parameter_itself_not_a_copy_per_micro_batch():
+    """The owner's forward returned the shared parameter as an output on every
+    micro-batch (an XLA copy each time, though it crosses once per step); the program now
+    hands back the input array itself, and computes the same outputs otherwise."""
+    import numpy as np
+
+    from meshshard.passes.trace import trace_step
+    from meshshard.runtime.programs import build_programs, group_contents, make_mesh
+
+    state, batches, train_step = gpt_setup(optax.adam(1e-2), tied=True)
+    plan = tied_plan(4)
+    traced = trace_step(train_step, (state, batches(0)), batch_argnums=(1,), num_micro_batches=4)
+    mesh = make_mesh(jax.devices()[:2], plan.meshes[0].axis_shape)
+    progs = build_programs(traced, plan, 0, mesh)
+    forward = progs[next(p.name for p in plan.programs if str(p.name) == "s0.F")]
+    copy = next(t for t in plan.transfers if t.tensor.name == WTE)
+    out_vars = [v for g in forward.output_groups for v in group_contents(plan, g).vars]
+    in_vars = [v for g in forward.input_groups for v in group_contents(plan, g).vars]
+    assert [(out_vars[j], in_vars[i]) for j, i in forward.passed] == [(copy.tensor.var,) * 2]
+    # run it on stand-in inputs: the copy is the input array; the rest equals jax.jit's
+    rng = np.random.default_rng(0)
+    by_id = {i: v for v, i in jax_var_ids(traced).items()}
+    groups = [
+        tuple(
+            jax.device_put(rng.standard_normal(by_id[v].aval.shape).astype(by_id[v].aval.dtype))
+            if np.issubdtype(by_id[v].aval.dtype, np.floating)
+            else jax.numpy.zeros(by_id[v].aval.shape, by_id[v].aval.dtype)
+            for v in group_contents(plan, g).vars
+        )
+        for g in forward.input_groups
+    ]
+    got = [a for g in forward(groups) for a in g]
+    flat_in = [a for g in groups for a in g]
+    j, i = forward.passed[0]
+    assert got[j] is flat_in[i]
+    whole = jax.jit(forward.fn.__wrapped__.__wrapped__)(*flat_in)  # jit(drop(program))
+    assert len(whole) == len(got)
+    for a, b in zip(whole, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def jax_var_ids(traced):
+    from meshshard.jaxpr_util import var_ids
+
+    return var_ids(traced.jaxpr)
