@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -22,11 +23,13 @@ import numpy as np
 from meshshard._compat import register_array_type
 from meshshard.errors import MeshshardInputError, MeshshardRuntimeError
 from meshshard.instructions import Collective
-from meshshard.plan import Plan
+from meshshard.plan import Plan, fmt_bytes
 from meshshard.plan_checks import require_valid_plan
 from meshshard.runtime.release import RELEASER
 from meshshard.runtime.step_wire import EMPTY_LAYOUT, KeyCounter, StepLayout
 from meshshard.runtime.worker import BY_VALUE_BYTES
+
+log = logging.getLogger(__name__)
 
 #: What calling a step compiled for a cluster that was shut down says.
 CLOSED_STEP = (
@@ -381,6 +384,7 @@ class Executable:
         self._out_specs = self._output_specs()
         self._donate_ranges: dict = {}  # argument structure -> donated leaf ranges
         self._leaf_pos = {spec.leaf: pos for pos, spec in enumerate(plan.inputs)}
+        self._said_moved = False  # the warning on state another step keeps elsewhere
         self._small_outputs = [  # the program outputs a worker may return by value
             i
             for i, (o, lay) in enumerate(zip(plan.outputs, self.layout.outputs, strict=True))
@@ -491,15 +495,41 @@ class Executable:
             return host[leaf]
 
         out = {}
+        moved: set[int] = set()  # leaves another step keeps, sent from here by value
         for w in self.plan.workers:
             lay = self.layout.workers.get(w, EMPTY_LAYOUT)
             state = []
             for leaf in lay.state_leaves:
                 x = flat[pos[leaf]]
                 key = x.key_on(self.backend, w) if isinstance(x, RemoteArray) else None
+                if key is None and isinstance(x, RemoteArray):
+                    moved.add(leaf)
                 state.append(value(leaf) if key is None else int(key))
             out[w] = ([value(leaf) for leaf in lay.batch_leaves], state)
+        if moved and not self._said_moved:
+            self._say_moved(sorted(moved))
         return out
+
+    def _say_moved(self, leaves: list[int]) -> None:
+        """Warn, once per compiled step, that state arrays kept on the cluster by another
+        step (or another layout) reach this one through the driver: fetched here and sent
+        by value.  Once is normal after a layout change (the step's results are then kept
+        where it reads them); on every call it is a cost worth knowing (an eval step
+        whose stages read parameters where the train step does not keep them)."""
+        self._said_moved = True
+        specs = [self.plan.inputs[self._leaf_pos[leaf]] for leaf in leaves]
+        nbytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
+        names = ", ".join(s.path for s in specs[:3]) + (
+            f" and {len(specs) - 3} more" if len(specs) > 3 else ""
+        )
+        log.warning(
+            "%d state arrays (%s: %s) are kept by another step on other workers "
+            "(or laid out otherwise), so this step fetches them to the driver and sends "
+            "them by value; a step's own results are read in place",
+            len(specs),
+            fmt_bytes(nbytes),
+            names,
+        )
 
     @functools.cached_property
     def can_pipeline(self) -> bool:

@@ -273,6 +273,27 @@ def test_eval_follows_a_train_step_cut_into_layers(monkeypatch, layers, stages, 
     assert evaluate.plan.meshes == train.plan.meshes
 
 
+def test_state_kept_by_another_step_is_said_to_move_through_the_driver(caplog):
+    """Another layout's state reaches a step by value, through the driver: said once per
+    compiled step; its own results are then read in place, and nothing more is said."""
+    state, batch = setup()
+    pipeline = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2)
+    with use_cluster(ThreadsCluster(2, 2)):
+        trained, _ = meshshard.parallelize(mlp.train_step, method=pipeline)(state, batch)
+        one_mesh = meshshard.parallelize(mlp.train_step, method=DataParallel((1, 2)))
+        with caplog.at_level("WARNING", logger="meshshard.runtime.executable"):
+            got, _ = one_mesh(trained, batch)
+            got, _ = one_mesh(got, batch)
+    said = [r.getMessage() for r in caplog.records if "fetches them to the driver" in r.message]
+    assert len(said) == 1, said
+    # stage 1's (stage 0's mesh is the one-mesh step's: its arrays are read in place)
+    assert said[0].startswith("6 state arrays (3.8 KiB: args[0].params['dense2']['kernel']")
+    ref = state
+    for _ in range(3):
+        ref, _ = jax.jit(mlp.train_step)(ref, batch)
+    assert_trees_close(ref.params, got.params)
+
+
 def test_layers_on_a_marked_inference_step_names_the_step():
     """The refusal spoke of "the loss" where the step has none."""
     state, batch = setup()  # mlp.MLP marks its layers
