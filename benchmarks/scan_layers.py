@@ -12,8 +12,9 @@ Each is cut into 2 stages of ``(1, 2)`` meshes on the local Ray cluster, by
 by default, Adam.  With ``--sharding MODE`` the two models run on one ``(1, 2)`` mesh
 under ``ShardParallel(sharding=MODE)`` instead, without markers.  Steps are timed in
 alternating rounds after a warm-up; reported: the median step of each variant and its
-ratio to the first (the loop), measured in one run, and the bytes of the stacked
-weights that stage 1 receives once per step.
+ratio to the first (the loop), measured in one run, the bytes each stage keeps per
+micro-batch from its forward to its backward (its residuals, read from the plan), and
+the bytes of the stacked weights that stage 1 receives once per step.
 """
 
 from __future__ import annotations
@@ -138,17 +139,36 @@ def main(argv=None) -> int:
     first = next(iter(times))
     base = statistics.median(times[first])
     rows = []
-    print(f"{'variant':<16} {'median ms':>10} {'/ ' + first:>16}")
+    print(f"{'variant':<16} {'median ms':>10} {'/ ' + first:>16} {'kept per micro-batch':>22}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows.append({"variant": name, "median_s": med, "ratio": med / base, "steps": len(ts)})
-        print(f"{name:<16} {med * 1e3:>10.1f} {med / base:>16.2f}")
+        kept = residual_bytes(steps[name].plan)
+        rows.append(
+            {
+                "variant": name,
+                "median_s": med,
+                "ratio": med / base,
+                "steps": len(ts),
+                "residual_bytes_per_stage": kept,
+            }
+        )
+        per_stage = " + ".join(f"{b / 2**10:.0f}" for b in kept)
+        print(f"{name:<16} {med * 1e3:>10.1f} {med / base:>16.2f} {per_stage + ' KiB':>22}")
     if not args.sharding:
         print(f"stacked weights: {stack_bytes / 2**20:.2f} MiB, sent to stage 1 once per step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "stack_bytes": stack_bytes}, f, indent=1)
     return 0
+
+
+def residual_bytes(plan) -> list[int]:
+    """Bytes each stage keeps per micro-batch from its forward until its backward (its
+    ``R`` buffer: residuals), in stage order."""
+    from meshshard.refs import BufferKind
+
+    kept = {b.mesh: b.nbytes for b in plan.buffers if b.name.kind is BufferKind.RESIDUALS}
+    return [kept.get(m.id, 0) for m in plan.meshes]
 
 
 if __name__ == "__main__":

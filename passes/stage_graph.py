@@ -319,6 +319,8 @@ def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
     for name in sorted(reads, key=lambda p: p.sort_key):
         s = name.owner
         for v in reads[name]:
+            if v in owner and owner[v] != s and _reads_forward_copy(reads, name, v):
+                continue  # the backward reads the copy its stage's forward receives
             if v in owner and owner[v] != s:  # a copy of a shared parameter
                 edges.append(Edge(st.ids[v], ProgramRef(Phase.FORWARD, owner[v]), name))
             elif v in st.invar_leaf:
@@ -334,6 +336,14 @@ def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
                 edges.append(Edge(st.ids[v], producer[v], name))
     edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
     return per_stage, edges, state_read_by
+
+
+def _reads_forward_copy(reads: dict, name: ProgramRef, v) -> bool:
+    """Whether backward program ``name`` reads shared parameter ``v`` that its stage's
+    forward reads too: the one copy the forward receives (once per step) serves both,
+    held until the stage's last backward (:func:`_stage_programs`)."""
+    forward = ProgramRef(Phase.FORWARD, name.owner)
+    return name.phase is Phase.BACKWARD and v in reads.get(forward, ())
 
 
 def _made_by(st: _Step, v, producer: dict) -> str:
@@ -480,6 +490,12 @@ def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -
             if ph is Phase.BACKWARD and group(R, s).vars:
                 ins.append(group(R, s))
             ins += [transfer(k) for k in edge_in.get(name, [])]
+            if ph is Phase.BACKWARD:  # shared parameters' copies its forward receives
+                ins += [
+                    transfer(k)
+                    for k in edge_in.get(ProgramRef(Phase.FORWARD, s), [])
+                    if edges[k].var in read_set and _is_copy(edges[k], groups)
+                ]
             if name in acc_of_prog:
                 ins.append(group(A, s))
                 outs.append(group(A, s))
@@ -488,6 +504,12 @@ def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -
             outs += [transfer(k) for k in edge_out.get(name, [])]
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
     return programs
+
+
+def _is_copy(edge: Edge, groups: dict) -> bool:
+    """Whether ``edge`` carries a shared parameter (a state input of its owner's ``P``)."""
+    owned = groups.get(BufferRef(P, edge.producer.owner), ())
+    return edge.producer.phase is Phase.FORWARD and edge.var in owned
 
 
 def _input_slots(st: _Step, groups: dict) -> tuple[InputSlots, ...]:

@@ -79,6 +79,7 @@ from meshshard.passes.sink_metrics import (
 )
 from meshshard.passes.update_constants import use_full_batch_constants
 from meshshard.passes.user_shardings import drop_user_shardings, user_sharding_note
+from meshshard.passes.weight_views import recompute_weight_views
 from meshshard.two_bw import batch_dependent_stash_message, stash_outputs
 
 
@@ -364,6 +365,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
     closed = narrow_padded_gradients(set_reductions(closed, reduce, m))
     closed = split_shared_gradients(closed)
+    closed = recompute_weight_views(closed, flags + [True] * bool(draws))
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)
