@@ -147,3 +147,43 @@ def test_a_view_read_by_a_layer_without_its_weights_stays_a_view(threads_cluster
     step = check_step_parity(train_step, method, state, batches)
     plan = step.lower(state, batches[0], cluster=CLUSTER)
     assert not [t for t in plan.transfers if t.tensor.shape == (3, 8, 8)]
+
+
+@pytest.mark.slow
+def test_2bw_backward_reads_the_stack_copy_of_its_own_weight_version(threads_cluster):
+    """2BW keeps two steps in flight: a stage's backward now reads the stack's copy its
+    forward received, which must be that step's weights, not the next step's. Equal to
+    the 2BW rule in plain JAX (gradients at the previous step's weights), 5 steps run
+    before any is compared."""
+    state, _ = _case(Stacked(depth=4, mark=False))
+    rng = np.random.RandomState(1)
+    batches = [
+        {
+            "x": rng.randn(8, 6).astype(np.float32),
+            "y": rng.randn(8, 1).astype(np.float32),
+            "key": np.zeros(2, np.uint32),
+        }
+        for _ in range(5)
+    ]
+
+    def loss_at(params, batch):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss_at))
+    ref, stale, want = state, state.params, []
+    for batch in batches:
+        loss, g = grad(stale, batch)
+        stale = ref.params
+        ref = ref.apply_gradients(grads=g)
+        want.append(loss)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2, layers=2, schedule="2bw")
+    step = meshshard.parallelize(train_step, method=method)
+    got, losses = state, []
+    for batch in batches:
+        got, loss = step(got, batch)
+        losses.append(loss)
+    from tests.conftest import assert_trees_close
+
+    assert_trees_close(ref.params, got.params)
+    assert_trees_close(want, [np.asarray(x) for x in losses])
