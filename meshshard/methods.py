@@ -543,12 +543,17 @@ class FollowParallel:
         return "broadcast"
 
     @property
+    def followed_layers(self) -> str | int | None:
+        """The followed step's ``layers=`` setting (None: cut by markers)."""
+        return getattr(getattr(self.step, "method", None), "layers", None)
+
+    @property
     def layers(self) -> int | None:
         """The followed step's layer count when its method cut the step into layers
         automatically (``layers=``): this step is cut into as many, by the same
         clustering, so its stage ``i`` runs the layers the followed stage ``i`` ran; None
         when the followed step was cut by ``mark_pipeline_boundary()`` markers."""
-        if getattr(getattr(self.step, "method", None), "layers", None) is None:
+        if self.followed_layers is None:
             return None
         return sum(len(st.layers) for st in self.plan.stages)
 

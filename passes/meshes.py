@@ -133,7 +133,7 @@ def follow_layout(method: FollowParallel, num_layers: int):
     groups = tuple(st.layers for st in plan.stages)
     have = sum(len(g) for g in groups)
     if have != num_layers:
-        auto = getattr(getattr(method.step, "method", None), "layers", None)
+        auto = method.followed_layers
         why = (
             f"; the followed step was cut into layers automatically (layers={auto!r}) and "
             f"this step was clustered into {num_layers} layers to follow it, which its "

@@ -186,14 +186,14 @@ def build_stage_graph(
     grads = _grad_results(st, jaxpr.eqns[slicing.grad_end], producer)
     reads = _reads(st, jaxpr, prog_of_eqn, producer)
     owner = _state_owners(st, reads)
-    per_stage, edges, state_read_by = _classify_reads(st, reads, producer, owner)
+    per_stage, edges, state_read_by, copy_reads = _classify_reads(st, reads, producer, owner)
     placement = _place_update(st, slicing, producer, grads, state_read_by)
     groups = _compute_groups(st, per_stage, grads)
     update = _update_graph(st, placement, groups, grads)
     groups.update(update.groups)
     output_slots = _output_slots(st, placement, update, grads, groups, producer)
     acc_of_prog = {producer[v] for v in jaxpr.eqns[slicing.grad_end].invars if not is_literal(v)}
-    programs = _stage_programs(st, prog_of_eqn, reads, edges, groups, acc_of_prog)
+    programs = _stage_programs(st, prog_of_eqn, reads, edges, groups, acc_of_prog, copy_reads)
     first_move = len(edges)
     edges += [Edge(var, prod, cons) for var, prod, cons in update.moves]
     programs += apply_program_ios(update, groups, first_move)
@@ -311,15 +311,18 @@ def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
     """Sort each read into batch inputs, parameters, residuals or a cross-stage edge
     (a value of another stage, or a copy of a parameter another stage owns).
 
-    Returns ``({kind: {stage: [leaf or var id]}}, edges, {state leaf: reading stages})``.
+    Returns ``({kind: {stage: [leaf or var id]}}, edges, {state leaf: reading stages},
+    {backward program: ids of the shared parameters it reads from its forward's copy}``.
     """
     per_stage = {kind: {s: [] for s in range(st.num_stages)} for kind in (X, P, R)}
     state_read_by: dict[int, set] = {}
     edges: list[Edge] = []
+    copy_reads: dict[ProgramRef, set[int]] = {}
     for name in sorted(reads, key=lambda p: p.sort_key):
         s = name.owner
         for v in reads[name]:
             if v in owner and owner[v] != s and _reads_forward_copy(reads, name, v):
+                copy_reads.setdefault(name, set()).add(st.ids[v])
                 continue  # the backward reads the copy its stage's forward receives
             if v in owner and owner[v] != s:  # a copy of a shared parameter
                 edges.append(Edge(st.ids[v], ProgramRef(Phase.FORWARD, owner[v]), name))
@@ -335,7 +338,7 @@ def _classify_reads(st: _Step, reads: dict, producer: dict, owner: dict):
             else:
                 edges.append(Edge(st.ids[v], producer[v], name))
     edges.sort(key=lambda e: (e.var, e.consumer.sort_key))
-    return per_stage, edges, state_read_by
+    return per_stage, edges, state_read_by, copy_reads
 
 
 def _reads_forward_copy(reads: dict, name: ProgramRef, v) -> bool:
@@ -465,8 +468,12 @@ def _output_slots(
     return tuple(output_slots)
 
 
-def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -> list:
-    """The forward and backward program of every stage with its buffer groups."""
+def _stage_programs(
+    st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog, copy_reads: dict
+) -> list:
+    """The forward and backward program of every stage with its buffer groups; a
+    backward also reads the shared parameters' copies of ``copy_reads`` that its
+    forward receives."""
     edge_out: dict[ProgramRef, list] = {}
     edge_in: dict[ProgramRef, list] = {}
     for k, e in enumerate(edges):
@@ -490,11 +497,11 @@ def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -
             if ph is Phase.BACKWARD and group(R, s).vars:
                 ins.append(group(R, s))
             ins += [transfer(k) for k in edge_in.get(name, [])]
-            if ph is Phase.BACKWARD:  # shared parameters' copies its forward receives
+            if name in copy_reads:  # shared parameters' copies its forward receives
                 ins += [
                     transfer(k)
                     for k in edge_in.get(ProgramRef(Phase.FORWARD, s), [])
-                    if edges[k].var in read_set and _is_copy(edges[k], groups)
+                    if edges[k].var in copy_reads[name]
                 ]
             if name in acc_of_prog:
                 ins.append(group(A, s))
@@ -504,12 +511,6 @@ def _stage_programs(st: _Step, prog_of_eqn, reads, edges, groups, acc_of_prog) -
             outs += [transfer(k) for k in edge_out.get(name, [])]
             programs.append(ProgramIO(name, s, own, tuple(ins), tuple(outs)))
     return programs
-
-
-def _is_copy(edge: Edge, groups: dict) -> bool:
-    """Whether ``edge`` carries a shared parameter (a state input of its owner's ``P``)."""
-    owned = groups.get(BufferRef(P, edge.producer.owner), ())
-    return edge.producer.phase is Phase.FORWARD and edge.var in owned
 
 
 def _input_slots(st: _Step, groups: dict) -> tuple[InputSlots, ...]:

@@ -30,6 +30,7 @@ batch's constants where the step computed one from the batch's size
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
@@ -503,10 +504,8 @@ def _non_array_results(target: Callable, args) -> list[tuple[str, str]]:
                 kept.append(None)
         return jax.tree.unflatten(treedef, kept)
 
-    try:
+    with contextlib.suppress(Exception):  # the first failure is the one to report
         jax.make_jaxpr(arrays_only)(*args)
-    except Exception:  # noqa: BLE001 - the first failure is the one to report
-        return bad
     return bad
 
 

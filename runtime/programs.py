@@ -121,21 +121,22 @@ def build_programs(
             sharding(mesh, s) for g in spec.outputs for s in _specs_for(plan, g, mesh_id)
         )
         phased = spec.name.part is not None
+        ins = _flat_arrays(plan, spec.inputs, mesh_id, in_sh)
+        outs = _flat_arrays(plan, spec.outputs, mesh_id, out_sh)
         donate = _usable_donations(
             [
                 i
                 for i, g in enumerate(_flat_groups(plan, spec.inputs, mesh_id))
                 if g.kind is BufferKind.ACCUMULATORS and not phased  # a later phase reads A
             ],
-            _flat_arrays(plan, spec.inputs, mesh_id, in_sh),
-            _flat_arrays(plan, spec.outputs, mesh_id, out_sh),
+            ins,
+            outs,
         )
-        passed = passed_through(plan, spec, mesh_id, in_sh, out_sh, donate)
+        passed = passed_through(plan, spec, ins, outs, donate)
         if passed:
-            fn, out_sh = (
-                _without_outputs(fn, {j for j, _ in passed}),
-                tuple(s for j, s in enumerate(out_sh) if j not in {j for j, _ in passed}),
-            )
+            dropped = {j for j, _ in passed}
+            fn = _without_outputs(fn, dropped)
+            out_sh = tuple(s for j, s in enumerate(out_sh) if j not in dropped)
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate)
         out[spec.name] = CompiledProgram(
             spec.name,
@@ -148,15 +149,14 @@ def build_programs(
     return out
 
 
-def passed_through(plan: Plan, spec, mesh_id: int, in_sh, out_sh, donate) -> tuple:
+def passed_through(plan: Plan, spec, ins: Sequence, outs: Sequence, donate) -> tuple:
     """(flat output, flat input) pairs of program ``spec`` whose output is a parameter it
-    reads, unchanged and laid out alike: a shared parameter's copy for another stage.
+    reads, unchanged and laid out alike (``ins``/``outs``: :func:`_flat_arrays`), not
+    donated: a shared parameter's copy for another stage.
 
     XLA would copy such an output on every run (every micro-batch, though the copy moves
     once per step); the runtime hands back the input array itself instead.
     """
-    ins = _flat_arrays(plan, spec.inputs, mesh_id, in_sh)
-    outs = _flat_arrays(plan, spec.outputs, mesh_id, out_sh)
     in_vars = [
         (g.kind, v) for g in spec.inputs for v in group_contents(plan, g).vars
     ]  # one per flat input, as _flat_arrays
