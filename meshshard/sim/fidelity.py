@@ -379,23 +379,27 @@ def _run_name(ins: Run) -> str:
 def order_disagreements(a: Mapping, b: Mapping, margin: float) -> list[tuple]:
     """Pairs of spans (keys common to ``a`` and ``b``, values (start, end)) that one
     timeline runs one after the other (the first ends ``margin`` before the second
-    starts) while the other timeline starts the second before the first: the
-    interleaving the two disagree on.  Near-ties (within ``margin``) are not judged.
+    starts) while the other timeline starts the second ``margin`` before the first: the
+    interleaving the two disagree on.  Near-ties (within ``margin``) in either timeline
+    are not judged: two spans one timeline starts together, the other may run in
+    either order (a core taken by another process serialises them).
 
     >>> order_disagreements({"x": (0, 1), "y": (2, 3)}, {"x": (0, 1), "y": (1.5, 2)}, 0.1)
     []
     >>> order_disagreements({"x": (0, 1), "y": (2, 3)}, {"x": (2, 3), "y": (0, 1)}, 0.1)
     [('x', 'y')]
+    >>> order_disagreements({"x": (0, 1), "y": (2, 3)}, {"x": (0.05, 1), "y": (0, 1)}, 0.1)
+    []
     """
     keys = sorted(set(a) & set(b), key=str)
     out = []
     for i, x in enumerate(keys):
         for y in keys[i + 1 :]:
             for p, q in ((a, b), (b, a)):
-                if p[x][1] + margin <= p[y][0] and q[y][0] < q[x][0]:
+                if p[x][1] + margin <= p[y][0] and q[y][0] + margin <= q[x][0]:
                     out.append((x, y))
                     break
-                if p[y][1] + margin <= p[x][0] and q[x][0] < q[y][0]:
+                if p[y][1] + margin <= p[x][0] and q[x][0] + margin <= q[y][0]:
                     out.append((x, y))
                     break
     return out
