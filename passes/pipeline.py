@@ -170,7 +170,10 @@ def _shard(st: CompileState) -> CompileState:
 
 def _accumulate(st: CompileState) -> CompileState:
     specs = spec_lookup(st.shardings or ())
-    buffers, unreduced = local_accumulation(st.traced, st.graph, st.meshes, st.buffers, specs)
+    zero = sharding_mode(st.method) in ("zero2", "zero3")
+    buffers, unreduced = local_accumulation(
+        st.traced, st.graph, st.meshes, st.buffers, specs, keep_gradients_split=zero
+    )
     shardings = accumulation_comms(
         st.traced, st.graph, st.meshes, buffers, unreduced, st.shardings or ()
     )

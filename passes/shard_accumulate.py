@@ -64,26 +64,11 @@ def _batch_rows(traced: TracedStep, graph: StageGraph) -> Callable[[int], tuple]
     return rows
 
 
-def _splitters(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, specs: Mapping | None):
-    """(split, contract): var id -> {dim: mesh axes} of every split, and of the splits
-    a contraction may leave as partial sums.
-
-    Without solved specs both are the data-parallel rule.  With them, ``split`` is the
-    solver's and ``contract`` keeps only the batch split (dim 0 of a value with a
-    micro-batch's rows): local accumulation holds data-parallel partial sums; a
-    contraction over a tensor-parallel split stays as the solver priced it."""
+def _data_parallel_split(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> Callable:
+    """var id -> {0: every mesh axis} for a value with a micro-batch's rows that divide
+    over the mesh, else None: the data-parallel rule."""
     size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
     rows = _batch_rows(traced, graph)
-    if specs:
-
-        def solved(vid):
-            return _split_of(specs[vid], size) if vid in specs else None
-
-        def batch(vid):
-            got = solved(vid) or {}
-            return {0: got[0]} if 0 in got and rows(vid) else None
-
-        return solved, batch
     n = mesh.num_devices
     whole = _split_of((MESH_AXES,), size)[0]
 
@@ -91,7 +76,27 @@ def _splitters(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, specs: Map
         shape = rows(vid)
         return {0: whole} if shape and shape[0] % n == 0 else None
 
-    return split, split
+    return split
+
+
+def _solved_split(mesh: MeshSpec, specs: Mapping) -> Callable:
+    """var id -> {dim: mesh axes} of the sharding solver's spec."""
+    size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
+    return lambda vid: _split_of(specs[vid], size) if vid in specs else None
+
+
+def _gradient_contractions(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, p) -> dict:
+    """Equation index -> its contraction's :class:`Unreduced`, for the equations of
+    program ``p`` that sum a gradient contribution over the split batch under the
+    data-parallel rule: weight gradients (their contracted dims are the batch's and the
+    sequence's), never a tensor-parallel contraction over features."""
+    jaxpr = traced.jaxpr
+    groups = [g for g in p.outputs if g.ref.kind is ACC]
+    split = _data_parallel_split(traced, graph, mesh)
+    found = unreduced_values(jaxpr, p.eqns, split, _targets(traced, groups))
+    by_id = {i: v for v, i in var_ids(jaxpr).items()}
+    made_by = {o: i for i in p.eqns for o in jaxpr.eqns[i].outvars}
+    return {made_by[by_id[vid]]: u for vid, u in found.items() if u.split and by_id[vid] in made_by}
 
 
 def _targets(traced: TracedStep, groups) -> dict:
@@ -117,11 +122,16 @@ def local_accumulation(
     meshes: tuple[MeshSpec, ...],
     buffers: tuple[BufferSpec, ...],
     specs: Mapping[int, Mapping] | None = None,
+    keep_gradients_split: bool = False,
 ) -> tuple[tuple[BufferSpec, ...], dict[ProgramRef, tuple[Unreduced, ...]]]:
     """(buffers with unreduced accumulators, program -> its unreduced values).
 
     ``specs``: mesh id -> var id -> spec from sharding inference (None or missing: the
-    data-parallel rule).  Returns the inputs unchanged when nothing can stay unreduced.
+    data-parallel rule).  ``keep_gradients_split`` (ZeRO's modes): a gradient the
+    solver splits is reduce-scattered as each micro-batch makes it, so no device ever
+    holds it whole; otherwise it too is held as partial sums, and the update
+    reduce-scatters it once per step, as the solver priced it.  Returns the inputs
+    unchanged when nothing can stay unreduced.
     """
     if traced.num_micro_batches <= 1 or accumulate_mode() == "reduced":
         return buffers, {}
@@ -135,10 +145,15 @@ def local_accumulation(
             continue
         targets = _targets(traced, groups)
         solved = (specs or {}).get(mesh.id)
-        split, contract = _splitters(traced, graph, mesh, solved)
-        found = unreduced_values(
-            traced.jaxpr, p.eqns, split, targets, planned=bool(solved), contract_split=contract
-        )
+        if solved:  # the solver's splits, partial sums made where data parallelism makes them
+            made = _gradient_contractions(traced, graph, mesh, p)
+            split = _solved_split(mesh, solved)
+            found = unreduced_values(
+                traced.jaxpr, p.eqns, split, targets, keep_gradients_split, made_by=made
+            )
+        else:
+            split = _data_parallel_split(traced, graph, mesh)
+            found = unreduced_values(traced.jaxpr, p.eqns, split, targets)
         if not found:
             continue
         programs[p.name] = tuple(found[k] for k in sorted(found))
@@ -166,19 +181,12 @@ def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> d
     m = traced.num_micro_batches
     if m <= 1 or accumulate_mode() == "reduced" or mesh.num_devices == 1:
         return {}
-    jaxpr, ids = traced.jaxpr, var_ids(traced.jaxpr)
-    made_by = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-    split, _ = _splitters(traced, graph, mesh, None)
-    by_id = {i: v for v, i in ids.items()}
     out: dict[int, float] = {}
     for p in graph.programs:
         groups = [g for g in p.outputs if g.ref.kind is ACC]
         if p.stage != mesh.id or p.name.phase is Phase.APPLY or not groups:
             continue
-        found = unreduced_values(jaxpr, p.eqns, split, _targets(traced, groups))
-        for vid, u in found.items():
-            if u.split and by_id[vid] in made_by:
-                out[made_by[by_id[vid]]] = 1.0 / m
+        out.update(dict.fromkeys(_gradient_contractions(traced, graph, mesh, p), 1.0 / m))
     return out
 
 
@@ -200,12 +208,13 @@ def accumulation_comms(
 ) -> tuple:
     """The meshes' sharding solutions with their predicted collectives as local
     accumulation leaves them: no reduce of a value a program holds as partial sums, and
-    one reduce per unreduced accumulator in the update (a reduce-scatter where the
-    solver splits the gradient over the same axes), so the plan prints what XLA runs."""
+    one all-reduce per unreduced accumulator in the update, so the plan prints what XLA
+    runs.  Where the solver splits the gradient over the summed axes, XLA:CPU compiles
+    the sum as an all-reduce and a slice (GPU backends fuse the two into a
+    reduce-scatter), as the solver's own rules price a reduce the update reads split."""
     if not unreduced or not shardings:
         return shardings
     jaxpr, ids = traced.jaxpr, var_ids(traced.jaxpr)
-    every = dict.fromkeys(MESH_AXES, 2)  # any size > 1: _split_of keeps every named axis
     out = []
     for s in shardings:
         progs = [p for p in graph.programs if meshes[p.stage].id == s.mesh]
@@ -223,10 +232,8 @@ def accumulation_comms(
             for t in b.tensors:
                 if not t.unreduced:
                     continue
-                split = {a for ax in _split_of(s.specs.get(t.var, ()), every).values() for a in ax}
-                kind = "reduce-scatter" if split & set(t.unreduced) else "all-reduce"
                 at = _first_reader(jaxpr, apply.eqns, t.var, ids)
-                comms.append((at, Comm(kind, t.unreduced, float(t.nbytes), t.var)))
+                comms.append((at, Comm("all-reduce", t.unreduced, float(t.nbytes), t.var)))
         solution = replace(s.solution, comms=tuple(comms))
         out.append(replace(s, solution=solution))
     return tuple(out)

@@ -31,7 +31,7 @@ batched ``dot_general``/``reduce_sum``, ``jax.vmap`` and ``with_sharding_constra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,8 @@ def _zeros(eqn) -> bool:
 
 def _scatter_split(eqn, spl: list) -> tuple | None:
     """(axes, (indices dim, updates dim)) when a scatter-add's updates are split over
-    mesh axes along a scatter (not window) dim and its indices along the matching dim."""
+    mesh axes along a scatter (not window) dim and its indices along the matching dim,
+    or not at all (each device then reads its own rows of the whole indices)."""
     dn = eqn.params["dimension_numbers"]
     if dn.operand_batching_dims:
         return None
@@ -88,7 +89,7 @@ def _scatter_split(eqn, spl: list) -> tuple | None:
     for j, axes in spl[2].items():
         if j in scatter_dims:
             i = scatter_dims.index(j)
-            if i < len(eqn.invars[1].aval.shape) - 1 and spl[1].get(i) == axes:
+            if i < len(eqn.invars[1].aval.shape) - 1 and spl[1].get(i, axes) == axes:
                 return axes, (i, j)
     return None
 
@@ -118,16 +119,17 @@ def _mapped_rule(eqn, held: Mapping, zeros: set | frozenset = frozenset()) -> tu
 
 
 def _made_rule(eqn, split_of: Callable, ids: Mapping, zeros=frozenset()) -> tuple | None:
-    """(axes, split dims) when ``eqn`` contracts a dim split over mesh axes, else None."""
+    """(axes, split dims) when ``eqn`` contracts a dim split over mesh axes (in one
+    operand, the other's matching dim split alike or whole), else None."""
     if not all(_is_float(o) for o in eqn.outvars):
         return None
     spl = [(split_of(ids[v]) or {}) if not is_literal(v) and v in ids else {} for v in eqn.invars]
     name = eqn.primitive.name
-    if name == "dot_general":
+    if name == "dot_general":  # one operand may be whole: each device reads its part
         (lc, rc), _ = eqn.params["dimension_numbers"]
         for a, b in zip(lc, rc, strict=True):
-            axes = spl[0].get(a)
-            if axes and spl[1].get(b) == axes:
+            axes = spl[0].get(a) or spl[1].get(b)
+            if axes and spl[0].get(a, axes) == axes and spl[1].get(b, axes) == axes:
                 return axes, (a, b)
     if name == "reduce_sum":
         for d in eqn.params["axes"]:
@@ -153,22 +155,24 @@ def unreduced_values(
     eqns: Iterable[int],
     split_of: Callable,
     targets: Iterable,
-    planned: bool = False,
-    contract_split: Callable | None = None,
+    keep_split: bool = False,
+    made_by: Collection[int] | None = None,
 ) -> dict[int, Unreduced]:
     """Var id -> :class:`Unreduced` for the values of ``eqns`` that can be held unreduced
     and lead (through unreduced values only) to one of ``targets`` (Vars: the
     accumulated contributions).
 
     ``split_of(var id)`` is the value's split on this mesh: ``{dim: mesh axes}`` (or
-    None).  ``planned``: the splits are the sharding solver's for every value, so a
-    value split over an axis is never held as a partial sum over it.
-    ``contract_split`` (default ``split_of``): the splits a contraction may leave as
-    partial sums.  Pure: the plan records the answer and the runtime follows it.
+    None).  ``keep_split``: a target split over an axis (a gradient ZeRO keeps split)
+    is never held as a partial sum over it, which would take a whole gradient's memory
+    per device.  Values on the way to a target are, whatever their split: they are no
+    larger than the gradient, and no collective runs.  ``made_by`` (default: any): the
+    equations that may make a partial sum.  Pure: the plan records the answer and the
+    runtime follows it.
     """
-    contract_split = contract_split or split_of
     ids = var_ids(jaxpr)
     order = list(eqns)
+    targets = set(targets)
     held: dict = {}
     zeros = set()
     for i in order:
@@ -177,9 +181,12 @@ def unreduced_values(
             zeros.update(e.outvars)
         if any(not is_literal(v) and v in held for v in e.invars):
             rule = _mapped_rule(e, held, zeros)
+        elif made_by is None or i in made_by:
+            rule = _made_rule(e, split_of, ids, zeros)
         else:
-            rule = _made_rule(e, contract_split, ids, zeros)
-        if rule is not None and not (planned and _clashes(e, rule[0], split_of, ids)):
+            rule = None
+        clash = keep_split and any(o in targets for o in e.outvars)
+        if rule is not None and not (clash and _clashes(e, rule[0], split_of, ids)):
             for o in e.outvars:
                 if not is_dropvar(o):
                     held[o] = Unreduced(ids[o], rule[0], rule[1])

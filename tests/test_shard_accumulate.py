@@ -5,12 +5,16 @@ leading axis of partial sums); the update reduces once per step.  Collectives ar
 counted in the compiled HLO of every program, parity is against single-device jax.jit.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 import meshshard
-from examples import mlp
+from examples import bert, mlp
 from meshshard.cluster import ClusterSpec
 from meshshard.hlo_collectives import count_by_kind, program_collectives
 from meshshard.instructions import Run
@@ -18,6 +22,8 @@ from meshshard.jaxpr_util import var_ids
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.refs import BufferKind, Phase
+from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+from tests.conftest import assert_trees_close
 from tests.parity import MODELS, check_parity
 
 M = 4
@@ -170,3 +176,130 @@ def test_the_solver_prices_locally_accumulated_reduces_once_per_step():
         assert names <= {"dot_general", "reduce_sum", "scatter-add"}, names
         mine = {i for p in st.graph.programs if p.stage == mesh.id for i in p.eqns}
         assert set(got) <= mine
+
+
+def test_rule_holds_a_scatter_of_split_rows_whose_indices_are_whole():
+    """An embedding gradient whose indices the solver keeps whole: each device scatters
+    its own rows (reading its part of the whole indices) into a partial sum."""
+
+    def grads(dy, table_ids):
+        return jnp.zeros((10, 4)).at[table_ids].add(dy)
+
+    jx = jax.make_jaxpr(grads)(jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32)).jaxpr
+    ids = var_ids(jx)
+    dy = ids[jx.invars[0]]
+    (scatter,) = [e for e in jx.eqns if e.primitive.name == "scatter-add"]
+    split = {dy: {0: ("device",)}}  # the indices (and their reshape) whole
+    found = unreduced_values(jx, range(len(jx.eqns)), split.get, jx.outvars)
+    assert found[ids[scatter.outvars[0]]].split == (0, 0), found
+
+
+def test_rule_holds_a_contraction_of_split_rows_with_a_whole_operand():
+    """The solver keeps one operand of a weight gradient whole and splits the other's
+    rows: each device contracts its rows against its part of the whole operand."""
+
+    def grads(x, dy):
+        return jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))
+
+    jx = jax.make_jaxpr(grads)(jnp.ones((8, 3)), jnp.ones((8, 4))).jaxpr
+    ids = var_ids(jx)
+    x, dy = (ids[v] for v in jx.invars)
+    for split in ({dy: {0: ("device",)}}, {x: {0: ("device",)}}):
+        found = unreduced_values(jx, range(len(jx.eqns)), split.get, jx.outvars)
+        assert found[ids[jx.outvars[0]]].split == (0, 0), found
+    other = {x: {0: ("host",)}, dy: {0: ("device",)}}  # split over different axes: no
+    assert unreduced_values(jx, range(len(jx.eqns)), other.get, jx.outvars) == {}
+
+
+def test_rule_holds_values_the_solver_splits_on_the_way_to_a_gradient():
+    """The solver's split of a value between the contraction and the gradient (here a
+    reduce then a row split) does not stop the partial sum; a gradient it splits
+    does where ZeRO keeps gradients split (``keep_split``), and only there."""
+
+    def grads(x, dy):
+        g = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())))  # (3, 4)
+        return g.T  # the accumulated gradient (4, 3)
+
+    jx = jax.make_jaxpr(grads)(jnp.ones((8, 3)), jnp.ones((8, 4))).jaxpr
+    ids = var_ids(jx)
+    x, dy = (ids[v] for v in jx.invars)
+    g, out = ids[jx.eqns[0].outvars[0]], ids[jx.outvars[0]]
+    eqns = range(len(jx.eqns))
+    split = {x: {0: ("device",)}, dy: {0: ("device",)}, g: {0: ("device",)}}
+    assert set(unreduced_values(jx, eqns, split.get, jx.outvars, keep_split=True)) == {g, out}
+    split[out] = {1: ("device",)}  # the gradient itself split: ZeRO's reduce-scatter
+    assert unreduced_values(jx, eqns, split.get, jx.outvars, keep_split=True) == {}
+    assert set(unreduced_values(jx, eqns, split.get, jx.outvars)) == {g, out}
+    # only the equations named may make a partial sum
+    assert unreduced_values(jx, eqns, split.get, jx.outvars, made_by=()) == {}
+
+
+class TiedEmbedding(nn.Module):
+    """Alpa's tests/shard_parallel/test_bert.py::test_embedding_2d_mesh model: the
+    embedding table is also the output matrix."""
+
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(1024, 8)
+        return embed.attend(embed(ids))
+
+
+def tied_step(state, ids, labels):
+    def loss_fn(params):
+        logits = state.apply_fn(params, ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).sum()
+
+    return state.apply_gradients(grads=meshshard.grad(loss_fn)(state.params))
+
+
+def _tied_case():
+    rng = np.random.default_rng(0)
+    ids, labels = (rng.integers(0, 1024, (8, 8)).astype(np.int32) for _ in range(2))
+    model = TiedEmbedding()
+    params = model.init(jax.random.PRNGKey(0), ids)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+    return state, ids, labels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["tied", "bert"])
+def test_auto_sharding_accumulates_every_gradient_once_per_step(case):
+    """ShardParallel(sharding="auto") with 2 micro-batches reduces each gradient once per
+    step, as data parallelism does and as the solver priced it.  The solver's plans
+    used to keep some contributions whole per micro-batch: the tied table's (the lookup's
+    indices whole, the head's contraction split over the sequence) and BERT's embedding
+    tables' (indices whole), each all-reduced once per micro-batch."""
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    method = meshshard.ShardParallel((1, 4), num_micro_batches=2)
+    if case == "tied":
+        state, ids, labels = _tied_case()
+        plan, traced = plan_step(
+            tied_step, (state, ids, labels), method=method, cluster=cluster, batch_argnums=(1, 2)
+        )
+    else:
+        model = bert.Encoder(num_layers=2, dropout=0.0)
+        batch = bert.make_batch(batch_size=8)
+        state = bert.make_state(model, batch)
+        # plan_step traces raw arrays (parallelize turns typed keys into their data first)
+        args = (state.replace(key=jax.random.key_data(state.key)), batch)
+        plan, traced = plan_step(bert.train_step, args, method=method, cluster=cluster)
+    per_step = _collectives_per_step(plan, traced)
+    assert per_step.pop("all-reduce") == 1, per_step  # the update's
+    # (the solver may split Adam's update over the devices and all-gather the result)
+    assert set(per_step) <= {"all-gather"}, per_step
+    (fb,) = [p for p in plan.programs_run() if p.name.phase is not Phase.APPLY]
+    assert fb.unreduced
+    notes = "\n".join(plan.notes)
+    assert "s0.B predicted comm: no collectives" in notes, notes
+
+
+@pytest.mark.slow
+def test_tied_embedding_accumulated_locally_matches_single_device():
+    state, ids, labels = _tied_case()
+    method = meshshard.ShardParallel((1, 4), num_micro_batches=2)
+    with use_cluster(ThreadsCluster(1, 4)):
+        step = meshshard.parallelize(tied_step, method=method, batch_argnums=(1, 2))
+        got = step(state, ids, labels)
+    assert_trees_close(jax.jit(tied_step)(state, ids, labels).params, got.params, rtol=1e-4)
+    (fb,) = [p for p in step.plan.programs_run() if p.name.phase is not Phase.APPLY]
+    assert fb.unreduced
