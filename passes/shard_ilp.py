@@ -72,10 +72,14 @@ __all__ = [
     "solve_stage",
     "estimate_stage_cost",
     "ALIAS_PRIMITIVES",
+    "MARKER_PRIMITIVES",
 ]
 
-#: Identity primitives whose outputs are their operands (markers, sharding pins).
-ALIAS_PRIMITIVES = frozenset({"pipeline_boundary", "meshshard_shard"})
+#: Markers and sharding pins: identities that carry specs across a step's programs.
+MARKER_PRIMITIVES = frozenset({"pipeline_boundary", "meshshard_shard"})
+#: Identity primitives whose outputs are their operands: the markers, and the barrier a
+#: rematerialized layer's recompute starts with (``passes/inline_remat.py``).
+ALIAS_PRIMITIVES = MARKER_PRIMITIVES | {"optimization_barrier"}
 #: Primitives that make, split or convert PRNG keys: a few words each (``nn.RNN`` splits
 #: a key for its carry), whose replicated runs are not worth a plan note.
 KEY_PLUMBING = frozenset(

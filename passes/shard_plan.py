@@ -24,7 +24,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.jaxpr_util import is_literal, var_ids
 from meshshard.passes.shard_accumulate import accumulable_eqns
 from meshshard.passes.shard_costs import LogicalMesh
-from meshshard.passes.shard_ilp import ALIAS_PRIMITIVES, ShardingSolution, solve_stage
+from meshshard.passes.shard_ilp import MARKER_PRIMITIVES, ShardingSolution, solve_stage
 from meshshard.passes.shard_rules import ELEMENTWISE, is_elementwise_call, layouts, to_spec
 from meshshard.passes.sharding import data_parallel_spec, micro_batch_sizes
 from meshshard.passes.stage_graph import StageGraph
@@ -223,7 +223,7 @@ def infer_shardings(
     jaxpr = traced.jaxpr
     ids = var_ids(jaxpr)
     tied = tied_state(traced)
-    markers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ALIAS_PRIMITIVES}
+    markers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in MARKER_PRIMITIVES}
     out = []
     for mesh in meshes:
         eqns = {i for p in graph.programs if p.stage == mesh.id for i in p.eqns}

@@ -63,6 +63,7 @@ from meshshard.passes.forward_only import (
 )
 from meshshard.passes.hoist import hoist_to_update
 from meshshard.passes.inline import inline_calls
+from meshshard.passes.inline_remat import inline_remat
 from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.narrow_gradients import narrow_padded_gradients
@@ -367,6 +368,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     closed = narrow_padded_gradients(set_reductions(closed, reduce, m))
     closed = split_shared_gradients(closed)
     closed = recompute_weight_views(closed, flags + [True] * bool(draws))
+    closed = inline_remat(closed)
     out_paths, _ = jax.tree_util.tree_flatten_with_path(out_shape)
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)

@@ -69,8 +69,10 @@ def test_remat_layers(threads_cluster):
     traced = trace_step(
         mlp.train_step, (state, BATCHES[0]), batch_argnums=(1,), num_micro_batches=2
     )
-    remat = [e for e in traced.jaxpr.eqns if "remat" in e.primitive.name]
-    assert len(remat) >= 3  # the recomputation survives inlining
+    # the recomputation survives inlining: each layer's backward recomputes behind the
+    # barrier XLA's lowering of remat puts there (passes/inline_remat.py)
+    names = [e.primitive.name for e in traced.jaxpr.eqns]
+    assert names.count("optimization_barrier") >= 3 and "remat2" not in names
     check_step_parity(mlp.train_step, METHOD, state, BATCHES)
 
 
