@@ -24,7 +24,8 @@ from meshshard.jaxpr_util import eval_eqns, read_var, retrace, with_caller_sourc
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
 
-def _callee(eqn) -> ClosedJaxpr | None:
+def called_jaxpr(eqn) -> ClosedJaxpr | None:
+    """The callee of a ``jit``/call equation (None for any other equation)."""
     if eqn.primitive.name not in CALL_PRIMITIVES:
         return None
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -34,7 +35,7 @@ def _callee(eqn) -> ClosedJaxpr | None:
 
 
 def _inline_hook(i, eqn, env, extra=()) -> bool:
-    callee = _callee(eqn)
+    callee = called_jaxpr(eqn)
     if callee is None:
         return False
     invals = [read_var(env, v) for v in eqn.invars]
@@ -56,7 +57,7 @@ def eval_inlined(callee: ClosedJaxpr, caller, invals: list, on_eqn=None) -> list
 
 def has_calls(closed: ClosedJaxpr) -> bool:
     """True if ``closed`` has a call equation at its top level."""
-    return any(_callee(e) is not None for e in closed.jaxpr.eqns)
+    return any(called_jaxpr(e) is not None for e in closed.jaxpr.eqns)
 
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:

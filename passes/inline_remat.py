@@ -32,7 +32,7 @@ import jax
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import read_var, retrace
-from meshshard.passes.inline import eval_inlined
+from meshshard.passes.inline import called_jaxpr, eval_inlined
 
 __all__ = ["REMAT_PRIMITIVES", "inline_remat"]
 
@@ -58,14 +58,25 @@ def _barriered(eqn, args: list) -> list:
 
 
 def _hook(i, eqn, env, extra=()) -> bool:
-    if eqn.primitive.name not in REMAT_PRIMITIVES:
+    """A remat written out; inside one, a ``jit`` call inlined as the step's own were
+    (``passes/inline.py``), and a remat inside it written out too."""
+    callee = called_jaxpr(eqn)
+    if eqn.primitive.name in REMAT_PRIMITIVES:
+        body = eqn.params["jaxpr"]
+        callee = body if hasattr(body, "consts") else ClosedJaxpr(body, ())
+        args = _barriered(eqn, [read_var(env, v) for v in eqn.invars])
+    elif callee is not None and extra == _INSIDE:
+        args = [read_var(env, v) for v in eqn.invars]
+    else:
         return False
-    body = eqn.params["jaxpr"]
-    closed = body if hasattr(body, "consts") else ClosedJaxpr(body, ())
-    args = _barriered(eqn, [read_var(env, v) for v in eqn.invars])
-    outs = eval_inlined(closed, eqn, args, _hook)  # a remat inside a remat: the same
+    inner = lambda k, e, env: _hook(k, e, env, _INSIDE)  # noqa: E731
+    outs = eval_inlined(callee, eqn, args, inner)
     env.update(zip(eqn.outvars, outs, strict=True))
     return True
+
+
+#: ``_hook``'s marker for equations of a remat's body.
+_INSIDE = ("inside a remat",)
 
 
 def inline_remat(closed: ClosedJaxpr) -> ClosedJaxpr:

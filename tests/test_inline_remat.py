@@ -12,6 +12,7 @@ from flax.training.train_state import TrainState
 
 import meshshard
 from meshshard.cluster import ClusterSpec
+from meshshard.passes.inline import inline_calls
 from meshshard.passes.inline_remat import inline_remat
 from meshshard.passes.pipeline import plan_step
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
@@ -59,6 +60,17 @@ def test_a_remat_not_differentiated_is_its_body():
     closed = jax.make_jaxpr(jax.checkpoint(_layer))(jnp.ones((4, 8)), jnp.ones((2, 4)))
     names = [e.primitive.name for e in inline_remat(closed).jaxpr.eqns]
     assert "remat2" not in names and "optimization_barrier" not in names
+
+
+@pytest.mark.fast
+def test_calls_inside_a_remat_are_inlined_as_the_steps_own():
+    """A ``jax.jit`` function called inside the layer (``nn.silu``, a user's helper) would
+    be left as one opaque call, run replicated by the sharding solver."""
+    inner = jax.jit(lambda h: jnp.tanh(h) * 2.0)
+    layer = jax.checkpoint(lambda w, x: inner(x @ w).sum())
+    closed = jax.make_jaxpr(jax.grad(layer))(jnp.ones((3, 3)), jnp.ones((2, 3)))
+    names = {e.primitive.name for e in inline_remat(inline_calls(closed)).jaxpr.eqns}
+    assert not names & {"jit", "pjit", "remat2"}, names
 
 
 class Block(nn.Module):
