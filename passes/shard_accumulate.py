@@ -9,9 +9,10 @@ those accumulators are stored with a leading axis of partial sums
 update sums the partial sums once per step (an all-reduce, or a reduce-scatter where
 the update reads the gradient sharded).
 
-Off with one micro-batch (nothing to save) and with ``MESHSHARD_ACCUMULATE=reduced``
-(the previous behaviour: each contribution reduced as it is made, kept for comparison
-in ``benchmarks/shard_real.py``).
+With one micro-batch only gradients summed from several contractions are held (a tied
+embedding's: reduced once, not once per contraction).  Off with
+``MESHSHARD_ACCUMULATE=reduced`` (the previous behaviour: each contribution reduced as
+it is made, kept for comparison in ``benchmarks/shard_real.py``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def local_accumulation(
     reduce-scatters it once per step, as the solver priced it.  Returns the inputs
     unchanged when nothing can stay unreduced.
     """
-    if traced.num_micro_batches <= 1 or accumulate_mode() == "reduced":
+    if accumulate_mode() == "reduced":
         return buffers, {}
     ids = var_ids(traced.jaxpr)
     programs: dict[ProgramRef, tuple[Unreduced, ...]] = {}
@@ -154,6 +155,8 @@ def local_accumulation(
         else:
             split = _data_parallel_split(traced, graph, mesh)
             found = unreduced_values(traced.jaxpr, p.eqns, split, targets)
+        if traced.num_micro_batches == 1:
+            found = _summed_contributions(traced.jaxpr, p.eqns, found, targets)
         if not found:
             continue
         programs[p.name] = tuple(found[k] for k in sorted(found))
@@ -171,6 +174,29 @@ def local_accumulation(
             b = replace(b, tensors=tensors)
         out.append(b)
     return tuple(out), programs
+
+
+def _summed_contributions(jaxpr, eqns, found: Mapping, targets: Mapping) -> dict:
+    """``found`` less the chains of gradients made by one contraction.  With one
+    micro-batch, holding partial sums saves only where a gradient adds up several
+    contractions (a tied embedding's lookup and output head, a layer applied twice):
+    summed locally, it is reduced once, not once per contraction."""
+    ids = var_ids(jaxpr)
+    made_of = {o: jaxpr.eqns[i] for i in eqns for o in jaxpr.eqns[i].outvars}
+    out = {}
+    for target in targets:
+        chain, made, todo = set(), 0, [target]
+        while todo:
+            v = todo.pop()
+            if v in chain or ids.get(v) not in found:
+                continue
+            chain.add(v)
+            made += bool(found[ids[v]].split)
+            if v in made_of:
+                todo.extend(x for x in made_of[v].invars if not is_literal(x))
+        if made > 1:
+            out.update({ids[v]: found[ids[v]] for v in chain})
+    return out
 
 
 def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> dict[int, float]:

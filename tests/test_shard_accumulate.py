@@ -303,3 +303,55 @@ def test_tied_embedding_accumulated_locally_matches_single_device():
     assert_trees_close(jax.jit(tied_step)(state, ids, labels).params, got.params, rtol=1e-4)
     (fb,) = [p for p in step.plan.programs_run() if p.name.phase is not Phase.APPLY]
     assert fb.unreduced
+
+
+def _all_reduced_bytes(plan, traced) -> int:
+    """Bytes one step all-reduces on mesh 0 (each program's HLO times its runs)."""
+    devices = jax.devices()[: plan.meshes[0].num_devices]
+    got = program_collectives(plan, traced, 0, devices)
+    stream = next(s for s in plan.streams if s.worker == plan.meshes[0].workers[0])
+    total = 0
+    for p in plan.programs_run():
+        runs = sum(isinstance(i, Run) and i.program == p.name for i in stream.instructions)
+        total += runs * sum(int(c.nbytes) for c in got[str(p.name)] if c.kind == "all-reduce")
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["data_parallel", "auto"])
+def test_one_micro_batch_reduces_a_tied_gradient_once(mode):
+    """With one micro-batch a tied table's two gradients (the lookup's and the output
+    head's) were all-reduced apiece, as ``jax.jit`` does: twice the table's bytes.  They
+    are now summed as per-device partial sums and reduced once; an untied model's plan
+    holds nothing (one contraction per gradient: nothing to save)."""
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    method = (
+        meshshard.DataParallel((1, 4))
+        if mode == "data_parallel"
+        else meshshard.ShardParallel((1, 4))
+    )
+    state, ids, labels = _tied_case()
+    plan, traced = plan_step(
+        tied_step, (state, ids, labels), method=method, cluster=cluster, batch_argnums=(1, 2)
+    )
+    table = 1024 * 8 * 4
+    assert table <= _all_reduced_bytes(plan, traced) < 1.1 * table
+    batch = mlp.make_batch(batch_size=32)
+    state = mlp.make_state(mlp.MLP(hidden=32, num_layers=2), batch["x"])
+    plan, _ = plan_step(mlp.train_step, (state, batch), method=method, cluster=cluster)
+    assert not any(p.unreduced for p in plan.programs)
+
+
+@pytest.mark.slow
+def test_tied_gradient_held_with_one_micro_batch_matches_single_device():
+    state, ids, labels = _tied_case()
+    with use_cluster(ThreadsCluster(1, 4)):
+        step = meshshard.parallelize(
+            tied_step, method=meshshard.DataParallel((1, 4)), batch_argnums=(1, 2)
+        )
+        got = step(state, ids, labels)
+        got = step(got, ids, labels)
+    ref = jax.jit(tied_step)
+    want = ref(ref(state, ids, labels), ids, labels)
+    assert_trees_close(want.params, got.params, rtol=1e-4)
+    assert any(p.unreduced for p in step.plan.programs)
