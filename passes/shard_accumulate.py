@@ -86,15 +86,22 @@ def _solved_split(mesh: MeshSpec, specs: Mapping) -> Callable:
     return lambda vid: _split_of(specs[vid], size) if vid in specs else None
 
 
+def _data_parallel_found(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, p):
+    """(values held, accumulated contributions) of program ``p`` under the
+    data-parallel rule."""
+    groups = [g for g in p.outputs if g.ref.kind is ACC]
+    targets = _targets(traced, groups)
+    split = _data_parallel_split(traced, graph, mesh)
+    return unreduced_values(traced.jaxpr, p.eqns, split, targets), targets
+
+
 def _gradient_contractions(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, p) -> dict:
     """Equation index -> its contraction's :class:`Unreduced`, for the equations of
     program ``p`` that sum a gradient contribution over the split batch under the
     data-parallel rule: weight gradients (their contracted dims are the batch's and the
     sequence's), never a tensor-parallel contraction over features."""
     jaxpr = traced.jaxpr
-    groups = [g for g in p.outputs if g.ref.kind is ACC]
-    split = _data_parallel_split(traced, graph, mesh)
-    found = unreduced_values(jaxpr, p.eqns, split, _targets(traced, groups))
+    found, _ = _data_parallel_found(traced, graph, mesh, p)
     by_id = {i: v for v, i in var_ids(jaxpr).items()}
     made_by = {o: i for i in p.eqns for o in jaxpr.eqns[i].outvars}
     return {made_by[by_id[vid]]: u for vid, u in found.items() if u.split and by_id[vid] in made_by}
@@ -176,43 +183,61 @@ def local_accumulation(
     return tuple(out), programs
 
 
+def _chains(jaxpr, eqns, found: Mapping, targets: Mapping) -> list[tuple[set, list[int]]]:
+    """Per accumulated gradient: the held values it is summed from, and the equations
+    among ``eqns`` that make its partial sums (its contractions)."""
+    ids = var_ids(jaxpr)
+    made_of = {o: i for i in eqns for o in jaxpr.eqns[i].outvars}
+    out = []
+    for target in targets:
+        chain, made, todo = set(), [], [target]
+        while todo:
+            v = todo.pop()
+            if v in chain or ids.get(v) not in found:
+                continue
+            chain.add(v)
+            if found[ids[v]].split and v in made_of:
+                made.append(made_of[v])
+            if v in made_of:
+                todo.extend(x for x in jaxpr.eqns[made_of[v]].invars if not is_literal(x))
+        out.append((chain, made))
+    return out
+
+
 def _summed_contributions(jaxpr, eqns, found: Mapping, targets: Mapping) -> dict:
     """``found`` less the chains of gradients made by one contraction.  With one
     micro-batch, holding partial sums saves only where a gradient adds up several
     contractions (a tied embedding's lookup and output head, a layer applied twice):
     summed locally, it is reduced once, not once per contraction."""
     ids = var_ids(jaxpr)
-    made_of = {o: jaxpr.eqns[i] for i in eqns for o in jaxpr.eqns[i].outvars}
     out = {}
-    for target in targets:
-        chain, made, todo = set(), 0, [target]
-        while todo:
-            v = todo.pop()
-            if v in chain or ids.get(v) not in found:
-                continue
-            chain.add(v)
-            made += bool(found[ids[v]].split)
-            if v in made_of:
-                todo.extend(x for x in made_of[v].invars if not is_literal(x))
-        if made > 1:
+    for chain, made in _chains(jaxpr, eqns, found, targets):
+        if len(made) > 1:
             out.update({ids[v]: found[ids[v]] for v in chain})
     return out
 
 
 def accumulable_eqns(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> dict[int, float]:
-    """Equation index -> ``1 / M`` for the contractions of ``mesh``'s programs whose
-    result local accumulation can hold as partial sums when the batch is split: their
-    reduce runs once per step, not once per micro-batch, and the sharding solver prices
-    it so (without this, data parallelism looks ``M`` times dearer to it than it is)."""
+    """Equation index -> how many times a step runs its reduce, for the contractions of
+    ``mesh``'s programs whose result local accumulation holds as partial sums when the
+    batch is split: ``1 / (M k)`` for one of the ``k`` contractions a gradient is summed
+    from (``k`` is 2 for a tied embedding), since the gradient is reduced once per step,
+    not once per micro-batch and contraction; the sharding solver prices it so (without
+    this, data parallelism looks ``M k`` times dearer to it than it is)."""
     m = traced.num_micro_batches
-    if m <= 1 or accumulate_mode() == "reduced" or mesh.num_devices == 1:
+    if accumulate_mode() == "reduced" or mesh.num_devices == 1:
         return {}
+    jaxpr = traced.jaxpr
     out: dict[int, float] = {}
     for p in graph.programs:
         groups = [g for g in p.outputs if g.ref.kind is ACC]
         if p.stage != mesh.id or p.name.phase is Phase.APPLY or not groups:
             continue
-        out.update(dict.fromkeys(_gradient_contractions(traced, graph, mesh, p), 1.0 / m))
+        found, targets = _data_parallel_found(traced, graph, mesh, p)
+        for _, made in _chains(jaxpr, p.eqns, found, targets):
+            if m * len(made) > 1:
+                for i in made:
+                    out[i] = min(out.get(i, 1.0), 1.0 / (m * len(made)))
     return out
 
 

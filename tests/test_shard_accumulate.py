@@ -355,3 +355,29 @@ def test_tied_gradient_held_with_one_micro_batch_matches_single_device():
     want = ref(ref(state, ids, labels), ids, labels)
     assert_trees_close(want.params, got.params, rtol=1e-4)
     assert any(p.unreduced for p in step.plan.programs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_solver_prices_a_tied_gradient_reduced_once(micro_batches):
+    """A gradient summed from two contractions (the tied table's lookup and output head)
+    is reduced once per step: each contraction's reduce is priced at ``1 / (2 M)``."""
+    from meshshard.passes.checks import run_passes
+    from meshshard.passes.pipeline import PASSES
+    from meshshard.passes.shard_accumulate import accumulable_eqns
+    from meshshard.passes.state import CompileState
+    from meshshard.passes.trace import trace_step
+
+    state, ids, labels = _tied_case()
+    traced = trace_step(
+        tied_step, (state, ids, labels), batch_argnums=(1, 2), num_micro_batches=micro_batches
+    )
+    method = meshshard.ShardParallel((1, 4), num_micro_batches=micro_batches)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    st = run_passes(CompileState(traced, method, cluster), PASSES, False)
+    got = accumulable_eqns(traced, st.graph, st.meshes[0])
+    by_name = {traced.jaxpr.eqns[i].primitive.name: f for i, f in got.items()}
+    tied = 1 / (2 * micro_batches)
+    assert by_name.pop("dot_general") == by_name.pop("scatter-add") == tied, got
+    # with micro-batches the summed loss is accumulated too: one contraction, 1 / M
+    assert by_name == ({} if micro_batches == 1 else {"reduce_sum": 1 / micro_batches}), got
