@@ -41,8 +41,8 @@ REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 
 
 def _barriered(eqn, args: list) -> list:
-    """``args`` with those ``prevent_cse`` names passed through one optimization barrier
-    (a differentiated remat only, as XLA's lowering does)."""
+    """``args``, the ones ``prevent_cse`` names passed through one optimization barrier
+    (for a differentiated remat only, as XLA's lowering does)."""
     prevent = eqn.params.get("prevent_cse", True)
     if not eqn.params.get("differentiated", False):
         return args
