@@ -60,12 +60,11 @@ def _barriered(eqn, args: list) -> list:
 def _hook(i, eqn, env, extra=()) -> bool:
     """A remat written out; inside one, a ``jit`` call inlined as the step's own were
     (``passes/inline.py``), and a remat inside it written out too."""
-    callee = called_jaxpr(eqn)
     if eqn.primitive.name in REMAT_PRIMITIVES:
         body = eqn.params["jaxpr"]
         callee = body if hasattr(body, "consts") else ClosedJaxpr(body, ())
         args = _barriered(eqn, [read_var(env, v) for v in eqn.invars])
-    elif callee is not None and extra == _INSIDE:
+    elif extra == _INSIDE and (callee := called_jaxpr(eqn)) is not None:
         args = [read_var(env, v) for v in eqn.invars]
     else:
         return False

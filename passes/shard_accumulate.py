@@ -95,18 +95,6 @@ def _data_parallel_found(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, 
     return unreduced_values(traced.jaxpr, p.eqns, split, targets), targets
 
 
-def _gradient_contractions(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, p) -> dict:
-    """Equation index -> its contraction's :class:`Unreduced`, for the equations of
-    program ``p`` that sum a gradient contribution over the split batch under the
-    data-parallel rule: weight gradients (their contracted dims are the batch's and the
-    sequence's), never a tensor-parallel contraction over features."""
-    jaxpr = traced.jaxpr
-    found, _ = _data_parallel_found(traced, graph, mesh, p)
-    by_id = {i: v for v, i in var_ids(jaxpr).items()}
-    made_by = {o: i for i in p.eqns for o in jaxpr.eqns[i].outvars}
-    return {made_by[by_id[vid]]: u for vid, u in found.items() if u.split and by_id[vid] in made_by}
-
-
 def _targets(traced: TracedStep, groups) -> dict:
     """Contribution Var -> accumulator var id, for sum/mean accumulators of ``groups``."""
     jaxpr = traced.jaxpr
@@ -151,17 +139,16 @@ def local_accumulation(
         mesh = meshes[p.stage]
         if p.name.phase is Phase.APPLY or not groups or mesh.num_devices == 1:
             continue
-        targets = _targets(traced, groups)
+        found, targets = _data_parallel_found(traced, graph, mesh, p)
         solved = (specs or {}).get(mesh.id)
-        if solved:  # the solver's splits, partial sums made where data parallelism makes them
-            made = _gradient_contractions(traced, graph, mesh, p)
+        if solved:  # the solver's splits, partial sums made where data parallelism makes
+            # them: weight gradients (contracted over the batch and the sequence), never
+            # a tensor-parallel contraction over features
+            made = {i for _, eqns in _chains(traced.jaxpr, p.eqns, found, targets) for i in eqns}
             split = _solved_split(mesh, solved)
             found = unreduced_values(
                 traced.jaxpr, p.eqns, split, targets, keep_gradients_split, made_by=made
             )
-        else:
-            split = _data_parallel_split(traced, graph, mesh)
-            found = unreduced_values(traced.jaxpr, p.eqns, split, targets)
         if traced.num_micro_batches == 1:
             found = _summed_contributions(traced.jaxpr, p.eqns, found, targets)
         if not found:

@@ -29,19 +29,26 @@ from tests.parity import MODELS, check_parity
 M = 4
 
 
-def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
-    """Collectives one step runs on ``mesh``: each program's HLO count times its runs."""
+def _step_collectives(plan, traced, mesh: int = 0) -> list[tuple[object, int]]:
+    """(collective, runs per step) of each collective in the HLO of ``mesh``'s programs."""
     first = sum(m.num_devices for m in plan.meshes[:mesh])
     devices = jax.devices()[first : first + plan.meshes[mesh].num_devices]
     got = program_collectives(plan, traced, mesh, devices)
-    per_step: dict[str, int] = {}
     stream = next(s for s in plan.streams if s.worker == plan.meshes[mesh].workers[0])
+    out = []
     for p in plan.programs_run():
         if p.mesh != mesh:
             continue
         runs = sum(isinstance(i, Run) and i.program == p.name for i in stream.instructions)
-        for kind, n in count_by_kind(got[str(p.name)]).items():
-            per_step[kind] = per_step.get(kind, 0) + n * runs
+        out += [(c, runs) for c in got[str(p.name)]]
+    return out
+
+
+def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
+    """Collectives one step runs on ``mesh``: each program's HLO count times its runs."""
+    per_step: dict[str, int] = {}
+    for c, runs in _step_collectives(plan, traced, mesh):
+        per_step[c.kind] = per_step.get(c.kind, 0) + runs
     return per_step
 
 
@@ -307,14 +314,11 @@ def test_tied_embedding_accumulated_locally_matches_single_device():
 
 def _all_reduced_bytes(plan, traced) -> int:
     """Bytes one step all-reduces on mesh 0 (each program's HLO times its runs)."""
-    devices = jax.devices()[: plan.meshes[0].num_devices]
-    got = program_collectives(plan, traced, 0, devices)
-    stream = next(s for s in plan.streams if s.worker == plan.meshes[0].workers[0])
-    total = 0
-    for p in plan.programs_run():
-        runs = sum(isinstance(i, Run) and i.program == p.name for i in stream.instructions)
-        total += runs * sum(int(c.nbytes) for c in got[str(p.name)] if c.kind == "all-reduce")
-    return total
+    return sum(
+        runs * int(c.nbytes)
+        for c, runs in _step_collectives(plan, traced)
+        if c.kind == "all-reduce"
+    )
 
 
 @pytest.mark.slow
