@@ -38,7 +38,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +51,7 @@ __all__ = [
     "collectives_of",
     "count_by_kind",
     "bytes_by_kind",
+    "computation_runs",
 ]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -101,7 +102,8 @@ class Collective:
     reduce-scatter.  ``groups`` are the replica groups (``pairs`` for
     collective-permute, as (source, target)).  ``computation`` names the HLO
     computation holding it; ``in_entry`` is False inside loop bodies or called
-    computations, where it may run more than once per call.
+    computations, where it may run more than once per call: ``runs`` is how many times
+    one call of the program runs it (a loop body's collective, the loop's trip count).
     """
 
     kind: str
@@ -115,6 +117,7 @@ class Collective:
     computation: str = ""
     in_entry: bool = True
     is_async: bool = False
+    runs: int = 1
 
     @property
     def group_size(self) -> int:
@@ -131,7 +134,8 @@ class Collective:
             where = "groups=[" + ",".join("[" + ",".join(map(str, g)) + "]" for g in self.groups)
             where += "]"
         extra = f" dims={self.dimensions}" if self.dimensions else ""
-        return f"{self.kind} {self.dtype}[{dims}] {where}{extra} {self.nbytes} B"
+        times = f" x{self.runs}" if self.runs != 1 else ""
+        return f"{self.kind} {self.dtype}[{dims}] {where}{extra} {self.nbytes} B{times}"
 
 
 def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -309,7 +313,61 @@ def parse_collectives(hlo_text: str) -> tuple[Collective, ...]:
         m = _INSTR.match(line)
         if m is not None:
             out.append(_collective(m, computation, in_entry, ndev))
+    if any(not c.in_entry for c in out):
+        runs = computation_runs(hlo_text)
+        out = [c if c.in_entry else replace(c, runs=runs.get(c.computation, 1)) for c in out]
     return tuple(out)
+
+
+_CALLEE = re.compile(
+    r"\b(?P<key>condition|body|to_apply|calls|branch_computations|true_computation|"
+    r"false_computation)=(?P<names>\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def computation_runs(hlo_text: str) -> dict[str, int]:
+    """HLO computation name -> how many times one call of the module runs it: a while
+    loop's body and condition run its ``known_trip_count`` times per run of the
+    computation holding the loop (once when XLA does not know the count), a called
+    computation once per call, a conditional's branch at most once.
+
+        >>> text = '''HloModule m
+        ... %body (p: f32[]) -> f32[] {
+        ... }
+        ... %cond (p: f32[]) -> pred[] {
+        ... }
+        ... ENTRY %main (p: f32[]) -> f32[] {
+        ...   %w = f32[] while(%p), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"20"}}
+        ... }'''
+        >>> computation_runs(text)["body"]
+        20
+    """
+    calls: list[tuple[str, str, int]] = []  # (caller, callee, times per caller run)
+    entry, computation = "", ""
+    for line in hlo_text.splitlines():
+        cm = _COMPUTATION.match(line)
+        if cm is not None:
+            computation = cm.group("name")
+            entry = computation if cm.group("entry") else entry
+            continue
+        if "=" not in line:
+            continue
+        trip = _TRIP.search(line)
+        for m in _CALLEE.finditer(line):
+            times = int(trip.group(1)) if trip and m.group("key") in ("body", "condition") else 1
+            for name in re.findall(r"%?([\w.\-]+)", m.group("names")):
+                calls.append((computation, name, times))
+    runs = {entry: 1}
+    for _ in range(len(calls) + 1):  # callers before callees need no order: iterate to a fixpoint
+        new = {entry: 1}
+        for caller, callee, times in calls:
+            if caller in runs:
+                new[callee] = new.get(callee, 0) + runs[caller] * times
+        if new == runs:
+            break
+        runs = new
+    return runs
 
 
 def collectives_of(compiled) -> tuple[Collective, ...]:
@@ -318,16 +376,20 @@ def collectives_of(compiled) -> tuple[Collective, ...]:
 
 
 def count_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
-    """How many collectives of each kind, in :data:`KINDS` order (kinds absent are left out)."""
-    c = Counter(x.kind for x in collectives)
+    """How many collectives of each kind one call of the program runs (a collective in a
+    loop body once per iteration), in :data:`KINDS` order (kinds absent are left out)."""
+    c: Counter = Counter()
+    for x in collectives:
+        c[x.kind] += x.runs
     return {k: c[k] for k in KINDS if c[k]}
 
 
 def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, int]:
-    """Total ``nbytes`` of each kind, in :data:`KINDS` order (kinds absent are left out)."""
+    """Total ``nbytes`` of each kind one call of the program moves (a loop body's
+    collective once per iteration), in :data:`KINDS` order (kinds absent are left out)."""
     total: Counter = Counter()
     for x in collectives:
-        total[x.kind] += x.nbytes
+        total[x.kind] += x.nbytes * x.runs
     return {k: total[k] for k in KINDS if k in total}
 
 

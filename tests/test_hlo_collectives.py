@@ -95,6 +95,22 @@ def test_collectives_inside_a_loop_are_marked_outside_entry(mesh):
     c = _compile(f, mesh, [P("x", "y")], P("x", "y"), (8, 8))
     got = [x for x in collectives_of(c) if x.kind == "all-reduce"]
     assert got and all(not x.in_entry for x in got)
+    # each runs once per iteration: counted and priced 3 times per call
+    assert [x.runs for x in got] == [3] * len(got)
+    assert count_by_kind(got) == {"all-reduce": 3 * len(got)}
+    assert bytes_by_kind(got) == {"all-reduce": 3 * sum(x.nbytes for x in got)}
+
+
+def test_nested_loops_multiply_their_trip_counts(mesh):
+    def body(a):
+        inner = lambda j, v: jax.lax.psum(v, "y") * 0.5  # noqa: E731
+        return jax.lax.fori_loop(0, 4, lambda i, v: jax.lax.fori_loop(0, 3, inner, v), a)
+
+    f = _shmap(mesh, body, P("x", "y"), P("x", "y"), check_vma=False)
+    c = _compile(f, mesh, [P("x", "y")], P("x", "y"), (8, 8))
+    got = [x for x in collectives_of(c) if x.kind == "all-reduce"]
+    assert got and [x.runs for x in got] == [12] * len(got)
+    assert str(got[0]).endswith(" x12")
 
 
 def test_replicated_program_has_no_collectives(mesh):

@@ -181,6 +181,9 @@ def test_collectives_are_priced_on_the_fabric_they_cross():
     assert collective_seconds([across], (2, 2), cluster) == pytest.approx(
         (0.0, 2 * (1e-4 + 500 / 1e9))
     )
+    # in a loop body of 20 iterations (an RNN's backward over time): 20 times the time
+    looped = replace(ar, runs=20)
+    assert collective_seconds([looped], (2, 2), cluster) == pytest.approx((40 * 500 / 1e10, 0.0))
 
 
 @pytest.mark.parametrize("batch_size, split", [(16, 4), (8, 1)])

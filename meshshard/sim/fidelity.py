@@ -237,7 +237,8 @@ def collective_seconds(
     across hosts): a group spanning hosts moves ``(n-1)/n`` of its bytes per phase over
     the NIC (gloo between host-actors here), one within a host over the intra-host
     fabric; all-reduce is two phases (reduce-scatter + all-gather), a permute one full
-    message.  Kept apart because the two fabrics' real costs are fitted separately."""
+    message; a collective in a loop body counts once per iteration.  Kept apart because
+    the two fabrics' real costs are fitted separately."""
     per_host = mesh_shape[1]
     intra = cross = 0.0
     for c in collectives:
@@ -253,6 +254,7 @@ def collective_seconds(
         else:
             phases = 2 if c.kind == "all-reduce" else 1
             t = phases * ((n - 1) * lat + (n - 1) / n * c.nbytes / bw)
+        t *= c.runs  # a loop body's collective, once per iteration
         if across:
             cross += t
         else:
