@@ -171,14 +171,25 @@ class Unreduced:
     ``split`` is set on the equation that makes it (a contraction over a split dim):
     the dim of each operand split over ``axes`` (``dot_general``: lhs and rhs;
     ``reduce_sum``: its one operand).  Empty for values mapped from unreduced inputs.
+
+    A ``lax.scan`` output (a recurrent layer's weight gradient, summed over the time
+    steps in a carry) sets ``carries``, the carry slots the loop holds as partial sums,
+    and ``inner``, the values of the loop body held so (ids of the body's own
+    :func:`~meshshard.jaxpr_util.var_ids`): each iteration adds its partial sum, and
+    the sum runs once after the loop, not once per iteration.
     """
 
     var: int
     axes: tuple[str, ...]
     split: tuple[int, ...] = ()
+    carries: tuple[int, ...] = ()
+    inner: tuple[Unreduced, ...] = ()
 
     def __str__(self) -> str:
         made = f" split({','.join(map(str, self.split))})" if self.split else ""
+        if self.carries:
+            slots = ",".join(map(str, self.carries))
+            made += f" scan(carries {slots}; {len(self.inner)} inside)"
         return f"%{self.var} unreduced[{','.join(self.axes)}]{made}"
 
 

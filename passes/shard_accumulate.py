@@ -80,6 +80,48 @@ def _data_parallel_split(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) 
     return split
 
 
+def _data_parallel_loops(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) -> Callable:
+    """The data-parallel rule inside a ``lax.scan``'s body (a recurrent layer over
+    time): ``scan equation -> (split_of of the body's var ids, mesh axes)``.  A body
+    value is split when it has a micro-batch's rows that divide over the mesh and
+    depends on a batch-dependent operand of the scan (through the carries too)."""
+    size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
+    whole = _split_of((MESH_AXES,), size)[0]
+    mbs = micro_batch_sizes(traced)
+    n = mesh.num_devices
+    ids = var_ids(traced.jaxpr)
+
+    def loop(eqn):
+        body = eqn.params["jaxpr"].jaxpr
+        nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+        dep = {
+            b
+            for b, v in zip(body.invars, eqn.invars, strict=True)
+            if not is_literal(v) and ids.get(v) in graph.batch_dependent
+        }
+        while True:
+            for e in body.eqns:
+                if any(not is_literal(v) and v in dep for v in e.invars):
+                    dep.update(e.outvars)
+            carried = {
+                body.invars[nc + k]
+                for k, o in enumerate(body.outvars[:ncar])
+                if not is_literal(o) and o in dep
+            }
+            if carried <= dep:
+                break
+            dep |= carried
+        body_ids = var_ids(body)
+        split = set()
+        for v in dep:
+            shape = getattr(v.aval, "shape", ())
+            if v in body_ids and shape and shape[0] in mbs and shape[0] % n == 0:
+                split.add(body_ids[v])
+        return (lambda vid: {0: whole} if vid in split else None), whole
+
+    return loop
+
+
 def _solved_split(mesh: MeshSpec, specs: Mapping) -> Callable:
     """var id -> {dim: mesh axes} of the sharding solver's spec."""
     size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
@@ -92,7 +134,8 @@ def _data_parallel_found(traced: TracedStep, graph: StageGraph, mesh: MeshSpec, 
     groups = [g for g in p.outputs if g.ref.kind is ACC]
     targets = _targets(traced, groups)
     split = _data_parallel_split(traced, graph, mesh)
-    return unreduced_values(traced.jaxpr, p.eqns, split, targets), targets
+    loops = _data_parallel_loops(traced, graph, mesh)
+    return unreduced_values(traced.jaxpr, p.eqns, split, targets, loop_split=loops), targets
 
 
 def _targets(traced: TracedStep, groups) -> dict:
@@ -183,7 +226,7 @@ def _chains(jaxpr, eqns, found: Mapping, targets: Mapping) -> list[tuple[set, li
             if v in chain or ids.get(v) not in found:
                 continue
             chain.add(v)
-            if found[ids[v]].split and v in made_of:
+            if (found[ids[v]].split or found[ids[v]].carries) and v in made_of:
                 made.append(made_of[v])
             if v in made_of:
                 todo.extend(x for x in jaxpr.eqns[made_of[v]].invars if not is_literal(x))
@@ -194,12 +237,13 @@ def _chains(jaxpr, eqns, found: Mapping, targets: Mapping) -> list[tuple[set, li
 def _summed_contributions(jaxpr, eqns, found: Mapping, targets: Mapping) -> dict:
     """``found`` less the chains of gradients made by one contraction.  With one
     micro-batch, holding partial sums saves only where a gradient adds up several
-    contractions (a tied embedding's lookup and output head, a layer applied twice):
-    summed locally, it is reduced once, not once per contraction."""
+    contractions (a tied embedding's lookup and output head, a layer applied twice, a
+    recurrent layer's scan over time): summed locally, it is reduced once, not once per
+    contraction or time step."""
     ids = var_ids(jaxpr)
     out = {}
     for chain, made in _chains(jaxpr, eqns, found, targets):
-        if len(made) > 1:
+        if len(made) > 1 or any(jaxpr.eqns[i].primitive.name == "scan" for i in made):
             out.update({ids[v]: found[ids[v]] for v in chain})
     return out
 

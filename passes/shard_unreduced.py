@@ -157,6 +157,8 @@ def unreduced_values(
     targets: Iterable,
     keep_split: bool = False,
     made_by: Collection[int] | None = None,
+    loop_split: Callable | None = None,
+    held_in: Mapping | None = None,
 ) -> dict[int, Unreduced]:
     """Var id -> :class:`Unreduced` for the values of ``eqns`` that can be held unreduced
     and lead (through unreduced values only) to one of ``targets`` (Vars: the
@@ -167,18 +169,26 @@ def unreduced_values(
     is never held as a partial sum over it, which would take a whole gradient's memory
     per device.  Values on the way to a target are, whatever their split: they are no
     larger than the gradient, and no collective runs.  ``made_by`` (default: any): the
-    equations that may make a partial sum.  Pure: the plan records the answer and the
-    runtime follows it.
+    equations that may make a partial sum.  ``loop_split(scan equation)`` (data
+    parallelism's rule inside a loop body: ``(split_of of the body's var ids, mesh
+    axes)``, or None) lets a ``lax.scan`` hold the carries that sum a partial sum per
+    iteration (:func:`_scan_held`); without it a scan is read whole.  ``held_in``: Vars
+    of ``jaxpr`` held on entry (a loop body's carries), Var -> mesh axes.  Pure: the
+    plan records the answer and the runtime follows it.
     """
     ids = var_ids(jaxpr)
     order = list(eqns)
     targets = set(targets)
-    held: dict = {}
+    held: dict = {v: Unreduced(ids[v], axes) for v, axes in (held_in or {}).items()}
     zeros = set()
     for i in order:
         e = jaxpr.eqns[i]
         if _zeros(e):
             zeros.update(e.outvars)
+        if e.primitive.name == "scan" and loop_split is not None:
+            for k, u in _scan_held(e, ids, held, zeros, loop_split).items():
+                held[e.outvars[k]] = u
+            continue
         if any(not is_literal(v) and v in held for v in e.invars):
             rule = _mapped_rule(e, held, zeros)
         elif made_by is None or i in made_by:
@@ -190,13 +200,57 @@ def unreduced_values(
             for o in e.outvars:
                 if not is_dropvar(o):
                     held[o] = Unreduced(ids[o], rule[0], rule[1])
-    keep = {v for v in targets if v in held}
+    keep = {v for v in targets if v in held} | {v for v in held if v in (held_in or {})}
     for i in reversed(order):
         e = jaxpr.eqns[i]
         if any(o in keep for o in e.outvars):
             keep.update(o for o in e.outvars if o in held)
             keep.update(v for v in e.invars if not is_literal(v) and v in held)
     return {ids[v]: held[v] for v in sorted(keep, key=ids.__getitem__)}
+
+
+def _scan_held(eqn, ids: Mapping, held: Mapping, zeros, loop_split: Callable) -> dict:
+    """Output position -> :class:`Unreduced` for the carries of a ``lax.scan`` that can
+    stay partial sums through the loop: a float carry that starts at zeros (or held
+    over the body's axes) and that the body returns held, once its held carries are
+    held on entry (a weight gradient summed over the time steps: ``dW + x_t^T dh_t``).
+    Empty when none can: the loop then reads its operands whole."""
+    got = loop_split(eqn)
+    if got is None:
+        return {}
+    body_split, axes = got
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"].jaxpr
+    slots = []
+    for k, v in enumerate(eqn.invars[nc : nc + ncar]):
+        if is_literal(v) or not _is_float(v):
+            continue
+        if v in zeros or (v in held and held[v].axes == axes):
+            slots.append(k)
+    inner: dict = {}
+    while slots:
+        seed = {body.invars[nc + k]: axes for k in slots}
+        outs = [body.outvars[k] for k in slots]
+        inner = unreduced_values(body, range(len(body.eqns)), body_split, outs, held_in=seed)
+        body_ids = var_ids(body)
+        kept = [
+            k
+            for k in slots
+            if not is_literal(body.outvars[k])
+            and body_ids.get(body.outvars[k]) in inner
+            and inner[body_ids[body.outvars[k]]].axes == axes
+        ]
+        if kept == slots:
+            break
+        slots = kept
+    if not slots:
+        return {}
+    body_plan = tuple(inner[k] for k in sorted(inner))
+    return {
+        k: Unreduced(ids[eqn.outvars[k]], axes, (), tuple(slots), body_plan)
+        for k in slots
+        if not is_dropvar(eqn.outvars[k])
+    }
 
 
 def _split_dim(x, d: int, n: int):
@@ -266,6 +320,9 @@ def eval_unreduced(
     n = 1
     for a in u.axes:
         n *= axis_size[a]
+    if u.carries:
+        _eval_scan(eqn, args, u, env, held, plan, ids, n, axis_size, shard)
+        return True
     if u.split:
         vals = [_made(eqn, u, args, n)]
     elif eqn.primitive.name == IDENTITY:
@@ -278,3 +335,62 @@ def eval_unreduced(
             env[o] = shard(ids[o], u.axes, x)
             held[o] = plan[ids[o]]
     return True
+
+
+def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shard) -> None:
+    """Run a ``lax.scan`` whose carries ``u.carries`` stay ``n`` partial sums (leading
+    axis) through the loop, its body's values ``u.inner`` held likewise; the other
+    outputs whole.  A held carry that starts at zeros starts as ``n`` zeros."""
+    p = eqn.params
+    nc, ncar = p["num_consts"], p["num_carry"]
+    closed = p["jaxpr"]
+    body = closed.jaxpr
+    body_ids = var_ids(body)
+    inner = {x.var: x for x in u.inner}
+    slots = set(u.carries)
+    init = list(args[nc : nc + ncar])
+    for k in slots:
+        v = eqn.invars[nc + k]
+        if not (not is_literal(v) and v in held):  # zeros: n partial sums of zeros
+            x = jnp.zeros((n, *init[k].shape), init[k].dtype)
+            init[k] = shard(None, u.axes, x)
+    for k, v in enumerate(eqn.invars[nc : nc + ncar]):
+        if k not in slots and not is_literal(v) and v in held:
+            init[k] = init[k].sum(0)
+    whole = [
+        x.sum(0) if (not is_literal(v) and v in held) else x
+        for v, x in zip(eqn.invars, args, strict=True)
+    ]
+    consts, xs = whole[:nc], whole[nc + ncar :]
+    inner_shard = lambda var, axes, x: shard(None, axes, x)  # noqa: E731 (body ids)
+
+    def step(carry, x):
+        env_b = dict(zip(body.constvars, closed.consts, strict=True))
+        for v, val in zip(body.invars, (*consts, *carry, *x), strict=True):
+            env_b[v] = val
+        held_b = {body.invars[nc + k]: inner[body_ids[body.invars[nc + k]]] for k in slots}
+        for e in body.eqns:
+            if not eval_unreduced(e, env_b, held_b, inner, body_ids, axis_size, inner_shard):
+                vals = bind_eqn(e, [v.val if is_literal(v) else env_b[v] for v in e.invars])
+                for o, val in zip(e.outvars, vals, strict=True):
+                    if not is_dropvar(o):
+                        env_b[o] = val
+        outs = []
+        for k, v in enumerate(body.outvars):
+            val = v.val if is_literal(v) else env_b[v]
+            if not (k < ncar and k in slots) and not is_literal(v) and v in held_b:
+                val = val.sum(0)
+            outs.append(val)
+        return tuple(outs[:ncar]), tuple(outs[ncar:])
+
+    carry, ys = jax.lax.scan(
+        step, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+    )
+    for k, (o, x) in enumerate(zip(eqn.outvars, (*carry, *ys), strict=True)):
+        if is_dropvar(o):
+            continue
+        if k in slots and ids.get(o) in plan:
+            env[o] = shard(ids[o], u.axes, x)
+            held[o] = plan[ids[o]]
+        else:
+            env[o] = x.sum(0) if k in slots else x

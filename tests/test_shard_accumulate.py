@@ -21,6 +21,7 @@ from meshshard.instructions import Run
 from meshshard.jaxpr_util import var_ids
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_unreduced import unreduced_values
+from meshshard.plan import Plan
 from meshshard.refs import BufferKind, Phase
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from tests.conftest import assert_trees_close
@@ -48,7 +49,7 @@ def _collectives_per_step(plan, traced, mesh: int = 0) -> dict[str, int]:
     """Collectives one step runs on ``mesh``: each program's HLO count times its runs."""
     per_step: dict[str, int] = {}
     for c, runs in _step_collectives(plan, traced, mesh):
-        per_step[c.kind] = per_step.get(c.kind, 0) + runs
+        per_step[c.kind] = per_step.get(c.kind, 0) + runs * c.runs  # c.runs: loop trips
     return per_step
 
 
@@ -315,7 +316,7 @@ def test_tied_embedding_accumulated_locally_matches_single_device():
 def _all_reduced_bytes(plan, traced) -> int:
     """Bytes one step all-reduces on mesh 0 (each program's HLO times its runs)."""
     return sum(
-        runs * int(c.nbytes)
+        runs * c.runs * int(c.nbytes)
         for c, runs in _step_collectives(plan, traced)
         if c.kind == "all-reduce"
     )
@@ -385,3 +386,108 @@ def test_the_solver_prices_a_tied_gradient_reduced_once(micro_batches):
     assert by_name.pop("dot_general") == by_name.pop("scatter-add") == tied, got
     # with micro-batches the summed loss is accumulated too: one contraction, 1 / M
     assert by_name == ({} if micro_batches == 1 else {"reduce_sum": 1 / micro_batches}), got
+
+
+def test_rule_holds_a_gradient_summed_over_a_scan_in_its_carry():
+    """A recurrent layer's weight gradient is a carry of the backward scan, one partial
+    sum added per time step: held through the loop (a leading axis of partial sums),
+    it is reduced once after it, not once per step.  The hidden state's cotangent (a
+    carry with the batch's rows) and a carry not starting at zeros stay whole."""
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w + xt), None), jnp.zeros((8, 3)), x)
+        return (h**2).mean()
+
+    jx = jax.make_jaxpr(jax.grad(loss))(jnp.ones((3, 3)), jnp.ones((5, 8, 3))).jaxpr
+    ids = var_ids(jx)
+    (back,) = [
+        i for i, e in enumerate(jx.eqns) if e.primitive.name == "scan" and e.params["reverse"]
+    ]
+
+    def loop_split(eqn):  # inside the body: values with the batch (8) in front are split
+        body_ids = var_ids(eqn.params["jaxpr"].jaxpr)
+        rows = {i for v, i in body_ids.items() if v.aval.shape[:1] == (8,)}
+        return (lambda vid: {0: ("device",)} if vid in rows else None), ("device",)
+
+    found = unreduced_values(
+        jx, range(len(jx.eqns)), lambda _: None, jx.outvars, loop_split=loop_split
+    )
+    (grad,) = jx.outvars
+    held = found[ids[grad]]
+    assert held.carries == (0,) and held.axes == ("device",)  # dW's carry, not dh's
+    assert [u.split for u in held.inner if u.split] == [(0, 0)]  # x_t^T dh_t over the batch
+    assert "scan(carries 0;" in str(held)
+    assert unreduced_values(jx, range(len(jx.eqns)), lambda _: None, jx.outvars) == {}
+
+
+class _Recurrent(nn.Module):
+    """An LSTM over time, then a GRU run backwards over its outputs."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.LSTMCell(16))(x)
+        h = nn.RNN(nn.GRUCell(16), reverse=True, keep_order=True)(h)
+        meshshard.mark_pipeline_boundary()
+        return nn.Dense(1)(h[:, -1])
+
+
+def _recurrent_case(batch: int = 16):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 6, 5)).astype(np.float32)
+    y = rng.standard_normal((batch, 1)).astype(np.float32)
+    model = _Recurrent()
+    params = jax.tree.map(lambda a: a + 0.03, model.init(jax.random.PRNGKey(0), x)["params"])
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    return state, x, y
+
+
+def recurrent_step(state, x, y):
+    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_recurrent_gradient_is_reduced_once_per_step_not_per_time_step(micro_batches):
+    """``jax.jit`` with the batch split all-reduces an LSTM's weight gradient inside
+    the backward loop, once per time step (6 here, per micro-batch).  Held as partial
+    sums through the loop, it is all-reduced once per step: no collective runs in a
+    loop, and one step all-reduces the gradient's bytes about once."""
+    state, x, y = _recurrent_case()
+    method = meshshard.DataParallel((1, 4), num_micro_batches=micro_batches)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    plan, traced = plan_step(
+        recurrent_step, (state, x, y), method=method, cluster=cluster, batch_argnums=(1, 2)
+    )
+    got = _step_collectives(plan, traced)
+    assert got and all(c.runs == 1 for c, _ in got), [str(c) for c, _ in got]
+    grads = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
+    assert grads <= _all_reduced_bytes(plan, traced) < 1.1 * grads
+    assert Plan.from_json(plan.to_json()) == plan  # the loops' held values travel in JSON
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.DataParallel((1, 2)),
+        meshshard.DataParallel((1, 2), num_micro_batches=2),
+        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
+    ],
+    ids=["dp", "dp-m2", "1f1b"],
+)
+def test_recurrent_gradients_held_through_the_loop_match_single_device(method):
+    state, x, y = _recurrent_case(batch=8)
+    with use_cluster(ThreadsCluster(2, 2)):
+        step = meshshard.parallelize(recurrent_step, method=method, batch_argnums=(1, 2))
+        got, ref = state, state
+        for _ in range(2):
+            got, loss = step(got, x, y)
+            ref, want = jax.jit(recurrent_step)(ref, x, y)
+            np.testing.assert_allclose(loss, want, rtol=1e-5)
+    assert_trees_close(ref.params, got.params, rtol=1e-4)
+    held = [u for p in step.plan.programs_run() for u in p.unreduced if u.carries]
+    assert held  # the loops' carries were held, not only the dense layer's gradient
