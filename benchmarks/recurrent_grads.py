@@ -8,8 +8,10 @@ An LSTM's backward is a ``lax.scan`` over time whose carry sums the weight gradi
 contraction over the batch per time step.  With the batch split over the mesh, XLA
 all-reduces that partial sum inside the loop, once per time step; meshshard holds it as
 per-device partial sums through the loop and reduces it once per step
-(``passes/shard_unreduced.py``).  For ``DataParallel((1, 4), num_micro_batches=M)`` and
-the peer (one ``jax.jit``, batch split over the 4 devices), this counts what one step
+(``passes/shard_unreduced.py``).  Under the sharding ILP (``ShardParallel``, "auto")
+the loops used to run replicated, every device computing the whole batch; they now
+split it as data parallelism does (``passes/shard_loops.py``).  For
+``DataParallel((1, 4), num_micro_batches=M)``, ``ShardParallel((1, 4), ...)`` and the peer (one ``jax.jit``, batch split over the 4 devices), this counts what one step
 runs (each program's HLO collectives, a loop body's once per iteration, times the
 program's runs per step) and times steps on the in-process threads cluster, meshshard and
 the peer alternating in rounds in one process.  ``--repo`` plans and runs with the
@@ -144,8 +146,6 @@ def main(argv=None) -> int:
     import jax
 
     import meshshard
-    from meshshard.cluster import ClusterSpec
-    from meshshard.passes.pipeline import plan_step
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 
     step, state, x, y = _case(args.hidden, args.length, args.batch)
@@ -154,16 +154,16 @@ def main(argv=None) -> int:
     calls, counts = {}, {}
     peer_call, peer_state, counts["jax.jit"] = peer(step, state, x, y, hlo)
     calls["jax.jit"] = (peer_call, peer_state)
-    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
     with use_cluster(ThreadsCluster(1, 4)):
+        methods = {}
         for m in args.micro_batches:
-            method = meshshard.DataParallel((1, 4), num_micro_batches=m)
-            plan, traced = plan_step(
-                step, (state, x, y), method=method, cluster=cluster, batch_argnums=(1, 2)
-            )
-            label = f"DataParallel M={m}"
-            counts[label] = meshshard_per_step(plan, traced, hlo)
+            methods[f"DataParallel M={m}"] = meshshard.DataParallel((1, 4), num_micro_batches=m)
+        for m in args.micro_batches:
+            methods[f"auto M={m}"] = meshshard.ShardParallel((1, 4), num_micro_batches=m)
+        for label, method in methods.items():
             par = meshshard.parallelize(step, method=method, batch_argnums=(1, 2))
+            exe = par._executable_for((state, x, y))  # the plan the run uses
+            counts[label] = meshshard_per_step(exe.plan, exe.traced, hlo)
             calls[label] = ((lambda s, par=par: par(s, x, y)), state)
         times: dict = {k: [] for k in calls}
         states = {k: s for k, (_, s) in calls.items()}
@@ -177,12 +177,17 @@ def main(argv=None) -> int:
     base = statistics.median(times["jax.jit"])
     rows = []
     print(
-        f"{'plan':20} {'all-reduces':>11} {'reduced KiB':>11} {'ms / step':>10} {'vs jax.jit':>10}"
+        f"{'plan':20} {'all-reduces':>11} {'reduced KiB':>11} {'other':>8} {'ms / step':>10} "
+        f"{'vs jax.jit':>10}"
     )
     for k in calls:
         ar = counts[k].get("all-reduce", [0, 0])
+        other = sum(n for kind, (n, _) in counts[k].items() if kind != "all-reduce")
         ms = statistics.median(times[k]) * 1e3
-        print(f"{k:20} {ar[0]:>11} {ar[1] / 1024:>11.1f} {ms:>10.2f} {ms / base / 1e3:>10.2f}")
+        print(
+            f"{k:20} {ar[0]:>11} {ar[1] / 1024:>11.1f} {other:>8} {ms:>10.2f} "
+            f"{ms / base / 1e3:>10.2f}"
+        )
         rows.append({"plan": k, "all_reduce": ar, "ms": times[k], "counts": counts[k]})
     if args.json:
         with open(args.json, "w") as f:

@@ -171,8 +171,12 @@ def _shard(st: CompileState) -> CompileState:
 def _accumulate(st: CompileState) -> CompileState:
     specs = spec_lookup(st.shardings or ())
     zero = sharding_mode(st.method) in ("zero2", "zero3")
+    reads = {
+        s.mesh: {(e, pos): spec for e, pos, spec in s.solution.operand_specs}
+        for s in st.shardings or ()
+    }
     buffers, unreduced = local_accumulation(
-        st.traced, st.graph, st.meshes, st.buffers, specs, keep_gradients_split=zero
+        st.traced, st.graph, st.meshes, st.buffers, specs, keep_gradients_split=zero, reads=reads
     )
     shardings = accumulation_comms(
         st.traced, st.graph, st.meshes, buffers, unreduced, st.shardings or ()

@@ -22,7 +22,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from meshshard.jaxpr_util import is_literal, is_marker, var_ids
-from meshshard.passes.shard_costs import REDUCE_KINDS, Comm
+from meshshard.passes.shard_costs import REDUCE_KINDS, Comm, LogicalMesh
+from meshshard.passes.shard_loops import body_layouts
+from meshshard.passes.shard_rules import from_spec, to_spec
 from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.passes.sharding import micro_batch_sizes
 from meshshard.passes.stage_graph import StageGraph
@@ -122,6 +124,33 @@ def _data_parallel_loops(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) 
     return loop
 
 
+def _solved_loops(jaxpr, mesh: MeshSpec, specs: Mapping, reads: Mapping) -> Callable:
+    """``scan equation -> (split_of of the body's var ids, mesh axes)`` for a scan the
+    sharding solver runs in parallel (:mod:`meshshard.passes.shard_loops`): its body
+    laid out from its operands' layouts as the solver's strategy reads them."""
+    size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
+    logical = LogicalMesh(MESH_AXES, tuple(mesh.axis_shape), (0.0, 0.0), (0.0, 0.0))
+    ids = var_ids(jaxpr)
+    index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+
+    def layout(eqn, pos, v):
+        spec = reads.get((index.get(id(eqn)), pos), specs.get(ids.get(v)))
+        return None if spec is None else from_spec(spec, v.aval.ndim)
+
+    def loop(eqn):
+        lays = [None if is_literal(v) else layout(eqn, k, v) for k, v in enumerate(eqn.invars)]
+        body = body_layouts(eqn, logical, lays)
+        if body is None:
+            return None
+        split = {vid: _split_of(to_spec(lay), size) for vid, lay in body.items()}
+        axes = {a for got in split.values() for a in got.values()}
+        if len(axes) != 1:
+            return None
+        return (lambda vid: split.get(vid) or None), axes.pop()
+
+    return loop
+
+
 def _solved_split(mesh: MeshSpec, specs: Mapping) -> Callable:
     """var id -> {dim: mesh axes} of the sharding solver's spec."""
     size = dict(zip(MESH_AXES, mesh.axis_shape, strict=True))
@@ -162,6 +191,7 @@ def local_accumulation(
     buffers: tuple[BufferSpec, ...],
     specs: Mapping[int, Mapping] | None = None,
     keep_gradients_split: bool = False,
+    reads: Mapping[int, Mapping] | None = None,
 ) -> tuple[tuple[BufferSpec, ...], dict[ProgramRef, tuple[Unreduced, ...]]]:
     """(buffers with unreduced accumulators, program -> its unreduced values).
 
@@ -169,8 +199,10 @@ def local_accumulation(
     data-parallel rule).  ``keep_gradients_split`` (ZeRO's modes): a gradient the
     solver splits is reduce-scattered as each micro-batch makes it, so no device ever
     holds it whole; otherwise it too is held as partial sums, and the update
-    reduce-scatters it once per step, as the solver priced it.  Returns the inputs
-    unchanged when nothing can stay unreduced.
+    reduce-scatters it once per step, as the solver priced it.  ``reads``: mesh id ->
+    (equation index, operand position) -> the spec the solver reshards that operand to
+    before the equation reads it (a loop's operands, as its strategy reads them).
+    Returns the inputs unchanged when nothing can stay unreduced.
     """
     if accumulate_mode() == "reduced":
         return buffers, {}
@@ -189,8 +221,15 @@ def local_accumulation(
             # a tensor-parallel contraction over features
             made = {i for _, eqns in _chains(traced.jaxpr, p.eqns, found, targets) for i in eqns}
             split = _solved_split(mesh, solved)
+            loops = _solved_loops(traced.jaxpr, mesh, solved, (reads or {}).get(mesh.id, {}))
             found = unreduced_values(
-                traced.jaxpr, p.eqns, split, targets, keep_gradients_split, made_by=made
+                traced.jaxpr,
+                p.eqns,
+                split,
+                targets,
+                keep_gradients_split,
+                made_by=made,
+                loop_split=loops,
             )
         if traced.num_micro_batches == 1:
             found = _summed_contributions(traced.jaxpr, p.eqns, found, targets)
@@ -241,7 +280,7 @@ def _summed_contributions(jaxpr, eqns, found: Mapping, targets: Mapping) -> dict
     recurrent layer's scan over time): summed locally, it is reduced once, not once per
     contraction or time step."""
     ids = var_ids(jaxpr)
-    out = {}
+    out = {k: u for k, u in found.items() if u.carries}  # a loop's: reduced once, not per step
     for chain, made in _chains(jaxpr, eqns, found, targets):
         if len(made) > 1 or any(jaxpr.eqns[i].primitive.name == "scan" for i in made):
             out.update({ids[v]: found[ids[v]] for v in chain})

@@ -53,6 +53,7 @@ from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, itemsize, var_ids
 from meshshard.passes.shard_costs import REDUCE_KINDS, Comm, LogicalMesh
+from meshshard.passes.shard_loops import loop_flops
 from meshshard.passes.shard_rules import (
     ELEMENTWISE,
     Layout,
@@ -198,6 +199,8 @@ class _Problem:
 
 
 def _flops(eqn) -> float:
+    if eqn.primitive.name == "scan":  # its body's work, every time step
+        return loop_flops(eqn)
     return contraction_flops(eqn) or 0.0
 
 

@@ -595,6 +595,12 @@ def _call(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return _elementwise(eqn, mesh) if is_elementwise_call(eqn) else _replicated(eqn, mesh)
 
 
+def _scan(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    from meshshard.passes.shard_loops import scan_strategies  # it reads this table
+
+    return scan_strategies(eqn, mesh)
+
+
 Rule = Callable[..., list[Strategy]]
 
 #: primitive name -> rule(eqn, mesh) -> strategies.  Others run replicated.
@@ -631,6 +637,7 @@ STRATEGY_RULES: dict[str, Rule] = {
     },
     "top_k": _along_all_but("axis"),
     "sort": _along_all_but("dimension"),
+    "scan": _scan,
 }
 
 

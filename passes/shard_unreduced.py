@@ -200,7 +200,10 @@ def unreduced_values(
             for o in e.outvars:
                 if not is_dropvar(o):
                     held[o] = Unreduced(ids[o], rule[0], rule[1])
-    keep = {v for v in targets if v in held} | {v for v in held if v in (held_in or {})}
+    # a loop's held carries stay held even when what reads them needs them whole: summed
+    # once after the loop, not once per time step
+    loops = {v for v, u in held.items() if u.carries}
+    keep = {v for v in targets if v in held} | {v for v in held if v in (held_in or {})} | loops
     for i in reversed(order):
         e = jaxpr.eqns[i]
         if any(o in keep for o in e.outvars):
@@ -211,8 +214,8 @@ def unreduced_values(
 
 def _scan_held(eqn, ids: Mapping, held: Mapping, zeros, loop_split: Callable) -> dict:
     """Output position -> :class:`Unreduced` for the carries of a ``lax.scan`` that can
-    stay partial sums through the loop: a float carry that starts at zeros (or held
-    over the body's axes) and that the body returns held, once its held carries are
+    stay partial sums through the loop: a float carry that starts at zeros (a zero
+    literal, or held over the body's axes) and that the body returns held, once its held carries are
     held on entry (a weight gradient summed over the time steps: ``dW + x_t^T dh_t``).
     Empty when none can: the loop then reads its operands whole."""
     got = loop_split(eqn)
@@ -223,9 +226,9 @@ def _scan_held(eqn, ids: Mapping, held: Mapping, zeros, loop_split: Callable) ->
     body = eqn.params["jaxpr"].jaxpr
     slots = []
     for k, v in enumerate(eqn.invars[nc : nc + ncar]):
-        if is_literal(v) or not _is_float(v):
+        if not _is_float(v):
             continue
-        if v in zeros or (v in held and held[v].axes == axes):
+        if is_literal(v) and v.val == 0 or v in zeros or (v in held and held[v].axes == axes):
             slots.append(k)
     inner: dict = {}
     while slots:
@@ -351,8 +354,8 @@ def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shar
     init = list(args[nc : nc + ncar])
     for k in slots:
         v = eqn.invars[nc + k]
-        if not (not is_literal(v) and v in held):  # zeros: n partial sums of zeros
-            x = jnp.zeros((n, *init[k].shape), init[k].dtype)
+        if is_literal(v) or v not in held:  # zeros: n partial sums of zeros
+            x = jnp.zeros((n, *v.aval.shape), v.aval.dtype)
             init[k] = shard(None, u.axes, x)
     for k, v in enumerate(eqn.invars[nc : nc + ncar]):
         if k not in slots and not is_literal(v) and v in held:

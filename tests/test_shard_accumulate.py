@@ -24,7 +24,7 @@ from meshshard.passes.shard_unreduced import unreduced_values
 from meshshard.plan import Plan
 from meshshard.refs import BufferKind, Phase
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
-from tests.conftest import assert_trees_close
+from tests.conftest import assert_trees_close, with_fabric_costs
 from tests.parity import MODELS, check_parity
 
 M = 4
@@ -476,12 +476,14 @@ def test_a_recurrent_gradient_is_reduced_once_per_step_not_per_time_step(micro_b
         meshshard.DataParallel((1, 2)),
         meshshard.DataParallel((1, 2), num_micro_batches=2),
         meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
+        meshshard.ShardParallel((1, 2)),
+        meshshard.ShardParallel((1, 4), num_micro_batches=2, logical_shape=(2, 2)),
     ],
-    ids=["dp", "dp-m2", "1f1b"],
+    ids=["dp", "dp-m2", "1f1b", "auto", "auto-2x2-m2"],
 )
 def test_recurrent_gradients_held_through_the_loop_match_single_device(method):
     state, x, y = _recurrent_case(batch=8)
-    with use_cluster(ThreadsCluster(2, 2)):
+    with use_cluster(with_fabric_costs(ThreadsCluster(1, 4))):  # the ILP splits these loops
         step = meshshard.parallelize(recurrent_step, method=method, batch_argnums=(1, 2))
         got, ref = state, state
         for _ in range(2):

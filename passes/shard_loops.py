@@ -1,0 +1,283 @@
+"""Sharding strategies of a ``lax.scan`` over time: a recurrent layer split like its body.
+
+A scan whose body runs the same computation on every example (an LSTM or GRU over the
+steps of a sequence, ``nn.RNN``) can split the batch over a mesh axis for the whole
+loop: each device runs every time step on its own rows.  Without a rule the sharding
+ILP ran such a scan replicated (every device computing the whole batch, its inputs
+gathered first).  This module finds the loop's *parallel* layouts by propagating one
+operand's split through the body with the rule table's own strategies
+(:func:`meshshard.passes.shard_rules.strategies`), choosing for each body equation the
+strategy that matches the layouts already known with the fewest collectives, and
+keeping the result only where every carry leaves the body as it entered it.
+
+The strategy's collectives are its body's, once per time step, except the reduces
+that local accumulation holds as partial sums through the loop (a weight gradient
+summed in a carry that starts at zeros, :mod:`meshshard.passes.shard_unreduced`): those
+run once, after the loop.  Its work is the body's contractions times the trip count,
+divided as the body's strategies divide them.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from meshshard.passes.shard_costs import LogicalMesh
+    >>> mesh = LogicalMesh(("host", "device"), (1, 2), (0.0, 0.0), (0.0, 0.0))
+    >>> def rnn(w, h, xs):
+    ...     return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), h), h, xs)
+    >>> closed = jax.make_jaxpr(rnn)(jnp.ones((3, 3)), jnp.ones((4, 3)), jnp.ones((5, 4, 3)))
+    >>> (scan,) = closed.jaxpr.eqns
+    >>> [s.ins for s in scan_strategies(scan, mesh)]  # replicated; the batch split
+    [(((), ()), ((), ()), ((), (), ())), (((), ()), (('device',), ()), ((), ('device',), ()))]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, var_ids
+from meshshard.passes.shard_costs import Comm, LogicalMesh
+
+__all__ = ["scan_strategies", "body_layouts", "loop_flops"]
+
+#: A collective run once per time step is priced as at most this many (their bytes
+#: summing to every step's), each paying its latency.
+_MAX_COPIES = 32
+
+
+def _whole(v) -> tuple:
+    return tuple(() for _ in getattr(v.aval, "shape", ()))
+
+
+def _axes_of(layouts) -> set:
+    return {a for lay in layouts if lay for dim in lay for a in dim}
+
+
+def loop_flops(eqn) -> float:
+    """FLOPs of one run of a ``scan``: its body's matmuls and convolutions (nested loops
+    included) times its trip count."""
+    if eqn.primitive.name != "scan":
+        return contraction_flops(eqn) or 0.0
+    body = eqn.params["jaxpr"].jaxpr
+    return eqn.params["length"] * sum(loop_flops(e) for e in body.eqns)
+
+
+def _operand_layout(eqn, k: int, body_lay: tuple) -> tuple:
+    """The layout of the scan's operand ``k`` whose body value has ``body_lay`` (a
+    scanned operand has the time dim in front, whole)."""
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    return ((), *body_lay) if k >= nc + ncar else body_lay
+
+
+def _body_layout(eqn, k: int, op_lay: tuple) -> tuple | None:
+    """The body value's layout of the scan's operand ``k`` in ``op_lay`` (None: the
+    time dim is split, which no parallel strategy does)."""
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    if k < nc + ncar:
+        return op_lay
+    return None if op_lay and op_lay[0] else tuple(op_lay[1:])
+
+
+def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set, free: bool):
+    """Body layouts (Var -> layout) and the strategy chosen per body equation, from the
+    body inputs' layouts in ``fixed`` (the others free when ``free``, else whole), or
+    None when some equation has no strategy over ``axes`` that fits or a carry leaves
+    the body in another layout than it entered."""
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"].jaxpr
+    inputs = set(body.invars)
+    consts = set(body.invars[:nc])
+    fixed = dict(fixed)
+    for _ in range(ncar + 2):
+        lay = dict(fixed)
+        chosen = []
+        for e, options in zip(body.eqns, strats, strict=True):
+            best, best_rank = None, None
+            for s in options:
+                if not _axes_of((*s.ins, *s.outs)) <= axes:
+                    continue
+                fits, assigns, weights = True, 0, 0
+                for v, need in zip(e.invars, s.ins, strict=True):
+                    if need is None or is_literal(v):
+                        continue
+                    have = lay.get(v)
+                    if have is None and free and v in inputs:
+                        assigns += need != _whole(v)
+                        weights += v in consts and need != _whole(v)
+                        continue
+                    if (have if have is not None else _whole(v)) != need:
+                        fits = False
+                        break
+                if not fits:
+                    continue
+                # no collective; the loop's constants (weights) whole; the most split
+                rank = (len(s.comms), weights, -s.split, assigns)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = s, rank
+            if best is None:
+                return None
+            for v, need in zip(e.invars, best.ins, strict=True):
+                if need is not None and not is_literal(v) and v not in lay:
+                    lay[v] = need
+            for o, out in zip(e.outvars, best.outs, strict=True):
+                if not is_dropvar(o):
+                    lay[o] = out
+            chosen.append(best)
+        moved = False
+        for k in range(ncar):
+            i, o = body.invars[nc + k], body.outvars[k]
+            out = _whole(o) if is_literal(o) else lay.get(o, _whole(o))
+            if lay.get(i, _whole(i)) != out:
+                if i in fixed and fixed[i] != _whole(i):
+                    return None  # a carry split on entry must leave split alike
+                fixed[i] = out
+                moved = True
+        if not moved:
+            for v in body.invars:
+                lay.setdefault(v, _whole(v))
+            return lay, chosen
+    return None
+
+
+def body_layouts(eqn, mesh: LogicalMesh, operand_layouts: Sequence) -> dict | None:
+    """Body var id (:func:`~meshshard.jaxpr_util.var_ids` of the body) -> layout, for a
+    scan whose operands arrive in ``operand_layouts`` (None: the operand whole), as
+    :func:`scan_strategies` laid the body out; None when no parallel strategy fits."""
+    from meshshard.passes.shard_rules import strategies
+
+    body = eqn.params["jaxpr"].jaxpr
+    fixed, axes = {}, set()
+    for k, (v, lay) in enumerate(zip(body.invars, operand_layouts, strict=True)):
+        got = _body_layout(eqn, k, lay) if lay is not None else None
+        if got is None and lay is not None:
+            return None
+        fixed[v] = got if got is not None else _whole(v)
+        axes |= _axes_of([got])
+    if not axes:
+        return None
+    strats = [strategies(e, mesh) for e in body.eqns]
+    found = _propagate(eqn, mesh, strats, fixed, axes, free=False)
+    if found is None:
+        return None
+    ids = var_ids(body)
+    return {ids[v]: lay for v, lay in found[0].items() if v in ids}
+
+
+def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> set[int]:
+    """Body equations whose reduce local accumulation holds through the loop: they make
+    a partial sum that reaches a float carry (a weight gradient's sum over time)."""
+    from meshshard.passes.shard_unreduced import unreduced_values
+
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    body = eqn.params["jaxpr"].jaxpr
+    ids = var_ids(body)
+    split = {
+        ids[v]: {d: a for d, a in enumerate(layout) if a} for v, layout in lay.items() if v in ids
+    }
+    seed = {}
+    for k in range(ncar):
+        i, init = body.invars[nc + k], eqn.invars[nc + k]
+        if is_literal(init) and init.val != 0:
+            continue  # the runtime holds a carry that starts at zeros only: a literal
+            # says; a value is taken as zeros (the gradient carries autodiff makes are)
+        if lay.get(i) == _whole(i) and "float" in str(getattr(i.aval, "dtype", "")):
+            seed[i] = ()
+    if not seed:
+        return set()
+    outs = [body.outvars[k] for k in range(ncar) if body.invars[nc + k] in seed]
+    reduces = {
+        j
+        for j, s in enumerate(chosen)
+        if any(c.kind in ("all-reduce", "reduce-scatter") for c in s.comms)
+    }
+    out = set()
+    for axes in {a for j in reduces for c in chosen[j].comms for a in [c.axes]}:
+        found = unreduced_values(
+            body,
+            range(len(body.eqns)),
+            lambda vid, axes=axes: (
+                {d: a for d, a in split.get(vid, {}).items() if a == axes} or None
+            ),
+            outs,
+            held_in={v: axes for v in seed},
+        )
+        for j in reduces:
+            e = body.eqns[j]
+            if any(not is_dropvar(o) and ids[o] in found for o in e.outvars):
+                out.add(j)
+    return out
+
+
+def scan_strategies(eqn, mesh: LogicalMesh) -> list:
+    """The strategies of a ``scan`` equation: replicated, and for each group of mesh
+    axes each distinct parallel layout found by splitting one carry or scanned operand
+    along one dim and propagating through the body."""
+    from meshshard.passes.shard_rules import Strategy, _assignments, strategies
+
+    body = eqn.params["jaxpr"].jaxpr
+    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    whole_ins = tuple(None if is_literal(v) else _whole(v) for v in eqn.invars)
+    # "replicated" only when nothing else fits: the plan then notes the loop runs so
+    out = [Strategy("loop whole", tuple(_whole(o) for o in eqn.outvars), whole_ins)]
+    strats = None
+    seen = set()
+    total = sum(loop_flops(e) for e in body.eqns)
+    for groups in _assignments(1, mesh):
+        if not groups:
+            continue
+        axes = groups[0]
+        size = mesh.size(axes)
+        for k in range(nc, len(body.invars)):
+            v = body.invars[k]
+            shape = getattr(v.aval, "shape", ())
+            if "float" not in str(getattr(v.aval, "dtype", "")) and k < nc + ncar:
+                continue
+            for d, n in enumerate(shape):
+                if n % size or n < size:
+                    continue
+                if strats is None:
+                    strats = [strategies(e, mesh) for e in body.eqns]
+                seed = tuple(axes if j == d else () for j in range(len(shape)))
+                found = _propagate(eqn, mesh, strats, {v: seed}, set(axes), free=True)
+                if found is None:
+                    continue
+                lay, chosen = found
+                ins = tuple(
+                    None if is_literal(x) else _operand_layout(eqn, j, lay[b])
+                    for j, (x, b) in enumerate(zip(eqn.invars, body.invars, strict=True))
+                )
+                outs = tuple(
+                    _operand_layout(eqn, nc + j if j < ncar else nc + ncar, _out(lay, o))
+                    for j, o in enumerate(body.outvars)
+                )
+                if (ins, outs) in seen or not _axes_of(ins):
+                    continue
+                seen.add((ins, outs))
+                out.append(_strategy(eqn, lay, chosen, ins, outs, total, size))
+    if len(out) == 1:
+        out[0] = Strategy("replicated", out[0].outs, out[0].ins)
+    return out
+
+
+def _out(lay: Mapping, o) -> tuple:
+    return _whole(o) if is_literal(o) else lay.get(o, _whole(o))
+
+
+def _strategy(eqn, lay, chosen, ins, outs, total: float, size: int):
+    """The scan's strategy from its body's: collectives once per time step (a held
+    gradient's reduce once), work divided as the body's contractions are."""
+    from meshshard.passes.shard_rules import Strategy
+
+    body = eqn.params["jaxpr"].jaxpr
+    length = eqn.params["length"]
+    held = _held_reduces(eqn, lay, chosen)
+    comms: list[Comm] = []
+    for j, s in enumerate(chosen):
+        times = 1 if j in held else length
+        copies = min(times, _MAX_COPIES)  # each pays its latency; bytes add up to times x
+        for c in s.comms:
+            if c.nbytes:
+                comms += [Comm(c.kind, c.axes, c.nbytes * times / copies, c.var)] * copies
+    if total:
+        work = sum(loop_flops(e) / s.split for e, s in zip(body.eqns, chosen, strict=True))
+        split = max(1, round(total / work)) if work else size
+    else:
+        split = size
+    name = "loop " + " ".join(str(x) for x in ins if x is not None and any(x))
+    return Strategy(name, outs, ins, tuple(comms), split)

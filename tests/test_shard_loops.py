@@ -1,0 +1,117 @@
+"""The sharding ILP's rule for ``lax.scan`` over time (``passes/shard_loops.py``).
+
+A recurrent layer used to run replicated under ``sharding="auto"`` (no rule for a
+scan): every device computed the whole batch.  Its forward and backward loops now split
+the batch as their bodies allow, and the backward's weight gradients, summed in carries,
+are reduced once after the loop.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import meshshard
+from meshshard.cluster import ClusterSpec
+from meshshard.passes.pipeline import plan_step
+from meshshard.passes.shard_costs import LogicalMesh
+from meshshard.passes.shard_ilp import solve_stage
+from meshshard.passes.shard_loops import body_layouts, loop_flops, scan_strategies
+from tests.test_shard_accumulate import (
+    _all_reduced_bytes,
+    _recurrent_case,
+    _step_collectives,
+    recurrent_step,
+)
+
+MESH = LogicalMesh(("host", "device"), (1, 4), (1e-5, 1e-5), (1e-9, 1e-9))
+B, H, T = 8, 4, 5
+
+
+def _rnn_loss(w, x):
+    h0 = jnp.zeros(x.shape[1:])
+    h, _ = jax.lax.scan(lambda h, xt: (jnp.tanh(h @ w + xt), None), h0, x)
+    return (h**2).mean()
+
+
+def _scans():
+    jx = jax.make_jaxpr(jax.grad(_rnn_loss))(jnp.ones((H, H)), jnp.ones((T, B, H))).jaxpr
+    fwd, bwd = [e for e in jx.eqns if e.primitive.name == "scan"]
+    return fwd, bwd
+
+
+def test_a_forward_loop_splits_the_batch_with_no_collective():
+    fwd, _ = _scans()
+    whole, *parallel = scan_strategies(fwd, MESH)
+    assert whole.name == "loop whole" and whole.split == 1
+    (batch,) = [s for s in parallel if s.ins[1] == (("device",), ())]  # the hidden state
+    assert batch.ins[0] == ((), ())  # the weight stays whole
+    assert batch.ins[2] == ((), ("device",), ())  # the inputs: time whole, batch split
+    assert batch.comms == () and batch.split == 4
+
+
+def test_a_backward_loop_reduces_its_weight_gradient_once_not_per_time_step():
+    """The backward carries dW (starts at zeros, adds x_t^T dh_t over the split batch)
+    and dh: split over the batch, dW's all-reduce is priced once, not T times."""
+    _, bwd = _scans()
+    split = [s for s in scan_strategies(bwd, MESH) if any(any(d) for d in s.outs[1])]
+    assert split
+    best = min(split, key=lambda s: len(s.comms))
+    reduces = [c for c in best.comms if c.kind == "all-reduce"]
+    assert len(reduces) == 1 and reduces[0].nbytes == H * H * 4  # once: dW's bytes
+
+
+def test_a_running_total_over_the_batch_is_reduced_once_after_the_loop():
+    """A carry summing the batch at every step (a loss summed over time) is held as
+    partial sums through the loop: one all-reduce after it, not one per time step."""
+
+    def total(x):
+        return jax.lax.scan(lambda c, xt: (c + xt.sum(), None), 0.0, x)[0]
+
+    (scan,) = jax.make_jaxpr(total)(jnp.ones((T, B))).jaxpr.eqns
+    _, split = scan_strategies(scan, MESH)
+    assert split.ins[1] == ((), ("device",))
+    assert [c.kind for c in split.comms] == ["all-reduce"]  # once, not T times
+
+
+def test_a_scan_with_nothing_parallel_still_runs_replicated():
+    """Rows that do not divide over the mesh leave nothing to split: the replicated
+    strategy alone, named so (the plan notes it)."""
+    jx = jax.make_jaxpr(_rnn_loss)(jnp.ones((H, H)), jnp.ones((T, 3, H))).jaxpr
+    (scan,) = [e for e in jx.eqns if e.primitive.name == "scan"]
+    (only,) = scan_strategies(scan, MESH)
+    assert only.name == "replicated"
+
+
+def test_the_body_layout_follows_the_operands_the_strategy_reads():
+    fwd, _ = _scans()
+    batch = next(s for s in scan_strategies(fwd, MESH) if s.ins[1] == (("device",), ()))
+    body = body_layouts(fwd, MESH, batch.ins)
+    assert body is not None and (("device",), ()) in body.values()
+    assert body_layouts(fwd, MESH, [None] * len(fwd.invars)) is None  # nothing split
+
+
+def test_the_solver_prices_the_body_every_time_step_and_splits_the_batch():
+    """Priced with its body's work every time step, a large recurrent forward splits
+    the batch (priced as one cheap equation, it stayed replicated)."""
+    jx = jax.make_jaxpr(_rnn_loss)(jnp.ones((256, 256)), jnp.ones((16, 256, 256)))
+    (scan,) = [e for e in jx.jaxpr.eqns if e.primitive.name == "scan"]
+    assert loop_flops(scan) == 16 * 2 * 256 * 256 * 256
+    sol = solve_stage(jx, LogicalMesh.of((1, 4), ClusterSpec()), ClusterSpec())
+    assert sol.specs[1] == (None, "device")  # x: its batch split, not whole
+
+
+@pytest.mark.slow
+def test_an_lstm_under_auto_sharding_splits_its_loops_and_reduces_once():
+    """``ShardParallel`` (the ILP) on an LSTM: no equation runs replicated, no collective
+    runs inside a loop, and one step all-reduces about the gradient's bytes once."""
+    state, x, y = _recurrent_case()
+    method = meshshard.ShardParallel((1, 4))
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    plan, traced = plan_step(
+        recurrent_step, (state, x, y), method=method, cluster=cluster, batch_argnums=(1, 2)
+    )
+    assert "runs replicated" not in str(plan)
+    got = _step_collectives(plan, traced)
+    assert all(c.runs == 1 for c, _ in got), [str(c) for c, _ in got]
+    grads = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
+    assert _all_reduced_bytes(plan, traced) < 1.1 * grads
