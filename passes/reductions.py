@@ -47,6 +47,7 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import (
+    is_dropvar,
     is_literal,
     is_marker,
     set_marker_params,
@@ -168,6 +169,13 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
+        if ins and not outs and em.primitive.name == "scan":
+            red, why = _scan_total(micro, full, em, ef, producers, m, dep)
+            if not red:
+                return "", why
+            kinds.add("reduce_sum")
+            norms += red == "mean"
+            continue
         if ins and not outs:
             kinds.add(em.primitive.name)
             if em.primitive.name == "scatter-add" and not _into_zeros(em, producers):
@@ -270,6 +278,54 @@ def _at_line(producer) -> str:
     """`` (file:line)`` of the user code that made ``producer``, or nothing."""
     f = user_frame(producer) if producer is not None else None
     return f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
+
+
+def _scan_total(micro, full, em, ef, producers, m: int, dep: set) -> tuple[str, str]:
+    """How a ``scan`` that reduces the batch combines: ``sum`` or ``mean`` when each of
+    its reducing outputs is a carry that starts at zero and adds, every step, a term
+    that is a batch sum or mean (a loss summed over time steps: ``total + sum(...)``);
+    else ('', why).  The term is classified in the loop body, paired with the
+    full-batch trace's (:func:`classify`)."""
+    nc, ncar = em.params["num_consts"], em.params["num_carry"]
+    bm, bf = em.params["jaxpr"], ef.params["jaxpr"]
+    made = {v: e for e, *_ in producers for v in e.outvars}
+    kinds = set()
+    for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True)):
+        if _shape(a) != _shape(b) or is_dropvar(a):
+            continue
+        why = "it reduces the batch in a scan other than by adding to a carry that starts at zero"
+        if k >= ncar or not all_zeros(em.invars[nc + k], made) or not same_program(bm, bf):
+            return "", why
+        carry_in, carry_out = bm.jaxpr.invars[nc + k], bm.jaxpr.outvars[k]
+        body_made = {v: e for e in bm.jaxpr.eqns for v in e.outvars}
+        add = body_made.get(carry_out)
+        if add is None or add.primitive.name not in ("add", "add_any"):
+            return "", why
+        terms = [v for v in add.invars if _cast_of(v, body_made) is not carry_in]
+        if len(terms) != 1 or is_literal(terms[0]) or len(add.invars) != 2:
+            return "", why
+        body_dep = batch_dependent(
+            bm.jaxpr,
+            [not is_literal(v) and v in dep for v in em.invars],
+            len(bm.jaxpr.eqns),
+        )
+        red, why = classify(bm, bf, terms[0], m, body_dep)
+        if red not in ("sum", "mean"):
+            return "", why or f"its scan adds a batch {red} to a carry"
+        kinds.add(red)
+    if len(kinds) != 1:
+        return "", "its scan totals a batch sum and a batch mean"
+    return kinds.pop(), "scan over time"
+
+
+def _cast_of(v, made: dict):
+    """``v`` less the casts and copies that made it (a weakly typed carry is cast)."""
+    while not is_literal(v) and v in made and made[v].primitive.name in _CASTS:
+        v = made[v].invars[0]
+    return v
+
+
+_CASTS = frozenset({"convert_element_type", "copy", "copy_p"})
 
 
 def _into_zeros(scatter, producers) -> bool:
@@ -612,13 +668,24 @@ def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:
 
 def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset = frozenset()):
     """Every equation ``var`` depends on, once each, as ``(micro eqn, full eqn, ins, outs)``;
-    ``ins``/``outs``: whether its inputs / outputs change shape with the batch size.
-    The two traces match equation by equation, which is what lets a value's reduction
+    ``ins``/``outs``: whether its inputs / outputs change shape with the batch size (a
+    ``scan``'s outputs: those ``var`` depends on, so a loop summing the batch into a
+    carry reduces it even when it also returns per-row states).  The two traces match
+    equation by equation, which is what lets a value's reduction
     over the batch be read off its producers.  Values in ``stop`` count as inputs."""
     fj = full.jaxpr
-    for i, em in _slice(micro.jaxpr, var, stop):
+    found = list(_slice(micro.jaxpr, var, stop))
+    needed = {var} | {v for _, e in found for v in e.invars if not is_literal(v)}
+    for i, em in found:
         ef = fj.eqns[i]
-        yield em, ef, *batch_shape_changes(em, ef)
+        ins, outs = batch_shape_changes(em, ef)
+        if outs and em.primitive.name == "scan":  # a loop's total beside its batch rows
+            outs = any(
+                _shape(a) != _shape(b)
+                for a, b in zip(em.outvars, ef.outvars, strict=True)
+                if a in needed
+            )
+        yield em, ef, ins, outs
 
 
 def batch_shape_changes(em, ef) -> tuple[bool, bool]:

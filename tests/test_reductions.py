@@ -73,6 +73,56 @@ def test_summed_loss_sums_gradients_under_sgd(threads_cluster, m):
     assert f"gradients and loss: sum over {m} micro-batches (traced" in str(par.plan)
 
 
+def time_summed_step(state, batch):
+    """A recurrent model whose loss is summed over time steps in the scan's carry."""
+
+    def loss_fn(params):
+        xs, ys = jnp.swapaxes(batch["x"], 0, 1), jnp.swapaxes(batch["y"], 0, 1)
+
+        def body(carry, inputs):
+            h, total = carry
+            x, y = inputs
+            h = jnp.tanh(x @ params["w"] + h @ params["u"])
+            return (h, total + jnp.sum((h @ params["v"] - y) ** 2)), None
+
+        (_, total), _ = jax.lax.scan(body, (jnp.zeros((xs.shape[1], 8)), 0.0), (xs, ys))
+        return total
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.DataParallel((1, 2), num_micro_batches=2),
+        meshshard.ShardParallel((1, 2), num_micro_batches=2),
+    ],
+    ids=["data-parallel", "auto"],
+)
+def test_a_loss_summed_over_time_in_a_scan_sums_its_gradients(threads_cluster, method):
+    """Its micro-batches' gradients were averaged (the loop also returns the per-row
+    state, so it did not count as reducing the batch): half the gradient."""
+    from flax.training import train_state
+
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((3, 8)), jnp.float32) * 0.3,
+        "u": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32) * 0.3,
+        "v": jnp.asarray(rng.standard_normal(8), jnp.float32),
+    }
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.01))
+    batches = [
+        {
+            "x": rng.standard_normal((8, 5, 3)).astype(np.float32),
+            "y": rng.standard_normal((8, 5)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    par = check_step_parity(time_summed_step, method, state, batches, rtol=1e-4)
+    assert "gradients and loss: sum over 2 micro-batches (traced" in str(par.plan)
+
+
 def test_averaging_a_summed_loss_would_show_under_sgd():
     """Guard against a vacuous parity: halving a summed loss's gradients moves SGD visibly."""
     state = sgd_state(BATCHES[0]["x"])
@@ -500,6 +550,26 @@ def _classify_loss(loss_fn, m=4):
         # micro-batch, and a mean beside a sum is neither
         (lambda x: jnp.concatenate([jnp.sum(x, 0), jnp.ones(2)]), ""),
         (lambda x: jnp.concatenate([jnp.sum(x, 0), jnp.mean(x, 0)]), ""),
+        # a loss totalled over time steps in a scan carry (the columns are time steps):
+        # a sum of batch sums is a sum, of batch means a mean (was refused)
+        (lambda x: jax.lax.scan(lambda c, col: (c + jnp.sum(col**2), None), 0.0, x.T)[0], "sum"),
+        (lambda x: jax.lax.scan(lambda c, col: (c + jnp.mean(col**2), None), 0.0, x.T)[0], "mean"),
+        # beside a recurrent state with the batch's rows (was a silent "mean": the loop's
+        # outputs changed shape with the batch, so it did not count as reducing it)
+        (
+            lambda x: jax.lax.scan(
+                lambda c, col: (
+                    (jnp.tanh(c[0] + col), c[1] + jnp.sum(jnp.tanh(c[0] + col) ** 2)),
+                    None,
+                ),
+                (jnp.zeros(x.shape[0]), 0.0),
+                x.T,
+            )[0][1],
+            "sum",
+        ),
+        # decayed, or starting from a value: no combination of micro-batch totals
+        (lambda x: jax.lax.scan(lambda c, col: (0.5 * c + jnp.sum(col), None), 0.0, x.T)[0], ""),
+        (lambda x: jax.lax.scan(lambda c, col: (c + jnp.sum(col), None), 1.0, x.T)[0], ""),
     ],
     ids=[
         "mean",
@@ -536,6 +606,11 @@ def _classify_loss(loss_fn, m=4):
         "joined-maxima",
         "constant-beside-a-sum",
         "sum-beside-a-mean",
+        "sum-over-time",
+        "mean-over-time",
+        "sum-over-time-beside-a-state",
+        "decayed-total-over-time",
+        "total-over-time-from-one",
     ],
 )
 def test_classify(fn, want):
