@@ -1,14 +1,17 @@
 """A recurrent layer's weight gradient under data parallelism: collectives per step and
 step time, beside ``jax.jit`` with ``NamedSharding`` on the same devices.
 
-    python benchmarks/recurrent_grads.py [--micro-batches 1 2] [--steps 20] [--rounds 3]
-        [--hidden 128] [--length 32] [--batch 64] [--json OUT.json] [--repo PATH]
+    python benchmarks/recurrent_grads.py [--model lstm|stacked] [--micro-batches 1 2]
+        [--steps 20] [--rounds 3] [--hidden 128] [--length 32] [--batch 64]
+        [--json OUT.json] [--repo PATH]
 
 An LSTM's backward is a ``lax.scan`` over time whose carry sums the weight gradient, one
 contraction over the batch per time step.  With the batch split over the mesh, XLA
 all-reduces that partial sum inside the loop, once per time step; meshshard holds it as
 per-device partial sums through the loop and reduces it once per step
-(``passes/shard_unreduced.py``).  Under the sharding ILP (``ShardParallel``, "auto")
+(``passes/shard_unreduced.py``).  ``--model stacked``: residual blocks stacked with
+``nn.scan``, whose weight gradients are the backward loop's scanned outputs, one layer's
+per iteration, all-reduced inside the loop by XLA, per micro-batch.  Under the sharding ILP (``ShardParallel``, "auto")
 the loops used to run replicated, every device computing the whole batch; they now
 split it as data parallelism does (``passes/shard_loops.py``).  For
 ``DataParallel((1, 4), num_micro_batches=M)``, ``ShardParallel((1, 4), ...)`` and the peer (one ``jax.jit``, batch split over the 4 devices), this counts what one step
@@ -43,7 +46,7 @@ def _hlo_reader():
     return module
 
 
-def _case(hidden: int, length: int, batch: int):
+def _case(hidden: int, length: int, batch: int, model_name: str = "lstm"):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
@@ -59,6 +62,21 @@ def _case(hidden: int, length: int, batch: int):
             h = nn.RNN(nn.LSTMCell(hidden))(x)
             return nn.Dense(1)(h[:, -1])
 
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.Dense(hidden)(jnp.tanh(nn.Dense(hidden)(h))), None
+
+    class Stacked(nn.Module):  # ``length`` residual blocks under nn.scan
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(hidden)(x.reshape(x.shape[0], -1))
+            blocks = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length
+            )
+            h, _ = blocks()(h, None)
+            return nn.Dense(1)(h)
+
     def step(state, x, y):
         def loss_fn(params):
             return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
@@ -67,9 +85,10 @@ def _case(hidden: int, length: int, batch: int):
         return state.apply_gradients(grads=grads), loss
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, length, 32)).astype(np.float32)
+    x = rng.standard_normal((batch, length if model_name == "lstm" else 1, 32))
+    x = x.astype(np.float32)
     y = rng.standard_normal((batch, 1)).astype(np.float32)
-    model = Recurrent()
+    model = Recurrent() if model_name == "lstm" else Stacked()
     state = TrainState.create(
         apply_fn=model.apply,
         params=model.init(jax.random.PRNGKey(0), x)["params"],
@@ -134,6 +153,12 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--model",
+        default="lstm",
+        choices=["lstm", "stacked"],
+        help="an LSTM over --length time steps, or --length residual blocks under nn.scan",
+    )
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--length", type=int, default=32)
     ap.add_argument("--batch", type=int, default=64)
@@ -148,9 +173,12 @@ def main(argv=None) -> int:
     import meshshard
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 
-    step, state, x, y = _case(args.hidden, args.length, args.batch)
+    step, state, x, y = _case(args.hidden, args.length, args.batch, args.model)
     print(f"planned with {meshshard.__file__}")
-    print(f"LSTM hidden {args.hidden}, {args.length} time steps, batch {args.batch}, 4 devices")
+    what = "time steps" if args.model == "lstm" else "stacked residual blocks (nn.scan)"
+    print(
+        f"{args.model}: hidden {args.hidden}, {args.length} {what}, batch {args.batch}, 4 devices"
+    )
     calls, counts = {}, {}
     peer_call, peer_state, counts["jax.jit"] = peer(step, state, x, y, hlo)
     calls["jax.jit"] = (peer_call, peer_state)

@@ -172,24 +172,25 @@ class Unreduced:
     the dim of each operand split over ``axes`` (``dot_general``: lhs and rhs;
     ``reduce_sum``: its one operand).  Empty for values mapped from unreduced inputs.
 
-    A ``lax.scan`` output (a recurrent layer's weight gradient, summed over the time
-    steps in a carry) sets ``carries``, the carry slots the loop holds as partial sums,
-    and ``inner``, the values of the loop body held so (ids of the body's own
-    :func:`~meshshard.jaxpr_util.var_ids`): each iteration adds its partial sum, and
-    the sum runs once after the loop, not once per iteration.
+    A ``lax.scan`` output sets ``loop_outs``, the positions of the loop's outputs held
+    as partial sums (a recurrent layer's weight gradient summed over time in a carry; a
+    stacked layer's, one per iteration, in a scanned output), and ``inner``, the values
+    of the loop body held so (ids of the body's own
+    :func:`~meshshard.jaxpr_util.var_ids`): the loop runs no collective for them, and
+    their sum runs once, where they are read whole or by the update.
     """
 
     var: int
     axes: tuple[str, ...]
     split: tuple[int, ...] = ()
-    carries: tuple[int, ...] = ()
+    loop_outs: tuple[int, ...] = ()
     inner: tuple[Unreduced, ...] = ()
 
     def __str__(self) -> str:
         made = f" split({','.join(map(str, self.split))})" if self.split else ""
-        if self.carries:
-            slots = ",".join(map(str, self.carries))
-            made += f" scan(carries {slots}; {len(self.inner)} inside)"
+        if self.loop_outs:
+            slots = ",".join(map(str, self.loop_outs))
+            made += f" scan(outs {slots}; {len(self.inner)} inside)"
         return f"%{self.var} unreduced[{','.join(self.axes)}]{made}"
 
 

@@ -265,7 +265,7 @@ def _chains(jaxpr, eqns, found: Mapping, targets: Mapping) -> list[tuple[set, li
             if v in chain or ids.get(v) not in found:
                 continue
             chain.add(v)
-            if (found[ids[v]].split or found[ids[v]].carries) and v in made_of:
+            if (found[ids[v]].split or found[ids[v]].loop_outs) and v in made_of:
                 made.append(made_of[v])
             if v in made_of:
                 todo.extend(x for x in jaxpr.eqns[made_of[v]].invars if not is_literal(x))
@@ -280,7 +280,7 @@ def _summed_contributions(jaxpr, eqns, found: Mapping, targets: Mapping) -> dict
     recurrent layer's scan over time): summed locally, it is reduced once, not once per
     contraction or time step."""
     ids = var_ids(jaxpr)
-    out = {k: u for k, u in found.items() if u.carries}  # a loop's: reduced once, not per step
+    out = {k: u for k, u in found.items() if u.loop_outs}  # a loop's: reduced once, not per step
     for chain, made in _chains(jaxpr, eqns, found, targets):
         if len(made) > 1 or any(jaxpr.eqns[i].primitive.name == "scan" for i in made):
             out.update({ids[v]: found[ids[v]] for v in chain})

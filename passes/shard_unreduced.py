@@ -202,7 +202,7 @@ def unreduced_values(
                     held[o] = Unreduced(ids[o], rule[0], rule[1])
     # a loop's held carries stay held even when what reads them needs them whole: summed
     # once after the loop, not once per time step
-    loops = {v for v, u in held.items() if u.carries}
+    loops = {v for v, u in held.items() if u.loop_outs}
     keep = {v for v in targets if v in held} | {v for v in held if v in (held_in or {})} | loops
     for i in reversed(order):
         e = jaxpr.eqns[i]
@@ -213,45 +213,47 @@ def unreduced_values(
 
 
 def _scan_held(eqn, ids: Mapping, held: Mapping, zeros, loop_split: Callable) -> dict:
-    """Output position -> :class:`Unreduced` for the carries of a ``lax.scan`` that can
+    """Output position -> :class:`Unreduced` for the outputs of a ``lax.scan`` that can
     stay partial sums through the loop: a float carry that starts at zeros (a zero
-    literal, or held over the body's axes) and that the body returns held, once its held carries are
-    held on entry (a weight gradient summed over the time steps: ``dW + x_t^T dh_t``).
-    Empty when none can: the loop then reads its operands whole."""
+    literal, or held over the body's axes) and that the body returns held, once its
+    held carries are held on entry (a weight gradient summed over time steps:
+    ``dW + x_t^T dh_t``), and a scanned output the body returns held (a stacked layer's
+    weight gradient, one per iteration).  Empty when none can: the loop then reads its
+    operands whole."""
     got = loop_split(eqn)
     if got is None:
         return {}
     body_split, axes = got
     nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
     body = eqn.params["jaxpr"].jaxpr
+    body_ids = var_ids(body)
     slots = []
     for k, v in enumerate(eqn.invars[nc : nc + ncar]):
         if not _is_float(v):
             continue
         if is_literal(v) and v.val == 0 or v in zeros or (v in held and held[v].axes == axes):
             slots.append(k)
-    inner: dict = {}
-    while slots:
+    stacked = [ncar + k for k, v in enumerate(body.outvars[ncar:]) if not is_literal(v)]
+
+    def kept(k, inner) -> bool:
+        v = body.outvars[k]
+        return not is_literal(v) and body_ids.get(v) in inner and inner[body_ids[v]].axes == axes
+
+    while True:
         seed = {body.invars[nc + k]: axes for k in slots}
-        outs = [body.outvars[k] for k in slots]
+        outs = [body.outvars[k] for k in (*slots, *stacked)]
         inner = unreduced_values(body, range(len(body.eqns)), body_split, outs, held_in=seed)
-        body_ids = var_ids(body)
-        kept = [
-            k
-            for k in slots
-            if not is_literal(body.outvars[k])
-            and body_ids.get(body.outvars[k]) in inner
-            and inner[body_ids[body.outvars[k]]].axes == axes
-        ]
-        if kept == slots:
+        carried = [k for k in slots if kept(k, inner)]
+        if carried == slots:
             break
-        slots = kept
-    if not slots:
+        slots = carried
+    positions = (*slots, *(k for k in stacked if kept(k, inner)))
+    if not positions:
         return {}
     body_plan = tuple(inner[k] for k in sorted(inner))
     return {
-        k: Unreduced(ids[eqn.outvars[k]], axes, (), tuple(slots), body_plan)
-        for k in slots
+        k: Unreduced(ids[eqn.outvars[k]], axes, (), positions, body_plan)
+        for k in positions
         if not is_dropvar(eqn.outvars[k])
     }
 
@@ -323,7 +325,7 @@ def eval_unreduced(
     n = 1
     for a in u.axes:
         n *= axis_size[a]
-    if u.carries:
+    if u.loop_outs:
         _eval_scan(eqn, args, u, env, held, plan, ids, n, axis_size, shard)
         return True
     if u.split:
@@ -341,24 +343,26 @@ def eval_unreduced(
 
 
 def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shard) -> None:
-    """Run a ``lax.scan`` whose carries ``u.carries`` stay ``n`` partial sums (leading
+    """Run a ``lax.scan`` whose outputs ``u.loop_outs`` stay ``n`` partial sums (leading
     axis) through the loop, its body's values ``u.inner`` held likewise; the other
-    outputs whole.  A held carry that starts at zeros starts as ``n`` zeros."""
+    outputs whole.  A held carry that starts at zeros starts as ``n`` zeros; a held
+    scanned output is stacked with the partial sums' axis in front."""
     p = eqn.params
     nc, ncar = p["num_consts"], p["num_carry"]
     closed = p["jaxpr"]
     body = closed.jaxpr
     body_ids = var_ids(body)
     inner = {x.var: x for x in u.inner}
-    slots = set(u.carries)
+    slots = set(u.loop_outs)
+    carried = {k for k in slots if k < ncar}
     init = list(args[nc : nc + ncar])
-    for k in slots:
+    for k in carried:
         v = eqn.invars[nc + k]
         if is_literal(v) or v not in held:  # zeros: n partial sums of zeros
             x = jnp.zeros((n, *v.aval.shape), v.aval.dtype)
             init[k] = shard(None, u.axes, x)
     for k, v in enumerate(eqn.invars[nc : nc + ncar]):
-        if k not in slots and not is_literal(v) and v in held:
+        if k not in carried and not is_literal(v) and v in held:
             init[k] = init[k].sum(0)
     whole = [
         x.sum(0) if (not is_literal(v) and v in held) else x
@@ -371,7 +375,7 @@ def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shar
         env_b = dict(zip(body.constvars, closed.consts, strict=True))
         for v, val in zip(body.invars, (*consts, *carry, *x), strict=True):
             env_b[v] = val
-        held_b = {body.invars[nc + k]: inner[body_ids[body.invars[nc + k]]] for k in slots}
+        held_b = {body.invars[nc + k]: inner[body_ids[body.invars[nc + k]]] for k in carried}
         for e in body.eqns:
             if not eval_unreduced(e, env_b, held_b, inner, body_ids, axis_size, inner_shard):
                 vals = bind_eqn(e, [v.val if is_literal(v) else env_b[v] for v in e.invars])
@@ -381,7 +385,7 @@ def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shar
         outs = []
         for k, v in enumerate(body.outvars):
             val = v.val if is_literal(v) else env_b[v]
-            if not (k < ncar and k in slots) and not is_literal(v) and v in held_b:
+            if k not in slots and not is_literal(v) and v in held_b:
                 val = val.sum(0)
             outs.append(val)
         return tuple(outs[:ncar]), tuple(outs[ncar:])
@@ -389,6 +393,7 @@ def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shar
     carry, ys = jax.lax.scan(
         step, tuple(init), tuple(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
     )
+    ys = [jnp.moveaxis(y, 1, 0) if ncar + k in slots else y for k, y in enumerate(ys)]
     for k, (o, x) in enumerate(zip(eqn.outvars, (*carry, *ys), strict=True)):
         if is_dropvar(o):
             continue

@@ -414,9 +414,9 @@ def test_rule_holds_a_gradient_summed_over_a_scan_in_its_carry():
     )
     (grad,) = jx.outvars
     held = found[ids[grad]]
-    assert held.carries == (0,) and held.axes == ("device",)  # dW's carry, not dh's
+    assert held.loop_outs == (0,) and held.axes == ("device",)  # dW's carry, not dh's
     assert [u.split for u in held.inner if u.split] == [(0, 0)]  # x_t^T dh_t over the batch
-    assert "scan(carries 0;" in str(held)
+    assert "scan(outs 0;" in str(held)
     assert unreduced_values(jx, range(len(jx.eqns)), lambda _: None, jx.outvars) == {}
 
 
@@ -491,5 +491,74 @@ def test_recurrent_gradients_held_through_the_loop_match_single_device(method):
             ref, want = jax.jit(recurrent_step)(ref, x, y)
             np.testing.assert_allclose(loss, want, rtol=1e-5)
     assert_trees_close(ref.params, got.params, rtol=1e-4)
-    held = [u for p in step.plan.programs_run() for u in p.unreduced if u.carries]
+    held = [u for p in step.plan.programs_run() for u in p.unreduced if u.loop_outs]
     assert held  # the loops' carries were held, not only the dense layer's gradient
+
+
+class _ScannedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + nn.Dense(16)(jnp.tanh(nn.Dense(16)(h))), None
+
+
+class _Stacked(nn.Module):
+    """Four residual blocks stacked with ``nn.scan`` (weights with a leading layer axis)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16)(x)
+        scanned = nn.scan(
+            _ScannedBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+        )
+        h, _ = scanned()(h, None)
+        meshshard.mark_pipeline_boundary()
+        return nn.Dense(1)(h)
+
+
+def _stacked_case():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    y = rng.standard_normal((16, 1)).astype(np.float32)
+    model = _Stacked()
+    params = jax.tree.map(lambda a: a + 0.03, model.init(jax.random.PRNGKey(0), x)["params"])
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    return state, x, y
+
+
+@pytest.mark.slow
+def test_stacked_layer_gradients_are_reduced_once_per_step_not_per_layer():
+    """A stacked layer's weight gradient is a scanned output of the backward loop, one
+    slice per layer: ``jax.jit`` all-reduces each layer's inside the loop, per
+    micro-batch (4 layers x 4 micro-batches here).  Held as partial sums in the stack,
+    one all-reduce per step sums them all."""
+    state, x, y = _stacked_case()
+    method = meshshard.DataParallel((1, 4), num_micro_batches=M)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=4)
+    plan, traced = plan_step(
+        recurrent_step, (state, x, y), method=method, cluster=cluster, batch_argnums=(1, 2)
+    )
+    assert _collectives_per_step(plan, traced) == {"all-reduce": 1}
+    grads = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
+    assert grads <= _all_reduced_bytes(plan, traced) < 1.1 * grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method",
+    [
+        meshshard.DataParallel((1, 4), num_micro_batches=4),
+        meshshard.PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 2),
+    ],
+    ids=["dp-m4", "1f1b"],
+)
+def test_stacked_layer_gradients_held_in_the_stack_match_single_device(method):
+    state, x, y = _stacked_case()
+    with use_cluster(ThreadsCluster(1, 4)):
+        step = meshshard.parallelize(recurrent_step, method=method, batch_argnums=(1, 2))
+        got, ref = state, state
+        for _ in range(2):
+            got, _ = step(got, x, y)
+            ref, _ = jax.jit(recurrent_step)(ref, x, y)
+    assert_trees_close(ref.params, got.params, rtol=1e-4)
+    held = [u for p in step.plan.programs_run() for u in p.unreduced if u.loop_outs]
+    assert held
