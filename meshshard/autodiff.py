@@ -459,10 +459,10 @@ _UNROLL_STACKS: ContextVar[bool] = ContextVar("meshshard_unroll_stacks", default
 
 
 class UnrolledStacks(_TracedWith):
-    """``fn`` with its scans over stacked layers unrolled: the sharding ILP has no rule
-    for a scan (it would run replicated, every device computing the whole batch), so
+    """``fn`` with its scans over stacked layers unrolled: the sharding ILP lays a scan
+    out as one unit (every iteration alike, :mod:`meshshard.passes.shard_loops`), so
     for ``sharding="auto"``, ``"zero2"`` and ``"zero3"`` every ``meshshard.grad`` traced
-    inside it gives the ILP one copy of the layer per iteration to split."""
+    inside it gives the ILP one copy of the layer per iteration to split on its own."""
 
     _setting = _UNROLL_STACKS
 
@@ -502,7 +502,7 @@ def _split_layer_scans(closed, weights: list[bool], layers, unroll: bool):
         length = eqn.params["length"]
         if unroll:  # the sharding ILP: every layer its own equations
             pieces[i] = length
-            why = "a scan over stacked layers, which the sharding ILP would run replicated"
+            why = "a scan over stacked layers, which the sharding ILP would lay out as one"
         else:
             pieces[i] = min(length, SCAN_PIECES_PER_LAYER * wanted)
             why = f"a scan over stacked layers, which layers={layers!r} may cut between pieces"

@@ -12,9 +12,9 @@ pass rewrites those scans as equivalent top-level code:
 * for ``PipeshardParallel(layers=N)``, a scan over stacked layers (a float operand it
   scans over comes from the differentiated weights alone, and its body holds a matmul
   or convolution) is split into consecutive shorter scans over slices of its operands,
-  which the layer clustering may cut between; under the sharding ILP (which has no
-  rule for a scan and would run it replicated) it is unrolled.  A scan over time or
-  over the batch is left whole.
+  which the layer clustering may cut between; under the sharding ILP (which would lay
+  a scan out as one unit, every layer alike) it is unrolled.  A scan over time or over
+  the batch is left whole (the ILP splits it as its body allows).
 
 What is computed is unchanged: the pieces run the same body over the same slices, in
 the same order, carrying the same values.  The stacked weights stay one array, read by

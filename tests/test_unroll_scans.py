@@ -361,7 +361,7 @@ def test_the_sharding_ilp_gets_stacked_layers_unrolled(sharding):
         state, batches[0], cluster=CLUSTER
     )
     assert not [n for n in plan.notes if "scan runs replicated" in n]
-    assert any("which the sharding ILP would run replicated" in n for n in plan.notes)
+    assert any("which the sharding ILP would lay out as one" in n for n in plan.notes)
 
 
 @pytest.mark.fast
