@@ -199,7 +199,7 @@ class _Problem:
 
 
 def _flops(eqn) -> float:
-    if eqn.primitive.name == "scan":  # its body's work, every time step
+    if eqn.primitive.name in ("scan", "cond"):  # a loop's body every step; a branch's
         return loop_flops(eqn)
     return contraction_flops(eqn) or 0.0
 

@@ -1,4 +1,5 @@
-"""Sharding strategies of a ``lax.scan`` over time: a recurrent layer split like its body.
+"""Sharding strategies of control flow: a ``lax.scan`` over time split like its body,
+and a ``lax.cond`` / ``lax.switch`` split like its branches.
 
 A scan whose body runs the same computation on every example (an LSTM or GRU over the
 steps of a sequence, ``nn.RNN``) can split the batch over a mesh axis for the whole
@@ -15,6 +16,10 @@ that local accumulation holds as partial sums through the loop (a weight gradien
 summed in a carry that starts at zeros, :mod:`meshshard.passes.shard_unreduced`): those
 run once, after the loop.  Its work is the body's contractions times the trip count,
 divided as the body's strategies divide them.
+
+A ``cond`` is laid out the same way, through every branch at once: the branches must
+read the operands and return the results in one layout (zeros a branch returns for the
+other's residuals, and operands it passes through unread, take the others' layout).
 
     >>> import jax, jax.numpy as jnp
     >>> from meshshard.passes.shard_costs import LogicalMesh
@@ -51,7 +56,9 @@ def _axes_of(layouts) -> set:
 
 def loop_flops(eqn) -> float:
     """FLOPs of one run of a ``scan``: its body's matmuls and convolutions (nested loops
-    included) times its trip count."""
+    and branches included) times its trip count; of a ``cond``: its costliest branch's."""
+    if eqn.primitive.name == "cond":
+        return max(sum(loop_flops(e) for e in b.jaxpr.eqns) for b in eqn.params["branches"])
     if eqn.primitive.name != "scan":
         return contraction_flops(eqn) or 0.0
     body = eqn.params["jaxpr"].jaxpr
@@ -75,19 +82,36 @@ def _body_layout(eqn, k: int, op_lay: tuple) -> tuple | None:
 
 
 def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set, free: bool):
-    """Body layouts (Var -> layout) and the strategy chosen per body equation, from the
-    body inputs' layouts in ``fixed`` (the others free when ``free``, else whole), or
-    None when some equation has no strategy over ``axes`` that fits or a carry leaves
-    the body in another layout than it entered."""
+    """A scan body's layouts (Var -> layout, every input set) and the strategy chosen per
+    body equation (:func:`_flow`, the loop's carries leaving as they entered, its
+    constants the weights), or None."""
     nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
     body = eqn.params["jaxpr"].jaxpr
-    inputs = set(body.invars)
-    consts = set(body.invars[:nc])
+    carries = [(body.invars[nc + k], body.outvars[k]) for k in range(ncar)]
+    found = _flow(body, strats, fixed, axes, free, set(body.invars[:nc]), carries)
+    if found is None:
+        return None
+    lay, chosen = found
+    for v in body.invars:
+        lay.setdefault(v, _whole(v))
+    return lay, chosen
+
+
+def _flow(jaxpr, strats: Sequence, fixed: dict, axes: set, free: bool, consts=(), carries=()):
+    """Layouts (Var -> layout) of ``jaxpr``'s values and the strategy chosen per
+    equation, from the inputs' layouts in ``fixed`` (the others free when ``free``, else
+    whole; a free input no equation reads is left out), or None when some equation has
+    no strategy over ``axes`` that fits or a carry ``(input, output)`` leaves in another
+    layout than it entered.  Per equation the strategy that fits with the fewest
+    collectives, then the fewest ``consts`` (weights) split, then the most split; a
+    value made from literals alone (``zeros``) fits any layout its readers need."""
+    inputs = set(jaxpr.invars)
     fixed = dict(fixed)
-    for _ in range(ncar + 2):
+    for _ in range(len(carries) + 2):
         lay = dict(fixed)
         chosen = []
-        for e, options in zip(body.eqns, strats, strict=True):
+        made = set()  # values made from literals alone (zeros, iota): any layout is free
+        for e, options in zip(jaxpr.eqns, strats, strict=True):
             best, best_rank = None, None
             for s in options:
                 if not _axes_of((*s.ins, *s.outs)) <= axes:
@@ -97,6 +121,8 @@ def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set,
                     if need is None or is_literal(v):
                         continue
                     have = lay.get(v)
+                    if v in made:
+                        continue
                     if have is None and free and v in inputs:
                         assigns += need != _whole(v)
                         weights += v in consts and need != _whole(v)
@@ -106,7 +132,6 @@ def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set,
                         break
                 if not fits:
                     continue
-                # no collective; the loop's constants (weights) whole; the most split
                 rank = (len(s.comms), weights, -s.split, assigns)
                 if best_rank is None or rank < best_rank:
                     best, best_rank = s, rank
@@ -118,10 +143,11 @@ def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set,
             for o, out in zip(e.outvars, best.outs, strict=True):
                 if not is_dropvar(o):
                     lay[o] = out
+            if all(is_literal(v) or v in made for v in e.invars):
+                made.update(e.outvars)
             chosen.append(best)
         moved = False
-        for k in range(ncar):
-            i, o = body.invars[nc + k], body.outvars[k]
+        for i, o in carries:
             out = _whole(o) if is_literal(o) else lay.get(o, _whole(o))
             if lay.get(i, _whole(i)) != out:
                 if i in fixed and fixed[i] != _whole(i):
@@ -129,8 +155,6 @@ def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set,
                 fixed[i] = out
                 moved = True
         if not moved:
-            for v in body.invars:
-                lay.setdefault(v, _whole(v))
             return lay, chosen
     return None
 
@@ -281,3 +305,109 @@ def _strategy(eqn, lay, chosen, ins, outs, total: float, size: int):
         split = size
     name = "loop " + " ".join(str(x) for x in ins if x is not None and any(x))
     return Strategy(name, outs, ins, tuple(comms), split)
+
+
+def cond_strategies(eqn, mesh: LogicalMesh) -> list:
+    """The strategies of a ``cond`` (``lax.cond``, ``lax.switch``): replicated, and each
+    layout found by splitting one operand along one dim and propagating through every
+    branch, kept when the branches read the operands and return their results in the
+    same layouts (an operand a branch does not read takes the others' layout).  Its
+    collectives and work are its costliest branch's."""
+    from meshshard.passes.shard_rules import Strategy, _assignments, strategies
+
+    branches = [b.jaxpr for b in eqn.params["branches"]]
+    ops = eqn.invars[1:]
+    whole_ins = tuple(None if is_literal(v) else _whole(v) for v in eqn.invars)
+    out = [Strategy("branch whole", tuple(_whole(o) for o in eqn.outvars), whole_ins)]
+    strats, seen = None, set()
+    for groups in _assignments(1, mesh):
+        if not groups:
+            continue
+        axes = groups[0]
+        size = mesh.size(axes)
+        for k, v in enumerate(ops):
+            if is_literal(v):
+                continue
+            for d, n in enumerate(getattr(v.aval, "shape", ())):
+                if n % size or n < size:
+                    continue
+                if strats is None:
+                    strats = [[strategies(e, mesh) for e in b.eqns] for b in branches]
+                seed = tuple(axes if j == d else () for j in range(len(v.aval.shape)))
+                got = _branches(eqn, branches, strats, k, seed, set(axes), size)
+                if got is None or got[:2] in seen:
+                    continue
+                seen.add(got[:2])
+                ins, outs, comms, split = got
+                name = "branch " + " ".join(str(x) for x in ins if x is not None and any(x))
+                out.append(Strategy(name, outs, (whole_ins[0], *ins), comms, split))
+    arrays = any(not is_literal(v) and getattr(v.aval, "shape", ()) for v in ops)
+    if len(out) == 1 and arrays:  # a branch of constants alone has nothing to split
+        out[0] = Strategy("replicated", out[0].outs, out[0].ins)
+    return out
+
+
+def _branches(eqn, branches, strats, k: int, seed: tuple, axes: set, size: int):
+    """(operand layouts, result layouts, collectives, split) of a ``cond`` with operand
+    ``k`` split as ``seed``, or None when its branches disagree or one cannot follow."""
+    ops = eqn.invars[1:]
+    found = []
+    for b, st in zip(branches, strats, strict=True):
+        got = _flow(b, st, {b.invars[k]: seed}, axes, free=True)
+        if got is None:
+            return None
+        found.append(got)
+    # each result's layout, from the branches that compute it: a filler (zeros) takes
+    # any layout, and an operand a branch passes through unread takes the result's
+    outs, passed = [], {}
+    for j, o in enumerate(eqn.outvars):
+        got = set()
+        for b, (lay, _) in zip(branches, found, strict=True):
+            v = b.outvars[j]
+            if _filler(b, v):
+                continue
+            if v in b.invars and v not in lay:
+                passed.setdefault(b.invars.index(v), []).append(j)
+                continue
+            got.add(_out(lay, v))
+        if len(got) > 1:
+            return None
+        outs.append(got.pop() if got else _whole(o))
+    ins = []
+    for j, v in enumerate(ops):
+        used = {
+            lay[b.invars[j]]
+            for b, (lay, _) in zip(branches, found, strict=True)
+            if b.invars[j] in lay
+        } | {outs[r] for r in passed.get(j, ())}
+        if len(used) > 1:
+            return None
+        ins.append(None if is_literal(v) else (used.pop() if used else _whole(v)))
+    if not _axes_of(ins):
+        return None
+    flops = [sum(loop_flops(e) for e in b.eqns) for b in branches]
+    costly = flops.index(max(flops))
+    total = flops[costly]
+    work = sum(
+        loop_flops(e) / s.split
+        for e, s in zip(branches[costly].eqns, found[costly][1], strict=True)
+    )
+    split = max(1, round(total / work)) if total and work else size
+    comms = max(
+        (tuple(c for s in chosen for c in s.comms if c.nbytes) for _, chosen in found),
+        key=lambda cs: sum(c.nbytes for c in cs),
+    )
+    return tuple(ins), tuple(outs), comms, split
+
+
+def _filler(jaxpr, v) -> bool:
+    """Whether ``v`` is a literal or a scalar broadcast in ``jaxpr`` (what a branch
+    returns in place of another branch's residuals): any layout of it costs nothing."""
+    if is_literal(v):
+        return True
+    made = next((e for e in jaxpr.eqns if v in e.outvars), None)
+    return (
+        made is not None
+        and made.primitive.name == "broadcast_in_dim"
+        and getattr(made.invars[0].aval, "shape", None) == ()
+    )

@@ -601,6 +601,12 @@ def _scan(eqn, mesh: LogicalMesh) -> list[Strategy]:
     return scan_strategies(eqn, mesh)
 
 
+def _cond(eqn, mesh: LogicalMesh) -> list[Strategy]:
+    from meshshard.passes.shard_loops import cond_strategies  # it reads this table
+
+    return cond_strategies(eqn, mesh)
+
+
 Rule = Callable[..., list[Strategy]]
 
 #: primitive name -> rule(eqn, mesh) -> strategies.  Others run replicated.
@@ -638,6 +644,7 @@ STRATEGY_RULES: dict[str, Rule] = {
     "top_k": _along_all_but("axis"),
     "sort": _along_all_but("dimension"),
     "scan": _scan,
+    "cond": _cond,
 }
 
 

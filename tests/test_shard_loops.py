@@ -1,4 +1,4 @@
-"""The sharding ILP's rule for ``lax.scan`` over time (``passes/shard_loops.py``).
+"""The sharding ILP's rules for ``lax.scan`` over time and ``lax.cond`` (``passes/shard_loops.py``).
 
 A recurrent layer used to run replicated under ``sharding="auto"`` (no rule for a
 scan): every device computed the whole batch.  Its forward and backward loops now split
@@ -15,7 +15,12 @@ from meshshard.cluster import ClusterSpec
 from meshshard.passes.pipeline import plan_step
 from meshshard.passes.shard_costs import LogicalMesh
 from meshshard.passes.shard_ilp import solve_stage
-from meshshard.passes.shard_loops import body_layouts, loop_flops, scan_strategies
+from meshshard.passes.shard_loops import (
+    body_layouts,
+    cond_strategies,
+    loop_flops,
+    scan_strategies,
+)
 from tests.test_shard_accumulate import (
     _all_reduced_bytes,
     _recurrent_case,
@@ -115,3 +120,62 @@ def test_an_lstm_under_auto_sharding_splits_its_loops_and_reduces_once():
     assert all(c.runs == 1 for c, _ in got), [str(c) for c, _ in got]
     grads = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state.params))
     assert _all_reduced_bytes(plan, traced) < 1.1 * grads
+
+
+def test_a_cond_on_activations_splits_the_batch_in_every_branch():
+    """``lax.cond`` / ``lax.switch`` on the batch's activations ran replicated (no rule):
+    each branch now follows the operand's split, and the branches agree."""
+
+    def f(flag, h):
+        return jax.lax.switch(
+            flag, [jnp.tanh, lambda a: a * 2.0, lambda a: a - a.mean(1)[:, None]], h
+        )
+
+    (cond,) = jax.make_jaxpr(f)(1, jnp.ones((B, H))).jaxpr.eqns[-1:]
+    assert cond.primitive.name == "cond"
+    whole, *split = cond_strategies(cond, MESH)
+    assert whole.name == "branch whole"
+    (rows,) = [s for s in split if s.ins[1] == (("device",), ())]
+    assert rows.outs == ((("device",), ()),) and rows.comms == ()
+
+
+def test_a_cond_s_branches_agree_through_zeros_and_passed_operands():
+    """A differentiated cond returns zeros (or an operand passed through) for the other
+    branch's residuals: those take the computed results' layout."""
+
+    def f(flag, h):
+        return jax.lax.cond(flag > 0, jnp.tanh, lambda a: a, h).sum()
+
+    jx = jax.make_jaxpr(jax.grad(f, argnums=1))(1, jnp.ones((B, H))).jaxpr
+    conds = [e for e in jx.eqns if e.primitive.name == "cond" and len(e.invars) > 1]
+    assert conds
+    for cond in conds:
+        assert len(cond_strategies(cond, MESH)) > 1, cond
+
+
+def cond_step(state, batch, flag):
+    """The recurrent model on inputs a ``lax.cond`` transforms first."""
+
+    def loss_fn(params):
+        x = jax.lax.cond(flag > 0, jnp.tanh, lambda a: a * 0.5, batch["x"])
+        return jnp.mean((state.apply_fn({"params": params}, x) - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", [0, 1])
+def test_a_model_with_a_cond_before_its_loops_runs_nothing_replicated(flag):
+    """Equal to ``jax.jit`` with either branch taken, and the plan's notes name no
+    equation run replicated (the cond, its gradient's cond and the loops all split)."""
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+    from tests.conftest import with_fabric_costs
+    from tests.random_parity import check_step_parity
+
+    state, x, y = _recurrent_case(batch=8)
+    method = meshshard.ShardParallel((1, 4), num_micro_batches=2)
+    with use_cluster(with_fabric_costs(ThreadsCluster(1, 4))):
+        batches = [{"x": x, "y": y}, {"x": x[::-1].copy(), "y": y[::-1].copy()}]
+        par = check_step_parity(cond_step, method, state, batches, jnp.int32(flag), rtol=1e-4)
+    assert "runs replicated" not in str(par.plan), str(par.plan)
