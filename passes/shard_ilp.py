@@ -395,6 +395,20 @@ def _amortized(cost: np.ndarray, strat, mesh: LogicalMesh, factor: float) -> np.
     return out
 
 
+def _live_outputs(eqn, strat: list[Strategy]) -> list[Strategy]:
+    """``strat`` with each strategy's output layouts for the equation's used outputs
+    only: a node numbers its outputs without the dropped ones (``_``), and a loop with a
+    dropped output before a used one (a scan's unused stacked values) otherwise read
+    the dropped output's layout for the used one."""
+    if not any(is_dropvar(o) for o in eqn.outvars):
+        return strat
+    live = [k for k, o in enumerate(eqn.outvars) if not is_dropvar(o)]
+    return [
+        replace(s, outs=tuple(s.outs[k] for k in live)) if len(s.outs) == len(eqn.outvars) else s
+        for s in strat
+    ]
+
+
 def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None) -> _Problem:
     ids = var_ids(jaxpr)
     idx, inputs = _scope(jaxpr, eqns)
@@ -407,7 +421,7 @@ def _build(jaxpr, mesh, eqns, pins, amortize: Mapping[int, float] | None = None)
         nodes.append(_input_node(v, ids[v], mesh))
     edges: list[_Edge] = []
     strat_of = {
-        i: strategies(jaxpr.eqns[i], mesh)
+        i: _live_outputs(jaxpr.eqns[i], strategies(jaxpr.eqns[i], mesh))
         for i in idx
         if not (jaxpr.eqns[i].primitive.name in ALIAS_PRIMITIVES or _is_follower(jaxpr.eqns[i]))
     }

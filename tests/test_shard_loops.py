@@ -179,3 +179,19 @@ def test_a_model_with_a_cond_before_its_loops_runs_nothing_replicated(flag):
         batches = [{"x": x, "y": y}, {"x": x[::-1].copy(), "y": y[::-1].copy()}]
         par = check_step_parity(cond_step, method, state, batches, jnp.int32(flag), rtol=1e-4)
     assert "runs replicated" not in str(par.plan), str(par.plan)
+
+
+def test_a_dropped_loop_output_before_a_used_one_keeps_the_used_one_s_layout():
+    """A node numbers an equation's outputs without the dropped ones (``_``); a
+    strategy's layouts are per output, dropped ones included, so a scan whose final
+    carry is dropped read the carry's layout for its stacked outputs."""
+    from meshshard._compat import DropVar
+    from meshshard.passes.shard_ilp import _live_outputs
+
+    fwd, _ = _scans()
+    carry, *rest = fwd.outvars
+    dropped = fwd.replace(outvars=[DropVar(carry.aval), *rest])
+    whole, *split = scan_strategies(fwd, MESH)
+    for full, live in zip(split, _live_outputs(dropped, split), strict=True):
+        assert live.outs == full.outs[1:]  # the stacked outputs' own layouts
+        assert all(len(lay) == 3 for lay in live.outs)  # (time, batch, hidden)
