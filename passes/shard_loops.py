@@ -17,9 +17,11 @@ summed in a carry that starts at zeros, :mod:`meshshard.passes.shard_unreduced`)
 run once, after the loop.  Its work is the body's contractions times the trip count,
 divided as the body's strategies divide them.
 
-A ``cond`` is laid out the same way, through every branch at once: the branches must
-read the operands and return the results in one layout (zeros a branch returns for the
-other's residuals, and operands it passes through unread, take the others' layout).
+A ``cond`` (``lax.cond``, ``lax.switch``) is laid out the same way, through every
+branch at once: the branches must read the operands and return the results in one
+layout (zeros a branch returns for the other's residuals, and operands it passes
+through unread, take the others' layout); its work and collectives are its costliest
+branch's.
 
     >>> import jax, jax.numpy as jnp
     >>> from meshshard.passes.shard_costs import LogicalMesh
@@ -39,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, var_ids
 from meshshard.passes.shard_costs import Comm, LogicalMesh
 
-__all__ = ["scan_strategies", "body_layouts", "loop_flops"]
+__all__ = ["scan_strategies", "cond_strategies", "body_layouts", "loop_flops"]
 
 #: A collective run once per time step is priced as at most this many (their bytes
 #: summing to every step's), each paying its latency.
