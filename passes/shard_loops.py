@@ -105,8 +105,10 @@ def _flow(jaxpr, strats: Sequence, fixed: dict, axes: set, free: bool, consts=()
     whole; a free input no equation reads is left out), or None when some equation has
     no strategy over ``axes`` that fits or a carry ``(input, output)`` leaves in another
     layout than it entered.  Per equation the strategy that fits with the fewest
-    collectives, then the fewest ``consts`` (weights) split, then the most split; a
-    value made from literals alone (``zeros``) fits any layout its readers need."""
+    collectives, then the fewest ``consts`` (weights) split, then the fewest whole
+    values sliced, then the most split.  A whole value, or one made from literals alone
+    (``zeros``), fits any layout its readers need: each device slices its part locally
+    (a dropout mask drawn whole)."""
     inputs = set(jaxpr.invars)
     fixed = dict(fixed)
     for _ in range(len(carries) + 2):
@@ -118,13 +120,14 @@ def _flow(jaxpr, strats: Sequence, fixed: dict, axes: set, free: bool, consts=()
             for s in options:
                 if not _axes_of((*s.ins, *s.outs)) <= axes:
                     continue
-                fits, assigns, weights = True, 0, 0
+                fits, assigns, weights, slices = True, 0, 0, 0
                 for v, need in zip(e.invars, s.ins, strict=True):
                     if need is None or is_literal(v):
                         continue
                     have = lay.get(v)
-                    if v in made:
-                        continue
+                    if v in made or (have is not None and have == _whole(v)):
+                        slices += need != _whole(v)
+                        continue  # slicing a whole value is local: any layout fits
                     if have is None and free and v in inputs:
                         assigns += need != _whole(v)
                         weights += v in consts and need != _whole(v)
@@ -134,7 +137,7 @@ def _flow(jaxpr, strats: Sequence, fixed: dict, axes: set, free: bool, consts=()
                         break
                 if not fits:
                     continue
-                rank = (len(s.comms), weights, -s.split, assigns)
+                rank = (len(s.comms), weights, slices, -s.split, assigns)
                 if best_rank is None or rank < best_rank:
                     best, best_rank = s, rank
             if best is None:

@@ -645,6 +645,9 @@ STRATEGY_RULES: dict[str, Rule] = {
     "sort": _along_all_but("dimension"),
     "scan": _scan,
     "cond": _cond,
+    # elementwise where the bit widths match (a dropout mask's bits read as floats);
+    # a width change adds or drops a dim, and _elementwise then runs it replicated
+    "bitcast_convert_type": _elementwise,
 }
 
 

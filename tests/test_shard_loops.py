@@ -6,9 +6,13 @@ the batch as their bodies allow, and the backward's weight gradients, summed in 
 are reduced once after the loop.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 import meshshard
 from meshshard.cluster import ClusterSpec
@@ -79,9 +83,9 @@ def test_a_running_total_over_the_batch_is_reduced_once_after_the_loop():
 
 
 def test_a_scan_with_nothing_parallel_still_runs_replicated():
-    """Rows that do not divide over the mesh leave nothing to split: the replicated
-    strategy alone, named so (the plan notes it)."""
-    jx = jax.make_jaxpr(_rnn_loss)(jnp.ones((H, H)), jnp.ones((T, 3, H))).jaxpr
+    """Rows and features that do not divide over the mesh leave nothing to split: the
+    replicated strategy alone, named so (the plan notes it)."""
+    jx = jax.make_jaxpr(_rnn_loss)(jnp.ones((3, 3)), jnp.ones((T, 3, 3))).jaxpr
     (scan,) = [e for e in jx.eqns if e.primitive.name == "scan"]
     (only,) = scan_strategies(scan, MESH)
     assert only.name == "replicated"
@@ -195,3 +199,78 @@ def test_a_dropped_loop_output_before_a_used_one_keeps_the_used_one_s_layout():
     for full, live in zip(split, _live_outputs(dropped, split), strict=True):
         assert live.outs == full.outs[1:]  # the stacked outputs' own layouts
         assert all(len(lay) == 3 for lay in live.outs)  # (time, batch, hidden)
+
+
+class _DropoutCell(nn.RNNCellBase):
+    """A simple recurrent cell with dropout on its output, drawn every time step."""
+
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, carry, x):
+        h = jnp.tanh(nn.Dense(self.features)(x) + nn.Dense(self.features, use_bias=False)(carry))
+        h = nn.Dropout(0.2, deterministic=False)(h)
+        return h, h
+
+    def initialize_carry(self, rng, input_shape):
+        return jnp.zeros(input_shape[:-1] + (self.features,))
+
+    @property
+    def num_feature_axes(self) -> int:
+        return 1
+
+
+class _DropoutRecurrent(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(_DropoutCell(), split_rngs={"params": False, "dropout": True})(x)
+        return nn.Dense(1)(h[:, -1])
+
+
+class _KeyedState(TrainState):
+    key: jax.Array
+
+
+def dropout_step(state, batch):
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+
+    def loss_fn(params):
+        out = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": key})
+        return jnp.mean((out - batch["y"]) ** 2)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_loop_drawing_dropout_every_step_splits_the_batch(micro_batches):
+    """Dropout inside the loop: the mask's bits are drawn whole (for the full batch,
+    with micro-batches, and sliced), read as floats (``bitcast_convert_type``), and
+    each device slices its rows; the loop no longer runs replicated.  Equal to
+    ``jax.jit``'s draws."""
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+    from tests.conftest import with_fabric_costs
+    from tests.random_parity import check_step_parity
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.standard_normal((16, 6, 5)).astype(np.float32),
+            "y": rng.standard_normal((16, 1)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    model = _DropoutRecurrent()
+    keys = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+    params = jax.tree.map(lambda a: a + 0.03, model.init(keys, batches[0]["x"])["params"])
+    state = _KeyedState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adam(1e-3),
+        key=jax.random.key_data(jax.random.key(3)),
+    )
+    method = meshshard.ShardParallel((1, 4), num_micro_batches=micro_batches)
+    with use_cluster(with_fabric_costs(ThreadsCluster(1, 4))):
+        par = check_step_parity(dropout_step, method, state, batches, rtol=1e-4)
+    assert "runs replicated" not in str(par.plan), str(par.plan)
