@@ -188,9 +188,12 @@ def body_layouts(eqn, mesh: LogicalMesh, operand_layouts: Sequence) -> dict | No
     return {ids[v]: lay for v, lay in found[0].items() if v in ids}
 
 
-def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> set[int]:
-    """Body equations whose reduce local accumulation holds through the loop: they make
-    a partial sum that reaches a float carry (a weight gradient's sum over time)."""
+def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> dict[int, int]:
+    """Body equation -> how many iterations' worth its one reduce moves, for the reduces
+    local accumulation holds through the loop: 1 where the partial sum reaches a float
+    carry (a weight gradient summed over time, reduced once after the loop), the trip
+    count where it reaches a scanned output (a stacked layer's weight gradient: the
+    whole stack is reduced once)."""
     from meshshard.passes.shard_unreduced import unreduced_values
 
     nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
@@ -207,29 +210,34 @@ def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> set[int]:
             # says; a value is taken as zeros (the gradient carries autodiff makes are)
         if lay.get(i) == _whole(i) and "float" in str(getattr(i.aval, "dtype", "")):
             seed[i] = ()
-    if not seed:
-        return set()
-    outs = [body.outvars[k] for k in range(ncar) if body.invars[nc + k] in seed]
+    carried = [body.outvars[k] for k in range(ncar) if body.invars[nc + k] in seed]
+    stacked = [v for v in body.outvars[ncar:] if not is_literal(v)]
     reduces = {
         j
         for j, s in enumerate(chosen)
         if any(c.kind in ("all-reduce", "reduce-scatter") for c in s.comms)
     }
-    out = set()
+    out: dict[int, int] = {}
     for axes in {a for j in reduces for c in chosen[j].comms for a in [c.axes]}:
-        found = unreduced_values(
-            body,
-            range(len(body.eqns)),
-            lambda vid, axes=axes: (
-                {d: a for d, a in split.get(vid, {}).items() if a == axes} or None
-            ),
-            outs,
-            held_in={v: axes for v in seed},
-        )
-        for j in reduces:
-            e = body.eqns[j]
-            if any(not is_dropvar(o) and ids[o] in found for o in e.outvars):
-                out.add(j)
+        for targets, held_in, times in (
+            (carried, {v: axes for v in seed}, 1),
+            (stacked, {}, eqn.params["length"]),
+        ):
+            if not targets:
+                continue
+            found = unreduced_values(
+                body,
+                range(len(body.eqns)),
+                lambda vid, axes=axes: (
+                    {d: a for d, a in split.get(vid, {}).items() if a == axes} or None
+                ),
+                targets,
+                held_in=held_in,
+            )
+            for j in reduces:
+                e = body.eqns[j]
+                if any(not is_dropvar(o) and ids[o] in found for o in e.outvars):
+                    out[j] = max(out.get(j, 0), times)
     return out
 
 
@@ -298,8 +306,9 @@ def _strategy(eqn, lay, chosen, ins, outs, total: float, size: int):
     held = _held_reduces(eqn, lay, chosen)
     comms: list[Comm] = []
     for j, s in enumerate(chosen):
-        times = 1 if j in held else length
-        copies = min(times, _MAX_COPIES)  # each pays its latency; bytes add up to times x
+        # held: one reduce after the loop (of the whole stack for a scanned output);
+        # else one per time step, each paying its latency
+        times, copies = (held[j], 1) if j in held else (length, min(length, _MAX_COPIES))
         for c in s.comms:
             if c.nbytes:
                 comms += [Comm(c.kind, c.axes, c.nbytes * times / copies, c.var)] * copies

@@ -274,3 +274,20 @@ def test_a_loop_drawing_dropout_every_step_splits_the_batch(micro_batches):
     with use_cluster(with_fabric_costs(ThreadsCluster(1, 4))):
         par = check_step_parity(dropout_step, method, state, batches, rtol=1e-4)
     assert "runs replicated" not in str(par.plan), str(par.plan)
+
+
+def test_a_stacked_layer_s_gradient_reduce_is_priced_once_not_per_layer():
+    """Stacked weights scanned over (``nn.scan`` layers): each iteration's weight
+    gradient is a scanned output that local accumulation holds, so its reduce is priced
+    once for the stack, as for a carry."""
+
+    def stack(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+    jx = jax.make_jaxpr(jax.grad(stack))(jnp.ones((T, H, H)), jnp.ones((B, H))).jaxpr
+    (bwd,) = [e for e in jx.eqns if e.primitive.name == "scan" and e.params["reverse"]]
+    batch = [s for s in scan_strategies(bwd, MESH) if any(any(d) for d in s.outs[0])]
+    assert batch
+    best = min(batch, key=lambda s: len(s.comms))
+    reduces = [c for c in best.comms if c.kind == "all-reduce"]
+    assert len(reduces) == 1 and reduces[0].nbytes == T * H * H * 4  # the stack's, once
