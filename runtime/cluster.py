@@ -731,9 +731,11 @@ class RayCluster:
                 with contextlib.suppress(Exception):  # already gone
                     ray.kill(a, no_restart=True)
         self._actors = []
+        helpers = _ray_helpers() if self._started_ray else []
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         _wait_exit(self.pids)
+        _reap(helpers)
 
 
 def _ray_init(address) -> None:
@@ -799,6 +801,39 @@ def _wait_exit(pids, timeout_s: float = 10.0) -> None:
     _, alive = psutil.wait_procs(procs, timeout=timeout_s)
     if alive:
         log.warning("host-actor processes %s still running after %ss", alive, timeout_s)
+
+
+def _ray_helpers() -> list:
+    """The embedded Ray instance's processes among this process's descendants (its
+    GCS, raylet, agents and workers), not any other child the user started."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(p.cmdline())
+            if p.name().startswith("ray::") or f"{os.sep}ray{os.sep}" in cmd:
+                out.append(p)
+    return out
+
+
+def _reap(procs, timeout_s: float = 3.0) -> None:
+    """Let the embedded Ray's processes exit after ``ray.shutdown()``; stop the ones
+    still running after ``timeout_s`` (a runtime-env agent slow to notice, on a loaded
+    machine), so no process of ours outlives ``shutdown()``."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=1.0)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if alive:
+        psutil.wait_procs(alive, timeout=1.0)
+        log.warning("stopped Ray processes that outlived ray.shutdown(): %s", alive)
 
 
 def discover_hosts(nodes: list[dict], num_hosts: int | None, devices_per_host: int | None):

@@ -1,8 +1,10 @@
 """Starting, joining and stopping clusters: no processes left behind."""
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -117,3 +119,27 @@ def test_shutdown_leaves_no_processes_and_join_existing_cluster(tmp_path):
         [sys.executable, str(script)], capture_output=True, text=True, timeout=480
     )
     assert "LIFECYCLE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_shutdown_stops_ray_processes_that_outlive_it_and_no_other_child():
+    """A Ray helper slow to exit after ``ray.shutdown()`` (a runtime-env agent on a
+    loaded machine outlived it by 5 s in CI) is stopped, even one that ignores SIGTERM;
+    a child process of the user's is neither listed nor touched."""
+    import psutil
+
+    from meshshard.runtime.cluster import _ray_helpers, _reap
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    ray_like = subprocess.Popen([sys.executable, "-c", stubborn, f"{os.sep}ray{os.sep}agent.py"])
+    users = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        found = {p.pid for p in _ray_helpers()}
+        assert ray_like.pid in found and users.pid not in found
+        _reap([psutil.Process(ray_like.pid)], timeout_s=0.2)
+        assert ray_like.poll() is not None  # stopped (killed: it ignores SIGTERM)
+        assert users.poll() is None
+    finally:
+        for p in (ray_like, users):
+            p.kill()
+            p.wait()
