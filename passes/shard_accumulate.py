@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from meshshard.jaxpr_util import is_literal, is_marker, var_ids
+from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.shard_costs import REDUCE_KINDS, Comm, LogicalMesh
 from meshshard.passes.shard_loops import body_layouts
 from meshshard.passes.shard_rules import from_spec, to_spec
@@ -96,23 +97,16 @@ def _data_parallel_loops(traced: TracedStep, graph: StageGraph, mesh: MeshSpec) 
     def loop(eqn):
         body = eqn.params["jaxpr"].jaxpr
         nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
-        dep = {
-            b
-            for b, v in zip(body.invars, eqn.invars, strict=True)
-            if not is_literal(v) and ids.get(v) in graph.batch_dependent
-        }
-        while True:
-            for e in body.eqns:
-                if any(not is_literal(v) and v in dep for v in e.invars):
-                    dep.update(e.outvars)
-            carried = {
-                body.invars[nc + k]
-                for k, o in enumerate(body.outvars[:ncar])
-                if not is_literal(o) and o in dep
-            }
-            if carried <= dep:
+        flags = [not is_literal(v) and ids.get(v) in graph.batch_dependent for v in eqn.invars]
+        while True:  # a carry the body makes from the batch depends on it on entry too
+            dep = batch_dependent(body, flags, len(body.eqns))
+            carried = [
+                k for k, o in enumerate(body.outvars[:ncar]) if not is_literal(o) and o in dep
+            ]
+            if all(flags[nc + k] for k in carried):
                 break
-            dep |= carried
+            for k in carried:
+                flags[nc + k] = True
         body_ids = var_ids(body)
         split = set()
         for v in dep:

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, var_ids
 from meshshard.passes.shard_costs import Comm, LogicalMesh
+from meshshard.passes.shard_unreduced import _is_float, unreduced_values
 
 __all__ = ["scan_strategies", "cond_strategies", "body_layouts", "loop_flops"]
 
@@ -83,7 +84,7 @@ def _body_layout(eqn, k: int, op_lay: tuple) -> tuple | None:
     return None if op_lay and op_lay[0] else tuple(op_lay[1:])
 
 
-def _propagate(eqn, mesh: LogicalMesh, strats: Sequence, fixed: dict, axes: set, free: bool):
+def _propagate(eqn, strats: Sequence, fixed: dict, axes: set, free: bool):
     """A scan body's layouts (Var -> layout, every input set) and the strategy chosen per
     body equation (:func:`_flow`, the loop's carries leaving as they entered, its
     constants the weights), or None."""
@@ -181,7 +182,7 @@ def body_layouts(eqn, mesh: LogicalMesh, operand_layouts: Sequence) -> dict | No
     if not axes:
         return None
     strats = [strategies(e, mesh) for e in body.eqns]
-    found = _propagate(eqn, mesh, strats, fixed, axes, free=False)
+    found = _propagate(eqn, strats, fixed, axes, free=False)
     if found is None:
         return None
     ids = var_ids(body)
@@ -194,8 +195,6 @@ def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> dict[int, int]:
     carry (a weight gradient summed over time, reduced once after the loop), the trip
     count where it reaches a scanned output (a stacked layer's weight gradient: the
     whole stack is reduced once)."""
-    from meshshard.passes.shard_unreduced import unreduced_values
-
     nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
     body = eqn.params["jaxpr"].jaxpr
     ids = var_ids(body)
@@ -208,7 +207,7 @@ def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> dict[int, int]:
         if is_literal(init) and init.val != 0:
             continue  # the runtime holds a carry that starts at zeros only: a literal
             # says; a value is taken as zeros (the gradient carries autodiff makes are)
-        if lay.get(i) == _whole(i) and "float" in str(getattr(i.aval, "dtype", "")):
+        if lay.get(i) == _whole(i) and _is_float(i):
             seed[i] = ()
     carried = [body.outvars[k] for k in range(ncar) if body.invars[nc + k] in seed]
     stacked = [v for v in body.outvars[ncar:] if not is_literal(v)]
@@ -245,7 +244,7 @@ def scan_strategies(eqn, mesh: LogicalMesh) -> list:
     """The strategies of a ``scan`` equation: replicated, and for each group of mesh
     axes each distinct parallel layout found by splitting one carry or scanned operand
     along one dim and propagating through the body."""
-    from meshshard.passes.shard_rules import Strategy, _assignments, strategies
+    from meshshard.passes.shard_rules import Strategy, strategies
 
     body = eqn.params["jaxpr"].jaxpr
     nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
@@ -254,49 +253,66 @@ def scan_strategies(eqn, mesh: LogicalMesh) -> list:
     out = [Strategy("loop whole", tuple(_whole(o) for o in eqn.outvars), whole_ins)]
     strats = None
     seen = set()
-    total = sum(loop_flops(e) for e in body.eqns)
+    values = [
+        (k, v)
+        for k, v in enumerate(body.invars)
+        if k >= nc + ncar or (k >= nc and _is_float(v))  # a carry or a scanned operand
+    ]
+    for _, v, axes, seed in _seeds(mesh, values):
+        if strats is None:
+            strats = [strategies(e, mesh) for e in body.eqns]
+        found = _propagate(eqn, strats, {v: seed}, set(axes), free=True)
+        if found is None:
+            continue
+        lay, chosen = found
+        ins = tuple(
+            None if is_literal(x) else _operand_layout(eqn, j, lay[b])
+            for j, (x, b) in enumerate(zip(eqn.invars, body.invars, strict=True))
+        )
+        outs = tuple(
+            _operand_layout(eqn, nc + j if j < ncar else nc + ncar, _out(lay, o))
+            for j, o in enumerate(body.outvars)
+        )
+        if (ins, outs) in seen or not _axes_of(ins):
+            continue
+        seen.add((ins, outs))
+        out.append(_strategy(eqn, lay, chosen, ins, outs, mesh.size(axes)))
+    if len(out) == 1:
+        out[0] = Strategy("replicated", out[0].outs, out[0].ins)
+    return out
+
+
+def _seeds(mesh: LogicalMesh, values):
+    """``(k, v, axes, seed)`` for each value ``(k, v)`` of ``values`` and each group of
+    the mesh's split axes that divides one of its dims: ``seed`` splits that dim alone."""
+    from meshshard.passes.shard_rules import _assignments
+
     for groups in _assignments(1, mesh):
         if not groups:
             continue
         axes = groups[0]
         size = mesh.size(axes)
-        for k in range(nc, len(body.invars)):
-            v = body.invars[k]
+        for k, v in values:
             shape = getattr(v.aval, "shape", ())
-            if "float" not in str(getattr(v.aval, "dtype", "")) and k < nc + ncar:
-                continue
             for d, n in enumerate(shape):
                 if n % size or n < size:
                     continue
-                if strats is None:
-                    strats = [strategies(e, mesh) for e in body.eqns]
-                seed = tuple(axes if j == d else () for j in range(len(shape)))
-                found = _propagate(eqn, mesh, strats, {v: seed}, set(axes), free=True)
-                if found is None:
-                    continue
-                lay, chosen = found
-                ins = tuple(
-                    None if is_literal(x) else _operand_layout(eqn, j, lay[b])
-                    for j, (x, b) in enumerate(zip(eqn.invars, body.invars, strict=True))
-                )
-                outs = tuple(
-                    _operand_layout(eqn, nc + j if j < ncar else nc + ncar, _out(lay, o))
-                    for j, o in enumerate(body.outvars)
-                )
-                if (ins, outs) in seen or not _axes_of(ins):
-                    continue
-                seen.add((ins, outs))
-                out.append(_strategy(eqn, lay, chosen, ins, outs, total, size))
-    if len(out) == 1:
-        out[0] = Strategy("replicated", out[0].outs, out[0].ins)
-    return out
+                yield k, v, axes, tuple(axes if j == d else () for j in range(len(shape)))
+
+
+def _work_split(eqns, chosen, size: int) -> int:
+    """How many devices share ``eqns``' contractions under the strategies ``chosen``
+    (their FLOPs over the per-device FLOPs); ``size`` when they hold none."""
+    total = sum(loop_flops(e) for e in eqns)
+    work = sum(loop_flops(e) / s.split for e, s in zip(eqns, chosen, strict=True))
+    return max(1, round(total / work)) if total and work else size
 
 
 def _out(lay: Mapping, o) -> tuple:
     return _whole(o) if is_literal(o) else lay.get(o, _whole(o))
 
 
-def _strategy(eqn, lay, chosen, ins, outs, total: float, size: int):
+def _strategy(eqn, lay, chosen, ins, outs, size: int):
     """The scan's strategy from its body's: collectives once per time step (a held
     gradient's reduce once), work divided as the body's contractions are."""
     from meshshard.passes.shard_rules import Strategy
@@ -312,11 +328,7 @@ def _strategy(eqn, lay, chosen, ins, outs, total: float, size: int):
         for c in s.comms:
             if c.nbytes:
                 comms += [Comm(c.kind, c.axes, c.nbytes * times / copies, c.var)] * copies
-    if total:
-        work = sum(loop_flops(e) / s.split for e, s in zip(body.eqns, chosen, strict=True))
-        split = max(1, round(total / work)) if work else size
-    else:
-        split = size
+    split = _work_split(body.eqns, chosen, size)
     name = "loop " + " ".join(str(x) for x in ins if x is not None and any(x))
     return Strategy(name, outs, ins, tuple(comms), split)
 
@@ -327,34 +339,24 @@ def cond_strategies(eqn, mesh: LogicalMesh) -> list:
     branch, kept when the branches read the operands and return their results in the
     same layouts (an operand a branch does not read takes the others' layout).  Its
     collectives and work are its costliest branch's."""
-    from meshshard.passes.shard_rules import Strategy, _assignments, strategies
+    from meshshard.passes.shard_rules import Strategy, strategies
 
     branches = [b.jaxpr for b in eqn.params["branches"]]
     ops = eqn.invars[1:]
     whole_ins = tuple(None if is_literal(v) else _whole(v) for v in eqn.invars)
     out = [Strategy("branch whole", tuple(_whole(o) for o in eqn.outvars), whole_ins)]
     strats, seen = None, set()
-    for groups in _assignments(1, mesh):
-        if not groups:
+    operands = [(k, v) for k, v in enumerate(ops) if not is_literal(v)]
+    for k, _, axes, seed in _seeds(mesh, operands):
+        if strats is None:
+            strats = [[strategies(e, mesh) for e in b.eqns] for b in branches]
+        got = _branches(eqn, branches, strats, k, seed, set(axes), mesh.size(axes))
+        if got is None or got[:2] in seen:
             continue
-        axes = groups[0]
-        size = mesh.size(axes)
-        for k, v in enumerate(ops):
-            if is_literal(v):
-                continue
-            for d, n in enumerate(getattr(v.aval, "shape", ())):
-                if n % size or n < size:
-                    continue
-                if strats is None:
-                    strats = [[strategies(e, mesh) for e in b.eqns] for b in branches]
-                seed = tuple(axes if j == d else () for j in range(len(v.aval.shape)))
-                got = _branches(eqn, branches, strats, k, seed, set(axes), size)
-                if got is None or got[:2] in seen:
-                    continue
-                seen.add(got[:2])
-                ins, outs, comms, split = got
-                name = "branch " + " ".join(str(x) for x in ins if x is not None and any(x))
-                out.append(Strategy(name, outs, (whole_ins[0], *ins), comms, split))
+        seen.add(got[:2])
+        ins, outs, comms, split = got
+        name = "branch " + " ".join(str(x) for x in ins if x is not None and any(x))
+        out.append(Strategy(name, outs, (whole_ins[0], *ins), comms, split))
     arrays = any(not is_literal(v) and getattr(v.aval, "shape", ()) for v in ops)
     if len(out) == 1 and arrays:  # a branch of constants alone has nothing to split
         out[0] = Strategy("replicated", out[0].outs, out[0].ins)
@@ -401,12 +403,7 @@ def _branches(eqn, branches, strats, k: int, seed: tuple, axes: set, size: int):
         return None
     flops = [sum(loop_flops(e) for e in b.eqns) for b in branches]
     costly = flops.index(max(flops))
-    total = flops[costly]
-    work = sum(
-        loop_flops(e) / s.split
-        for e, s in zip(branches[costly].eqns, found[costly][1], strict=True)
-    )
-    split = max(1, round(total / work)) if total and work else size
+    split = _work_split(branches[costly].eqns, found[costly][1], size)
     comms = max(
         (tuple(c for s in chosen for c in s.comms if c.nbytes) for _, chosen in found),
         key=lambda cs: sum(c.nbytes for c in cs),

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
-from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, var_ids
+from meshshard.jaxpr_util import bind_eqn, eval_eqns, is_dropvar, is_literal, var_ids
 from meshshard.plan import Unreduced
 
 __all__ = ["Unreduced", "unreduced_values", "eval_unreduced"]
@@ -376,12 +376,13 @@ def _eval_scan(eqn, args, u: Unreduced, env, held, plan, ids, n, axis_size, shar
         for v, val in zip(body.invars, (*consts, *carry, *x), strict=True):
             env_b[v] = val
         held_b = {body.invars[nc + k]: inner[body_ids[body.invars[nc + k]]] for k in carried}
-        for e in body.eqns:
-            if not eval_unreduced(e, env_b, held_b, inner, body_ids, axis_size, inner_shard):
-                vals = bind_eqn(e, [v.val if is_literal(v) else env_b[v] for v in e.invars])
-                for o, val in zip(e.outvars, vals, strict=True):
-                    if not is_dropvar(o):
-                        env_b[o] = val
+        eval_eqns(
+            body.eqns,
+            env_b,
+            on_eqn=lambda _, e, env: eval_unreduced(
+                e, env, held_b, inner, body_ids, axis_size, inner_shard
+            ),
+        )
         outs = []
         for k, v in enumerate(body.outvars):
             val = v.val if is_literal(v) else env_b[v]
