@@ -257,7 +257,7 @@ def stage_times_of(plan: Plan, program_times: dict[str, float]) -> tuple:
     layers, the submesh it ran on (as the stage DP names it: ``(1, d)`` inside a host or
     whole hosts ``(h, D)``) and its forward + backward (+ weight-gradient) program seconds
     per micro-batch, from the runs the streams make (a fused ``s{i}.FB`` counts once for
-    both).  Stages whose run programs were not all timed are left out."""
+    both; a one-micro-batch ``s{i}.step`` counts its update in too).  Stages whose run programs were not all timed are left out."""
     from meshshard.instructions import Run
 
     runs: dict[int, list] = {}

@@ -48,6 +48,9 @@ def program_function(
     groups (``A*``) are special: a stage program combines its contribution into the input
     (added, or max/min), and the update program reads them finished (a mean divides by
     the number of micro-batches); the ``grad_end`` marker says which reduction each has.
+    A program holding both a gradient part and the update that reads it (a whole step of
+    one micro-batch, ``s{i}.step``) has no accumulator: the update reads the marker's
+    results as one micro-batch leaves them (:mod:`meshshard.passes.fuse_step`).
     ``partials`` (var id -> (op, term var ids, literal terms)) are outputs computed as
     this mesh's part of a cross-mesh all-reduce.  ``constrain(var_id, value)`` is applied
     to each value of ``constrained`` as it is computed (the runtime passes
@@ -70,6 +73,18 @@ def program_function(
     )
     eqns = [jaxpr.eqns[i] for i in eqn_indices]
     defined = {v for e in eqns for v in e.outvars}
+    # a whole one-micro-batch step (``s{i}.step``): the update part reads the results
+    # its own gradient part computed, totalled here instead of in an accumulator
+    marker_at = next((i for i, e in enumerate(jaxpr.eqns) if e is g_eqn), len(jaxpr.eqns))
+    split = next((k for k, i in enumerate(eqn_indices) if i > marker_at), len(eqns))
+    supplied = {by_id[i] for g in inputs for i in g.vars}
+    read_after = [v for e in eqns[split:] for v in e.invars if not is_literal(v)]
+    read_after += [by_id[i] for g in outputs if g.ref.kind is not ACC for i in g.vars]
+    inside = [
+        r
+        for r in dict.fromkeys(read_after)
+        if r in result_to_operand and r not in literal_results and r not in supplied
+    ]
     # a split backward's W reads contributions its B computed (``D`` group) as its own
     defined |= {by_id[i] for g in inputs if g.ref.kind is BufferKind.BACKWARD_CARRY for i in g.vars}
     in_groups = [(g.ref.kind is ACC, [by_id[i] for i in g.vars]) for g in inputs]
@@ -125,7 +140,13 @@ def program_function(
                 else:
                     acc_in[v] = x
         hook = (lambda i, e, env: pin(i, e, env, held)) if loc.values else pin
-        eval_eqns(eqns, env, on_eqn=hook if pinned or loc.values or operand_pins else None)
+        hook = hook if pinned or loc.values or operand_pins else None
+        eval_eqns(eqns[:split], env, on_eqn=hook)
+        for r in inside:
+            total = _own_total(r, env, held)
+            env[r] = constrain(ids[r], total) if r in pinned else total
+        later = None if hook is None else (lambda i, e, env: hook(i + split, e, env))
+        eval_eqns(eqns[split:], env, on_eqn=later)
         outs = []
         for is_acc, vs in out_groups:
             for v in vs:
@@ -136,6 +157,15 @@ def program_function(
                 else:
                     outs.append(_read(env, held, v))
         return tuple(outs)
+
+    def _own_total(r, env, held):
+        """Grad-end result ``r`` of one micro-batch, as ``ZEROS``, the stage program's
+        combine and the update's finish would give it."""
+        acc = jnp.zeros(r.aval.shape, r.aval.dtype)
+        operand = result_to_operand[r]
+        if operand in defined:
+            acc = combine(reduce_of[r], acc, _read(env, held, operand))
+        return finish(reduce_of[r], acc, m)
 
     def _accumulate(v, acc, env, held):
         operand = result_to_operand[v]

@@ -78,6 +78,8 @@ class Phase(StrEnum):
     WEIGHT_GRAD = "W"  #: the weight-gradient half of a split backward (zero-bubble)
     #: a forward and the backward of the same micro-batch as one program (fused pass)
     FORWARD_BACKWARD = "FB"
+    #: a one-micro-batch step's forward, backward and update as one program (fused pass)
+    STEP = "step"
     APPLY = "apply"  #: the once-per-step update of a mesh
     GATHER = "gather"  #: a worker-local all-gather (resharding simulation)
 
@@ -239,15 +241,16 @@ class BufferRef(_Ref):
 
 
 _PROGRAM = re.compile(
-    r"^(?:s(?P<stage>\d+)(?:v(?P<virtual>\d+))?\.(?P<phase>FB|[FBW])"
+    r"^(?:s(?P<stage>\d+)(?:v(?P<virtual>\d+))?\.(?P<phase>FB|step|[FBW])"
     r"|m(?P<mesh>\d+)\.apply(?P<part>\d+)?|gather\.w(?P<worker>\d+))$"
 )
-PROGRAM_TOKEN = r"(?:s\d+(?:v\d+)?\.(?:FB|[FBW])|m\d+\.apply\d*|gather\.w\d+)"
+PROGRAM_TOKEN = r"(?:s\d+(?:v\d+)?\.(?:FB|step|[FBW])|m\d+\.apply\d*|gather\.w\d+)"
 
 
 @dataclass(frozen=True, eq=False, init=False)
 class ProgramRef(_Ref):
-    """A compiled program: ``s{stage}.F``/``.B``/``.W``/``.FB``, ``m{mesh}.apply``, ``gather.w{worker}``.
+    """A compiled program: ``s{stage}.F``/``.B``/``.W``/``.FB``/``.step``, ``m{mesh}.apply``,
+    ``gather.w{worker}``.
 
     An update split into phases by cross-mesh communication has one program per phase,
     ``m{mesh}.apply{part}``.
@@ -280,7 +283,7 @@ class ProgramRef(_Ref):
         m = _PROGRAM.match(token)
         if m is None:
             raise ValueError(
-                f"cannot parse program token {token!r} (want s<stage>.F|B|W|FB, m<mesh>.apply "
+                f"cannot parse program token {token!r} (want s<stage>.F|B|W|FB|step, m<mesh>.apply "
                 "or gather.w<worker>)"
             )
         if m["mesh"] is not None:

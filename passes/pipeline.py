@@ -25,6 +25,7 @@ from meshshard.passes.forward_only import (
     slice_forward,
 )
 from meshshard.passes.fuse_forward_backward import fuse_forward_backward
+from meshshard.passes.fuse_step import fuse_step
 from meshshard.passes.meshes import (
     auto_layout,
     method_views,
@@ -271,6 +272,12 @@ def _fuse(st: CompileState) -> CompileState:
     return replace(st, plan=fuse_forward_backward(st.plan, st.traced))
 
 
+def _fuse_step(st: CompileState) -> CompileState:
+    if not getattr(st.method, "fuse_forward_backward", True):  # every program its own
+        return st
+    return replace(st, plan=fuse_step(st.plan))
+
+
 def _comm_schedule(st: CompileState) -> CompileState:
     switches = getattr(st.method, "comm_schedule", frozenset())
     if not switches:
@@ -299,6 +306,7 @@ PASSES: tuple[Pass, ...] = (
     Pass("emit", _emit),
     Pass("assemble", _assemble),
     Pass("fuse_forward_backward", _fuse),
+    Pass("fuse_step", _fuse_step),
     Pass("comm_schedule", _comm_schedule),
 )
 

@@ -28,9 +28,11 @@ def test_mlp_four_stages_gpipe(ray_cluster):
 @pytest.mark.jax_groups(1)
 def test_data_parallel_on_four_devices(ray_cluster):
     """A (2, 2) mesh over two host-actors: gradients all-reduced across processes (the
-    GPT under the same plan runs on threads)."""
+    GPT under the same plan runs on threads), inside the one program of the step."""
     step = check_parity("mlp", DataParallel(mesh_shape=(2, 2)))
     assert step.plan.meshes[0].num_devices == 4
+    # one micro-batch: both actors run the whole step as one program (passes/fuse_step.py)
+    assert [str(p.name) for p in step.plan.programs_run()] == ["s0.step"]
 
 
 @pytest.mark.jax_groups(1)
