@@ -22,6 +22,7 @@ from meshshard.refs import BufferKind, Phase, ProgramRef
 from meshshard.runtime.cluster import ThreadsCluster, use_cluster
 from meshshard.verify import verify
 from tests.conftest import assert_trees_close, with_fabric_costs
+from tests.parity import check_parity
 from tests.random_parity import check_step_parity
 from tests.test_shard_accumulate import _tied_case, tied_step
 
@@ -193,3 +194,18 @@ def test_results_equal_the_two_programs_run_apart(threads_cluster):
         assert_trees_close(b, a, rtol=1e-6)
         a, b = a[0], b[0]
     assert {str(p.name) for p in fused.plan.programs_run()} == {"s0.step"}
+
+
+@pytest.mark.parametrize("schedule", ["zb_h1", "eager_1f1b", "gpipe"])
+def test_a_first_stage_fuses_its_last_run_with_its_update(threads_cluster, schedule):
+    """One micro-batch on two stages: stage 0's last run (its backward, or zero-bubble's
+    weight-gradient half) and its update are one program; the numbers equal ``jax.jit``'s."""
+    method = PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2, schedule=schedule)
+    step = check_parity("mlp", method, steps=2)
+    first = next(s for s in step.plan.streams if s.worker == 0)
+    runs = [i.program for i in first.instructions if isinstance(i, Run)]
+    assert runs[-1].phase is Phase.STEP and not any(p.phase is Phase.APPLY for p in runs)
+    last = "W" if schedule == "zb_h1" else "B"
+    stage = step.plan.program(ProgramRef(Phase(last), 0))
+    fused = step.plan.program(runs[-1])
+    assert set(stage.eqns) <= set(fused.eqns)
