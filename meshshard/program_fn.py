@@ -80,9 +80,9 @@ def program_function(
     supplied = {by_id[i] for g in inputs for i in g.vars}
     read_after = [v for e in eqns[split:] for v in e.invars if not is_literal(v)]
     read_after += [by_id[i] for g in outputs if g.ref.kind is not ACC for i in g.vars]
-    inside = [
+    inside = [  # none in an update alone: it reads every result from its inputs
         r
-        for r in dict.fromkeys(read_after)
+        for r in dict.fromkeys(read_after if split else ())
         if r in result_to_operand and r not in literal_results and r not in supplied
     ]
     # a split backward's W reads contributions its B computed (``D`` group) as its own

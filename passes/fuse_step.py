@@ -39,7 +39,8 @@ ACC = BufferKind.ACCUMULATORS
 
 
 def step_name(stage_program: ProgramRef) -> ProgramRef:
-    """``s{i}.step`` (``s{i}v{j}.step``) of stage program ``s{i}.FB`` (or ``s{i}.F``)."""
+    """``s{i}.step`` (``s{i}v{j}.step``): stage program ``s{i}.FB`` (a first pipeline
+    stage's ``s{i}.B``, zero-bubble's ``s{i}.W``) fused with its mesh's update."""
     return ProgramRef(Phase.STEP, stage_program.owner, stage_program.virtual)
 
 
