@@ -8,7 +8,10 @@ cost shows most) whose state and metrics hold several results small enough to co
 by value (a step counter, biases, a loss and three metrics).  Timed in alternating
 rounds with ``runtime.executable.as_result`` as shipped (``jax.numpy.asarray``) and
 patched to ``numpy.asarray`` (what the driver returned before); reported: the median
-step of each, their ratio and the difference per by-value output.
+step of each, their ratio and the difference per by-value output.  A third variant,
+"no stored copies", runs the shipped step with ``TWIN_STEPS = 0``: the workers' copies
+of the by-value results are dropped at once, so the next step gets its small state
+arrays from the driver again (what every step did before those copies were kept).
 """
 
 from __future__ import annotations
@@ -45,7 +48,13 @@ def main(argv=None) -> int:
 
     batch = mlp.make_batch(batch_size=8)
     shipped = executable.as_result
-    times: dict[str, list[float]] = {"jax.Array": [], "NumPy": []}
+    times: dict[str, list[float]] = {"jax.Array": [], "NumPy": [], "no stored copies": []}
+    variants = (
+        ("jax.Array", shipped, executable.TWIN_STEPS),
+        ("NumPy", lambda value, weak_type=False: np.asarray(value), executable.TWIN_STEPS),
+        ("no stored copies", shipped, 0),
+    )
+    kept = executable.TWIN_STEPS
     with use_cluster(ThreadsCluster(4, 2)):
         step = meshshard.parallelize(step_fn, method=meshshard.DataParallel(mesh_shape=(1, 1)))
         state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
@@ -53,26 +62,31 @@ def main(argv=None) -> int:
             state, _ = step(state, batch)
         by_value = len(step.executable._small_outputs)
         for _ in range(args.rounds):
-            for name, convert in (("jax.Array", shipped), ("NumPy", np.asarray)):
-                executable.as_result = convert
+            for name, convert, twins in variants:
+                executable.as_result, executable.TWIN_STEPS = convert, twins
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
                     state, _ = step(state, batch)
                 times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
-                executable.as_result = shipped
+                executable.as_result, executable.TWIN_STEPS = shipped, kept
     new, old = (float(np.median(times[k])) for k in ("jax.Array", "NumPy"))
+    uncopied = float(np.median(times["no stored copies"]))
     row = {
         "by_value_outputs": by_value,
         "step_ms_jax_array": new,
         "step_ms_numpy": old,
         "ratio": new / old,
         "us_per_output": (new - old) * 1e3 / by_value,
+        "step_ms_no_stored_copies": uncopied,
+        "stored_copies_ratio": new / uncopied,
     }
     print("| results as | by-value outputs | step ms (median of rounds) |")
     print("|---|---:|---:|")
     print(f"| jax.Array | {by_value} | {new:.3f} |")
     print(f"| NumPy | {by_value} | {old:.3f} |")
+    print(f"| jax.Array, no stored copies | {by_value} | {uncopied:.3f} |")
     print(f"ratio {row['ratio']:.3f}; {row['us_per_output']:.1f} us per by-value output")
+    print(f"stored copies / none: {row['stored_copies_ratio']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=2)

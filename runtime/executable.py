@@ -46,6 +46,15 @@ FREE_DELAY_S = 0.1
 #: Ids of stored arrays; one sequence per driver process, since stores outlive plans.
 _KEYS = KeyCounter()
 
+#: id of a ``jax.Array`` a step returned by value -> weak references to it and to the
+#: :class:`RemoteArray` of the same result, still stored on its workers (the executable
+#: keeps that one for its last :data:`TWIN_STEPS` steps): passed back as state, the
+#: array is read in place instead of sent again (:meth:`Executable._inputs`).
+_TWINS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+#: Steps of one executable whose by-value results keep their stored twins (the last:
+#: the next step reads them back).
+TWIN_STEPS = 1
+
 #: What a :class:`RemoteArray` computes on its (fetched) value, as ``jax.Array`` does.
 #: Equality stays identity: arrays are kept in sets and dicts by the runtime.
 ARRAY_OPERATORS = tuple(
@@ -385,6 +394,7 @@ class Executable:
         self._donate_ranges: dict = {}  # argument structure -> donated leaf ranges
         self._leaf_pos = {spec.leaf: pos for pos, spec in enumerate(plan.inputs)}
         self._said_moved = False  # the warning on state another step keeps elsewhere
+        self._twin_steps: deque = deque()  # per recent step, its by-value results' twins
         self._small_outputs = [  # the program outputs a worker may return by value
             i
             for i, (o, lay) in enumerate(zip(plan.outputs, self.layout.outputs, strict=True))
@@ -501,9 +511,13 @@ class Executable:
             state = []
             for leaf in lay.state_leaves:
                 x = flat[pos[leaf]]
-                key = x.key_on(self.backend, w) if isinstance(x, RemoteArray) else None
-                if key is None and isinstance(x, RemoteArray):
-                    moved.add(leaf)
+                if isinstance(x, RemoteArray):
+                    key = x.key_on(self.backend, w)
+                    if key is None:
+                        moved.add(leaf)
+                else:  # a recent by-value result is read where it is also kept
+                    twin = _twin_of(x) if _TWINS else None
+                    key = twin.key_on(self.backend, w) if isinstance(twin, RemoteArray) else None
                 state.append(value(leaf) if key is None else int(key))
             out[w] = ([value(leaf) for leaf in lay.batch_leaves], state)
         if moved and not self._said_moved:
@@ -619,6 +633,7 @@ class Executable:
         if not self.released:
             self.released = True
             self.settle()
+            self._drop_twins()
             self.flush_frees()
             self.backend.release()
 
@@ -627,7 +642,19 @@ class Executable:
         one run while the interpreter tears this module's globals down)."""
         if not getattr(self, "released", True):
             self.released = True
+            self._drop_twins()
             self._releaser.call(self.backend.release)
+
+    def _drop_twins(self, keep: int = 0) -> None:
+        """Free the stored copies of the by-value results but the last ``keep`` steps'
+        (all for a released step: its next call, which would read them, never comes)."""
+        steps = getattr(self, "_twin_steps", None)
+        while steps and len(steps) > keep:
+            for key, stored in steps.popleft():
+                entry = _TWINS.get(key)
+                if entry is not None and entry[1]() is stored:
+                    del _TWINS[key]
+                stored._release()
 
     def __del__(self):
         self.release_soon()
@@ -691,18 +718,42 @@ class Executable:
         ``jax.Array``s: what ``jax.jit`` returns, so a loss has ``block_until_ready``
         and promotes with other results as JAX does (NumPy would make ``float32 /
         int32`` a float64)."""
+        twins = []
         for i in self._small_outputs:
             o, lay = self.plan.outputs[i], self.layout.outputs[i]
             w0, off0 = lay.holders[0]
             value = results.get(w0, {}).get(off0)
             if value is not None:
-                leaves[i].deleted = True  # never stored: nothing to free
+                stored = leaves[i]
                 leaves[i] = as_result(value.reshape(o.shape), o.weak_type)
+                key = id(leaves[i])
+                gone = functools.partial(_forget_twin, key)
+                _TWINS[key] = (weakref.ref(leaves[i], gone), weakref.ref(stored))
+                twins.append((key, stored))
+        self._twin_steps.append(twins)
+        self._drop_twins(keep=TWIN_STEPS)  # the stored copies of older steps go
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def set_out_tree(self, tree) -> None:
         """The pytree structure of the step's results."""
         self._out_tree = tree
+
+
+def _twin_of(x):
+    """The stored :class:`RemoteArray` of ``x``, a by-value result of a recent step, or
+    ``x`` itself."""
+    twin = _TWINS.get(id(x))
+    if twin is None or twin[0]() is not x:
+        return x
+    stored = twin[1]()
+    return x if stored is None else stored
+
+
+def _forget_twin(key: int, _ref) -> None:
+    """Drop the entry of a by-value result that no longer exists."""
+    entry = _TWINS.get(key)
+    if entry is not None and entry[0]() is None:
+        del _TWINS[key]
 
 
 def as_result(value, weak_type: bool = False) -> jax.Array:

@@ -210,8 +210,9 @@ class Worker:
                     small = self._small[(group, idx)] = arr.nbytes <= BY_VALUE_BYTES
                 if small and arr.sharding.is_fully_replicated and not pipelined:
                     result[off] = np.asarray(jax.device_get(arr.addressable_shards[0].data))
-                else:
-                    self.store[base + off] = arr
+                # kept by value or not: a small state result the next step reads back is
+                # then read in place (the driver's jax.Array remembers the key)
+                self.store[base + off] = arr
             self._cv.notify_all()
         if self.interp.recorder is not None:  # finished: the small outputs are in hand
             self.last_trace = self.interp.recorder.snapshot(self.worker, clock_ns())
