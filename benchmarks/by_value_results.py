@@ -1,6 +1,6 @@
 """What returning small results as ``jax.Array``s costs a step, against NumPy values.
 
-    python benchmarks/by_value_results.py [--steps 300] [--rounds 5] [--json OUT.json]
+    python benchmarks/by_value_results.py [--steps 300] [--rounds 5] [--ray] [--json OUT.json]
 
 One compiled step of a two-layer MLP (DataParallel on a one-device mesh of the
 in-process threads backend, so the step is as short as a step gets and the driver's
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--ray", action="store_true", help="on the local Ray cluster (one host-actor) instead"
+    )
     args = ap.parse_args(argv)
 
     import jax.numpy as jnp
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
         ("no stored copies", shipped, 0),
     )
     kept = executable.TWIN_STEPS
-    with use_cluster(ThreadsCluster(4, 2)):
+    with use_cluster(meshshard.init() if args.ray else ThreadsCluster(4, 2)):
         step = meshshard.parallelize(step_fn, method=meshshard.DataParallel(mesh_shape=(1, 1)))
         state = mlp.make_state(mlp.MLP(num_layers=2), batch["x"])
         for _ in range(20):  # compile and warm up
