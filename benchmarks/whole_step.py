@@ -29,10 +29,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from recurrent_grads import _time  # noqa: E402  (one step timer for these benchmarks)
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 
@@ -100,18 +103,6 @@ def _apart(par, state, batch, method):
     passes = tuple(p for p in PASSES if p.name != "fuse_step")
     plan = plan_traced(exe.traced, method=method, cluster=current_cluster().spec, passes=passes)
     return meshshard.parallelize(par.fn, method=method, plan=plan)
-
-
-def _time(call, state, steps: int) -> tuple[float, object]:
-    import jax
-
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        state, loss = call(state)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), state
 
 
 def _pair(step, state, batch, method, calls: dict, label: str) -> None:

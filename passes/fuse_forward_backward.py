@@ -34,7 +34,7 @@ from meshshard.passes.trace import TracedStep
 from meshshard.plan import Plan, ProgramSpec
 from meshshard.refs import BufferKind, BufferRef, Phase, ProgramRef
 
-__all__ = ["fuse_forward_backward", "fused_name"]
+__all__ = ["fuse_forward_backward", "fused_name", "merged_program"]
 
 
 def fused_name(forward: ProgramRef) -> ProgramRef:
@@ -165,18 +165,27 @@ def _fused_run(instructions, i: int, j: int, specs, owns) -> tuple[Run | None, P
     inputs = f.inputs + tuple(x for x in b.inputs if x not in f.outputs and x not in f.inputs)
     outputs = tuple(o for o in f.outputs if o not in inside and o not in b.outputs) + b.outputs
     name = fused_name(f.program)
-    spec = ProgramSpec(
-        name=name,
-        mesh=fs.mesh,
-        eqns=tuple(sorted(set(fs.eqns) | set(bs.eqns))),
-        inputs=tuple(x.group for x in inputs),
-        outputs=tuple(x.group for x in outputs),
-        constraints=_union(fs.constraints, bs.constraints),
-        unreduced=_union(fs.unreduced, bs.unreduced),
-        operand_constraints=_union(fs.operand_constraints, bs.operand_constraints),
-    )
+    spec = merged_program(name, fs, bs, inputs, outputs)
     return Run(program=name, mb=f.mb, inputs=inputs, outputs=outputs), spec
 
 
-def _union(a: tuple, b: tuple) -> tuple:
-    return tuple(dict.fromkeys(a + b))
+def merged_program(
+    name: ProgramRef, first: ProgramSpec, second: ProgramSpec, inputs, outputs, pins=()
+) -> ProgramSpec:
+    """One program ``name`` over the equations of two programs of a mesh run back to back,
+    reading ``inputs`` and writing ``outputs`` (buffer instances; their groups are
+    taken), with both programs' sharding pins and ``pins`` (more ``(var, spec)``)."""
+
+    def union(a: tuple, b: tuple) -> tuple:
+        return tuple(dict.fromkeys(a + b))
+
+    return ProgramSpec(
+        name=name,
+        mesh=first.mesh,
+        eqns=tuple(sorted(set(first.eqns) | set(second.eqns))),
+        inputs=tuple(x.group for x in inputs),
+        outputs=tuple(x.group for x in outputs),
+        constraints=union(first.constraints, union(tuple(pins), second.constraints)),
+        unreduced=union(first.unreduced, second.unreduced),
+        operand_constraints=union(first.operand_constraints, second.operand_constraints),
+    )

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meshshard.instructions import Free, Instruction, Run, WorkerStream, Zeros
+from meshshard.passes.fuse_forward_backward import merged_program
 from meshshard.plan import Plan, ProgramSpec
 from meshshard.refs import BufferKind, Phase, ProgramRef
 
@@ -155,16 +156,7 @@ def _fused(plan: Plan, instructions, j: int, k: int, specs: dict) -> tuple:
         for t in plan.buffer(g).tensors
         if s.constraints or a.constraints
     )
-    spec = ProgramSpec(
-        name=name,
-        mesh=s.mesh,
-        eqns=tuple(sorted(set(s.eqns) | set(a.eqns))),
-        inputs=tuple(x.group for x in inputs),
-        outputs=tuple(x.group for x in outputs),
-        constraints=_union(s.constraints, _union(laid_out, a.constraints)),
-        unreduced=_union(s.unreduced, a.unreduced),
-        operand_constraints=_union(s.operand_constraints, a.operand_constraints),
-    )
+    spec = merged_program(name, s, a, inputs, outputs, pins=laid_out)
     out: list[Instruction] = []
     for i, x in enumerate(instructions):
         if i == j:
@@ -174,7 +166,3 @@ def _fused(plan: Plan, instructions, j: int, k: int, specs: dict) -> tuple:
         else:
             out.append(x)
     return tuple(out), spec
-
-
-def _union(a: tuple, b: tuple) -> tuple:
-    return tuple(dict.fromkeys(a + b))
