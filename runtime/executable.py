@@ -642,7 +642,10 @@ class Executable:
         one run while the interpreter tears this module's globals down)."""
         if not getattr(self, "released", True):
             self.released = True
-            self._drop_twins()
+            try:
+                self._drop_twins()
+            except Exception:  # module globals already torn down at exit: nothing to free
+                pass
             self._releaser.call(self.backend.release)
 
     def _drop_twins(self, keep: int = 0) -> None:
