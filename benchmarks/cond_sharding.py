@@ -101,14 +101,7 @@ def main(argv=None) -> int:
             "jax.jit batch split": (lambda s: peer(s, *peer_args), jax.device_put(state, whole)),
             "jax.jit one device": (lambda s: single(s, x, y, flag), state),
         }
-        states = {k: s for k, (_, s) in calls.items()}
-        for k, (call, _) in calls.items():
-            _, states[k] = recurrent_grads._time(call, states[k], 2)
-        times: dict = {k: [] for k in calls}
-        for _ in range(args.rounds):
-            for k, (call, _) in calls.items():
-                t, states[k] = recurrent_grads._time(call, states[k], args.steps)
-                times[k].append(t)
+        times, _ = recurrent_grads.timed_rounds(calls, args.steps, args.rounds)
     print(f"collectives per step: {counts}; notes: {notes or 'none replicated'}")
     base = statistics.median(times["jax.jit one device"])
     print(f"{'run':22} {'ms / step':>10} {'vs one device':>14}")

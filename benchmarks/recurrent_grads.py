@@ -148,6 +148,23 @@ def _time(call, state, steps: int) -> tuple[float, object]:
     return statistics.median(times), state
 
 
+def timed_rounds(calls: dict, steps: int, rounds: int, warm: int = 2, swap: bool = False):
+    """``{label: [median step seconds per round]}`` of ``calls`` (label -> (call, state),
+    ``call(state) -> (state, loss)``): each warmed up with ``warm`` steps, then
+    ``rounds`` rounds of ``steps`` steps each, the calls in turn (order reversed every
+    other round when ``swap``); also returns the last states."""
+    states = {k: s for k, (_, s) in calls.items()}
+    for k, (call, _) in calls.items():  # compile and warm up
+        _, states[k] = _time(call, states[k], warm)
+    times: dict = {k: [] for k in calls}
+    for r in range(rounds):
+        order = list(calls) if not (swap and r % 2) else list(reversed(calls))
+        for k in order:
+            t, states[k] = _time(calls[k][0], states[k], steps)
+            times[k].append(t)
+    return times, states
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2])
@@ -193,14 +210,7 @@ def main(argv=None) -> int:
             exe = par._executable_for((state, x, y))  # the plan the run uses
             counts[label] = meshshard_per_step(exe.plan, exe.traced, hlo)
             calls[label] = ((lambda s, par=par: par(s, x, y)), state)
-        times: dict = {k: [] for k in calls}
-        states = {k: s for k, (_, s) in calls.items()}
-        for k, (call, _) in calls.items():  # compile and warm up
-            _, states[k] = _time(call, states[k], 2)
-        for _ in range(args.rounds):
-            for k, (call, _) in calls.items():
-                t, states[k] = _time(call, states[k], args.steps)
-                times[k].append(t)
+        times, states = timed_rounds(calls, args.steps, args.rounds)
     jax.block_until_ready(states)
     base = statistics.median(times["jax.jit"])
     rows = []

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from recurrent_grads import _time  # noqa: E402  (one step timer for these benchmarks)
+from recurrent_grads import timed_rounds  # noqa: E402  (one timer for these benchmarks)
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
@@ -127,15 +127,7 @@ def _pair(step, state, batch, method, calls: dict, label: str) -> None:
 
 def _measure(title: str, model: str, calls: dict, args, rows: list) -> None:
     """Interleaved rounds of every call; prints the table (ratios to the first call)."""
-    states = {k: s for k, (_, s) in calls.items()}
-    for k, (call, _) in calls.items():  # compile and warm up
-        _, states[k] = _time(call, states[k], 3)
-    times: dict = {k: [] for k in calls}
-    for r in range(args.rounds):
-        order = list(calls) if r % 2 == 0 else list(reversed(calls))
-        for k in order:
-            t, states[k] = _time(calls[k][0], states[k], args.steps)
-            times[k].append(t)
+    times, _ = timed_rounds(calls, args.steps, args.rounds, warm=3, swap=True)
     first = next(iter(calls))
     base = statistics.median(times[first])
     print(f"\n{model}: {title}")
