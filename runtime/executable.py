@@ -26,6 +26,7 @@ from meshshard.instructions import Collective
 from meshshard.plan import Plan, fmt_bytes
 from meshshard.plan_checks import require_valid_plan
 from meshshard.runtime.release import RELEASER
+from meshshard.runtime.step_threads import STEP_THREADS
 from meshshard.runtime.step_wire import EMPTY_LAYOUT, KeyCounter, StepLayout
 from meshshard.runtime.worker import BY_VALUE_BYTES
 
@@ -721,18 +722,22 @@ class Executable:
         ``jax.Array``s: what ``jax.jit`` returns, so a loss has ``block_until_ready``
         and promotes with other results as JAX does (NumPy would make ``float32 /
         int32`` a float64)."""
-        twins = []
+        got, values, weak = [], [], []
         for i in self._small_outputs:
             o, lay = self.plan.outputs[i], self.layout.outputs[i]
             w0, off0 = lay.holders[0]
             value = results.get(w0, {}).get(off0)
             if value is not None:
-                stored = leaves[i]
-                leaves[i] = as_result(value.reshape(o.shape), o.weak_type)
-                key = id(leaves[i])
-                gone = functools.partial(_forget_twin, key)
-                _TWINS[key] = (weakref.ref(leaves[i], gone), weakref.ref(stored))
-                twins.append((key, stored))
+                got.append(i)
+                values.append(value.reshape(o.shape))
+                weak.append(o.weak_type)
+        twins = []
+        for i, array in zip(got, as_results(values, weak), strict=True):
+            stored, leaves[i] = leaves[i], array
+            key = id(array)
+            gone = functools.partial(_forget_twin, key)
+            _TWINS[key] = (weakref.ref(array, gone), weakref.ref(stored))
+            twins.append((key, stored))
         self._twin_steps.append(twins)
         self._drop_twins(keep=TWIN_STEPS)  # the stored copies of older steps go
         return jax.tree.unflatten(self._out_tree, leaves)
@@ -772,6 +777,32 @@ def as_result(value, weak_type: bool = False) -> jax.Array:
     return jax.numpy.asarray(value)
 
 
+def as_results(values: Sequence, weak_types: Sequence[bool]) -> list[jax.Array]:
+    """:func:`as_result` of each of several small host values (a step's by-value
+    outputs), made in one call of a compiled identity program: its arguments go to the
+    device in one batch, instead of one ``jax.numpy.asarray`` dispatch per value
+    (``benchmarks/by_value_results.py`` times the two).  Not for large values: the
+    program copies its inputs to its outputs."""
+    if not values:
+        return []
+    args = [_weak_scalar(v) if w else v for v, w in zip(values, weak_types, strict=True)]
+    return list(_identity(*args))
+
+
+@jax.jit
+def _identity(*values):
+    return values
+
+
+def _weak_scalar(value):
+    """``value`` as the Python scalar JAX types weakly, where that keeps its dtype (so a
+    program returns it weakly typed, as ``jax.jit`` of the step did); else ``value``."""
+    if np.ndim(value) != 0:
+        return value
+    scalar = np.asarray(value).item()
+    return scalar if jax.numpy.result_type(scalar) == np.asarray(value).dtype else value
+
+
 def _is_host_value(x) -> bool:
     """A NumPy array or scalar, or a Python number: what ``jax.jit`` returns as a
     ``jax.Array`` when a step passes it through."""
@@ -797,8 +828,9 @@ def run_in_threads(workers, fn) -> dict:
 
 
 class ThreadsStep:
-    """``fn(w)`` for every worker, each in its own thread, started now; :meth:`result`
-    waits for all (a :class:`StepHandle` of the in-process backend)."""
+    """``fn(w)`` for every worker, each in a thread of its own, started now (threads kept
+    between steps: :mod:`runtime.step_threads`); :meth:`result` waits for all (a
+    :class:`StepHandle` of the in-process backend)."""
 
     def __init__(self, workers, fn, on_error=None, cancel=None, progress=None):
         """``on_error(w, exc)``, if given, runs in the failing worker's thread as soon as
@@ -819,20 +851,19 @@ class ThreadsStep:
                 if on_error is not None:
                     on_error(w, exc)
 
-        self.threads = [threading.Thread(target=one, args=(w,), daemon=True) for w in workers]
-        for t in self.threads:
-            t.start()
+        self.done = [STEP_THREADS.start(functools.partial(one, w)) for w in workers]
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for every worker's thread to end (at most ``timeout`` seconds in all)."""
+        """Wait until every worker's call has returned (at most ``timeout`` seconds in
+        all)."""
         end = None if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        for done in self.done:
+            done.wait(None if end is None else max(0.0, end - time.monotonic()))
 
     @property
     def running(self) -> bool:
-        """True while a worker's thread has not ended."""
-        return any(t.is_alive() for t in self.threads)
+        """True while a worker's call has not returned."""
+        return not all(done.is_set() for done in self.done)
 
     def progress(self) -> int:
         """A count that moves while the step gets on (instructions done, messages

@@ -70,7 +70,7 @@ EXIT_WITH_STEP_IN_FLIGHT = textwrap.dedent(
 
     def report():
         h = handles[0]
-        running = any(t.is_alive() for t in h.threads)
+        running = h.running
         how = "running" if running else "failed" if h.errors else "finished"
         print("in flight at exit:", how, *h.errors.values(), flush=True)
 
@@ -129,7 +129,7 @@ def ended(handle, exe, bound_s: float = BOUND_S) -> bool:
     """Whether ``handle``'s threads end within ``bound_s`` (a stalled step is then given
     up on, so its threads do not wait out the transfer timeout)."""
     handle.join(bound_s)
-    if any(t.is_alive() for t in handle.threads):
+    if handle.running:
         next(iter(exe.backend.transports.values())).abandon("the test gave up")
         return False
     return True
