@@ -1,10 +1,10 @@
 """Threads kept between steps for the in-process backend's per-worker calls.
 
 Each step of the threads backend runs every worker's part in a thread of its own.
-Starting a fresh thread per worker per step cost about half a millisecond of a short
-step on a two-core machine (the driver waits until the new thread has started, while
-the step's other threads hold the interpreter lock), so finished threads wait here for
-the next call instead.  Two pipelined steps may run on one worker at once, so a call
+Starting a fresh thread per worker per step cost about 0.2 ms of a 1.3 ms step on a
+two-core machine (the driver waits until the new thread has started, while the step's
+other threads hold the interpreter lock; ``benchmarks/by_value_results.py`` times both),
+so finished threads wait here for the next call instead.  Two pipelined steps may run on one worker at once, so a call
 never waits for a busy thread: it takes an idle one or starts another.  A thread left
 idle for :data:`IDLE_S` seconds ends.
 """
