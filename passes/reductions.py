@@ -794,7 +794,7 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
         elif not red:
             red, why = classify(micro, full, v, m, dep)
             if red == "batch":
-                red, why = _per_example(micro, full, v, m, label, why)
+                red, why = _per_example(micro, full, v, m, label, why, p)
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
             if not red and label == "loss":
                 _refuse_an_order_statistic(micro, full, v)
@@ -828,6 +828,9 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
 #: How :mod:`~meshshard.passes.pre_grad_values` labels the batch values it passes
 #: through the ``grad_end`` marker.
 PRE_GRAD_LABEL = "before meshshard.grad"
+#: How :mod:`~meshshard.passes.sink_metrics` labels the after-grad values it moves in
+#: front of the marker.
+AFTER_GRAD_LABEL = "after meshshard.grad"
 
 
 def _unclassified_pre_grad_message(producer, why: str) -> str:
@@ -844,11 +847,12 @@ def _unclassified_pre_grad_message(producer, why: str) -> str:
     )
 
 
-def _per_example(micro, full, v, m: int, label: str, why: str) -> tuple[str, str]:
+def _per_example(micro, full, v, m: int, label: str, why: str, producer=None) -> tuple[str, str]:
     """``("concat", why)`` for a value ``meshshard.grad`` returns that holds one row per
     example (logits or predictions returned as aux): the micro-batches' rows, in order,
     are the batch's.  Raises MeshshardInputError for a per-example loss and for a value
-    that keeps the batch some other way."""
+    that keeps the batch some other way (``producer``: the equation that made it, for the
+    user's line)."""
     if label == "loss":  # a scalar loss keeps the batch only under jax.vmap
         raise MeshshardInputError(
             f"the loss meshshard.grad differentiates {why.removeprefix('it ')}: per-example "
@@ -860,12 +864,28 @@ def _per_example(micro, full, v, m: int, label: str, why: str) -> tuple[str, str
     problem = concat_problem(micro, full, v, m)
     if problem is None:
         return "concat", "per-example values"
+    where = _at_line(producer)
+    if label.startswith(AFTER_GRAD_LABEL):  # moved in front of the grad by sink_metrics
+        raise MeshshardInputError(
+            f"a value the step computes from the batch after meshshard.grad{where} keeps "
+            f"the batch, but {problem}: the update part of the step runs once per step, so "
+            "such a value is computed per micro-batch and combined by mean, sum, max or "
+            "min, or concatenated when it holds one row per example, and this one combines "
+            "none of those ways; compute it inside the loss function and return it as "
+            "aux, or use num_micro_batches=1. An optimizer whose update evaluates the loss "
+            "again (optax.contrib.sophia's obj_fn, optax.lbfgs's line search) cannot run "
+            "in the update: give it gradients only"
+        )
+    what = (
+        f"a value the step computes from the batch before meshshard.grad{where}"
+        if label.startswith(PRE_GRAD_LABEL)
+        else f"the {label} value meshshard.grad returns"
+    )
     raise MeshshardInputError(
-        f"the {label} value meshshard.grad returns keeps the batch, but {problem}: "
-        "meshshard combines such a value over micro-batches by mean, sum, max or min, or "
-        "concatenates it when it holds one row per example (the batch as its first "
-        "dimension); reduce it over the batch inside the loss function, return per-example "
-        "rows, or use num_micro_batches=1"
+        f"{what} keeps the batch, but {problem}: meshshard combines such a value over "
+        "micro-batches by mean, sum, max or min, or concatenates it when it holds one row "
+        "per example (the batch as its first dimension); reduce it over the batch inside "
+        "the loss function, return per-example rows, or use num_micro_batches=1"
     )
 
 

@@ -31,6 +31,7 @@ from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, re
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.pre_grad_values import LABEL as PRE_GRAD
 from meshshard.passes.reductions import (
+    AFTER_GRAD_LABEL,
     _shape,
     classify,
     full_batch_shape,
@@ -39,7 +40,7 @@ from meshshard.passes.reductions import (
 )
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
-LABEL = "after meshshard.grad"
+LABEL = AFTER_GRAD_LABEL
 
 
 def batch_aux_positions(micro: ClosedJaxpr, full: ClosedJaxpr) -> frozenset:

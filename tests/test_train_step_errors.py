@@ -125,3 +125,27 @@ def test_a_line_search_in_the_update_is_refused_with_a_step_size_instead(threads
     assert "optax.lbfgs(learning_rate=..., linesearch=None)" in str(err.value)
     stepped = optax.lbfgs(learning_rate=0.1, linesearch=None)
     check_step_parity(_lbfgs_step(stepped), METHOD, (params, stepped.init(params)), batches)
+
+
+def test_an_update_that_evaluates_the_loss_again_is_refused_by_name(state):
+    """optax.contrib.sophia's update takes the loss (obj_fn) and differentiates it again on
+    the batch.  With micro-batches that value was refused as "the after meshshard.grad #k
+    value meshshard.grad returns", which named neither the line nor the cause."""
+    from optax import contrib
+
+    opt = contrib.sophia(1e-2)
+    carry = (state.params, opt.init(state.params))
+
+    def step(carry, batch):
+        params, opt_state = carry
+        loss_fn = mse(state, batch)
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params, obj_fn=loss_fn)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"a value the step computes from the batch after meshshard.grad "
+        r"\(test_train_step_errors.py:\d+\) keeps the batch.*optax.contrib.sophia's obj_fn",
+    ):
+        lower(step, carry, BATCH)
