@@ -27,6 +27,7 @@ from meshshard.runtime import cpu_shares
 from meshshard.runtime.executable import CLOSED_STEP
 from meshshard.runtime.faults import GRACE_S, Failure, WorkerFault, gather
 from meshshard.runtime.live_arrays import LiveArrays
+from meshshard.runtime.step_threads import STEP_THREADS
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +290,7 @@ class ThreadsCluster:
         for stores in self._view_stores.values():
             for store in stores.values():
                 store.clear()
+        STEP_THREADS.close_idle()  # no step thread outlives the cluster
 
 
 def _wait_while_progressing(steps: list, idle_s: float) -> None:

@@ -4,9 +4,10 @@ Each step of the threads backend runs every worker's part in a thread of its own
 Starting a fresh thread per worker per step cost about 0.2 ms of a 1.3 ms step on a
 two-core machine (the driver waits until the new thread has started, while the step's
 other threads hold the interpreter lock; ``benchmarks/by_value_results.py`` times both),
-so finished threads wait here for the next call instead.  Two pipelined steps may run on one worker at once, so a call
-never waits for a busy thread: it takes an idle one or starts another.  A thread left
-idle for :data:`IDLE_S` seconds ends.
+so finished threads wait here for the next call instead.  Two pipelined steps may run
+on one worker at once, so a call never waits for a busy thread: it takes an idle one or
+starts another.  A thread left idle for :data:`IDLE_S` seconds ends, and so do the idle
+ones when a cluster closes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class StepThreads:
         inbox.put((fn, done))
         return done
 
+    def close_idle(self) -> None:
+        """End the threads that wait for work now (a cluster closing: its steps leave no
+        thread behind); a later call starts new ones."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
+
     @property
     def idle(self) -> int:
         """How many kept threads wait for work now."""
@@ -54,13 +63,16 @@ class StepThreads:
     def _serve(self, inbox: queue.SimpleQueue) -> None:
         while True:
             try:
-                fn, done = inbox.get(timeout=self._idle_s)
+                work = inbox.get(timeout=self._idle_s)
             except queue.Empty:
                 with self._lock:
                     if any(q is inbox for q in self._idle):
                         self._idle = [q for q in self._idle if q is not inbox]
                         return
                 continue  # a caller took this thread just now: its work is on the way
+            if work is None:  # close_idle
+                return
+            fn, done = work
             try:
                 fn()
             except BaseException:  # fn reports its own failures; never lose the thread

@@ -23,6 +23,7 @@ def test_calls_reuse_an_idle_thread():
         pool.start(lambda: seen.append(threading.current_thread().name)).wait(5)
     assert len(seen) == 5 and len(set(seen)) == 1  # one thread served all five
     assert pool.idle == 1
+    pool.close_idle()
 
 
 def test_concurrent_calls_run_at_once():
@@ -35,6 +36,7 @@ def test_concurrent_calls_run_at_once():
     assert first.wait(5) and second.wait(5)
     assert a.is_set() and b.is_set()
     assert pool.idle == 2
+    pool.close_idle()
 
 
 def test_a_raising_call_sets_its_event_and_keeps_the_thread(caplog):
@@ -48,6 +50,7 @@ def test_a_raising_call_sets_its_event_and_keeps_the_thread(caplog):
     got = []
     assert pool.start(lambda: got.append(1)).wait(5)
     assert got == [1] and pool.idle == 1
+    pool.close_idle()
 
 
 def test_idle_threads_end():
@@ -59,6 +62,8 @@ def test_idle_threads_end():
     assert pool.idle == 0
     assert pool.start(lambda: None).wait(5)  # a new thread after the old one ended
     assert pool.idle == 1
+    pool.close_idle()
+    assert pool.idle == 0
 
 
 def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster):
@@ -109,3 +114,30 @@ def test_as_results_is_as_result_of_each():
         )
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert as_results([], []) == []
+
+
+def test_closing_a_threads_cluster_ends_its_idle_step_threads():
+    """Per-step threads used to end with each step; kept ones must not outlive the
+    cluster (no thread left behind by a closed cluster)."""
+    from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+
+    model = mlp.MLP(num_layers=2)
+    batch = mlp.make_batch(batch_size=8)
+    state = mlp.make_state(model, batch["x"])
+    with use_cluster(ThreadsCluster(4, 2)) as cluster:
+        step = meshshard.parallelize(
+            mlp.train_step, method=meshshard.DataParallel((1, 2)), batch_argnums=(1,)
+        )
+        for _ in range(2):
+            state, loss = step(state, batch)
+        jax.block_until_ready(loss)
+        assert _step_threads()
+    cluster.close()  # as meshshard.shutdown() does
+    deadline = time.monotonic() + 5
+    while _step_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _step_threads()
+
+
+def _step_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("meshshard-step-")]
