@@ -72,15 +72,21 @@ class StepThreads:
                 continue  # a caller took this thread just now: its work is on the way
             if work is None:  # close_idle
                 return
-            fn, done = work
-            try:
-                fn()
-            except BaseException:  # fn reports its own failures; never lose the thread
-                log.exception("a step thread's call raised")
-            finally:
-                done.set()
-                with self._lock:
-                    self._idle.append(inbox)
+            self._run(*work)
+            # nothing of the call is left in this frame while the thread waits: its
+            # closure holds the step's workers, and so their stored arrays
+            work = None
+            with self._lock:
+                self._idle.append(inbox)
+
+    @staticmethod
+    def _run(fn: Callable[[], None], done: threading.Event) -> None:
+        try:
+            fn()
+        except BaseException:  # fn reports its own failures; never lose the thread
+            log.exception("a step thread's call raised")
+        finally:
+            done.set()
 
 
 #: The in-process backend's kept threads (one pool for every step of this process).

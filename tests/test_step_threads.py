@@ -141,3 +141,30 @@ def test_closing_a_threads_cluster_ends_its_idle_step_threads():
 
 def _step_threads() -> list:
     return [t for t in threading.enumerate() if t.name.startswith("meshshard-step-")]
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_call():
+    """A kept thread waiting for work held its last call's closure, and through it the
+    step's workers and their stored arrays, until its next call: a released step's
+    buffers stayed alive (the leak test saw 12 extra live buffers)."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    pool = StepThreads()
+    payload = Payload()
+    gone = weakref.ref(payload)
+
+    def call(held=payload):
+        assert held is not None
+
+    assert pool.start(call).wait(5)
+    del payload, call
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert gone() is None
+    pool.close_idle()
