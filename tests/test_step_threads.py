@@ -66,9 +66,18 @@ def test_idle_threads_end():
     assert pool.idle == 0
 
 
-def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster):
-    """Each step used to start one thread per worker; now the same kept threads serve
-    every step."""
+def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster, monkeypatch):
+    """Each step used to start one thread per worker; now the threads that ran the first
+    step run the next ones too."""
+    from meshshard.runtime.worker import Worker
+
+    ran, run_step = [], Worker.run_step
+
+    def recorded(self, *args, **kwargs):
+        ran.append(threading.current_thread())
+        return run_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "run_step", recorded)
     model = mlp.MLP(num_layers=2)
     batch = mlp.make_batch(batch_size=8)
     state = mlp.make_state(model, batch["x"])
@@ -77,13 +86,15 @@ def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster):
         method=meshshard.PipeshardParallel(num_micro_batches=2, stages=((1, 2), (1, 2))),
         batch_argnums=(1,),
     )
-    state, _ = step(state, batch)
-    before = {t.ident for t in threading.enumerate() if t.name.startswith("meshshard-step-")}
+    state, loss = step(state, batch)
+    jax.block_until_ready(loss)
+    first = set(ran)
+    ran.clear()
     for _ in range(4):
         state, loss = step(state, batch)
     jax.block_until_ready(loss)
-    after = {t.ident for t in threading.enumerate() if t.name.startswith("meshshard-step-")}
-    assert len(before) >= 2 and after == before
+    assert len(first) == 2 and len(ran) == 8  # two workers, one call each per step
+    assert set(ran) <= first
 
 
 def _cases():
@@ -116,11 +127,20 @@ def test_as_results_is_as_result_of_each():
     assert as_results([], []) == []
 
 
-def test_closing_a_threads_cluster_ends_its_idle_step_threads():
+def test_closing_a_threads_cluster_ends_its_idle_step_threads(monkeypatch):
     """Per-step threads used to end with each step; kept ones must not outlive the
-    cluster (no thread left behind by a closed cluster)."""
+    cluster (no thread left behind by a closed cluster).  Checked on the threads that
+    ran this cluster's steps: other tests' steps in this process may still hold theirs."""
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
+    from meshshard.runtime.worker import Worker
 
+    ran, run_step = set(), Worker.run_step
+
+    def recorded(self, *args, **kwargs):
+        ran.add(threading.current_thread())
+        return run_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "run_step", recorded)
     model = mlp.MLP(num_layers=2)
     batch = mlp.make_batch(batch_size=8)
     state = mlp.make_state(model, batch["x"])
@@ -131,16 +151,12 @@ def test_closing_a_threads_cluster_ends_its_idle_step_threads():
         for _ in range(2):
             state, loss = step(state, batch)
         jax.block_until_ready(loss)
-        assert _step_threads()
+    assert ran and all(t.name.startswith("meshshard-step-") for t in ran)
     cluster.close()  # as meshshard.shutdown() does
     deadline = time.monotonic() + 5
-    while _step_threads() and time.monotonic() < deadline:
+    while any(t.is_alive() for t in ran) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _step_threads()
-
-
-def _step_threads() -> list:
-    return [t for t in threading.enumerate() if t.name.startswith("meshshard-step-")]
+    assert not any(t.is_alive() for t in ran)
 
 
 def test_an_idle_thread_keeps_nothing_of_its_last_call():
