@@ -69,18 +69,8 @@ def test_idle_threads_end():
 def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster, monkeypatch):
     """Each step used to start one thread per worker; now the threads that ran the first
     step run the next ones too."""
-    from meshshard.runtime.worker import Worker
-
-    ran, run_step = [], Worker.run_step
-
-    def recorded(self, *args, **kwargs):
-        ran.append(threading.current_thread())
-        return run_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(Worker, "run_step", recorded)
-    model = mlp.MLP(num_layers=2)
-    batch = mlp.make_batch(batch_size=8)
-    state = mlp.make_state(model, batch["x"])
+    ran = _record_step_threads(monkeypatch)
+    state, batch = _mlp_case()
     step = meshshard.parallelize(
         mlp.train_step,
         method=meshshard.PipeshardParallel(num_micro_batches=2, stages=((1, 2), (1, 2))),
@@ -95,6 +85,26 @@ def test_steps_of_the_threads_backend_reuse_their_threads(threads_cluster, monke
     jax.block_until_ready(loss)
     assert len(first) == 2 and len(ran) == 8  # two workers, one call each per step
     assert set(ran) <= first
+
+
+def _record_step_threads(monkeypatch) -> list:
+    """The threads that run ``Worker.run_step`` from now on, one entry per call."""
+    from meshshard.runtime.worker import Worker
+
+    ran, run_step = [], Worker.run_step
+
+    def recorded(self, *args, **kwargs):
+        ran.append(threading.current_thread())
+        return run_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Worker, "run_step", recorded)
+    return ran
+
+
+def _mlp_case():
+    """(state, batch) of a two-layer MLP."""
+    batch = mlp.make_batch(batch_size=8)
+    return mlp.make_state(mlp.MLP(num_layers=2), batch["x"]), batch
 
 
 def _cases():
@@ -132,18 +142,9 @@ def test_closing_a_threads_cluster_ends_its_idle_step_threads(monkeypatch):
     cluster (no thread left behind by a closed cluster).  Checked on the threads that
     ran this cluster's steps: other tests' steps in this process may still hold theirs."""
     from meshshard.runtime.cluster import ThreadsCluster, use_cluster
-    from meshshard.runtime.worker import Worker
 
-    ran, run_step = set(), Worker.run_step
-
-    def recorded(self, *args, **kwargs):
-        ran.add(threading.current_thread())
-        return run_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(Worker, "run_step", recorded)
-    model = mlp.MLP(num_layers=2)
-    batch = mlp.make_batch(batch_size=8)
-    state = mlp.make_state(model, batch["x"])
+    ran = _record_step_threads(monkeypatch)
+    state, batch = _mlp_case()
     with use_cluster(ThreadsCluster(4, 2)) as cluster:
         step = meshshard.parallelize(
             mlp.train_step, method=meshshard.DataParallel((1, 2)), batch_argnums=(1,)
