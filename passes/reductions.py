@@ -847,7 +847,7 @@ def _unclassified_pre_grad_message(producer, why: str) -> str:
     )
 
 
-def _per_example(micro, full, v, m: int, label: str, why: str, producer=None) -> tuple[str, str]:
+def _per_example(micro, full, v, m: int, label: str, why: str, producer) -> tuple[str, str]:
     """``("concat", why)`` for a value ``meshshard.grad`` returns that holds one row per
     example (logits or predictions returned as aux): the micro-batches' rows, in order,
     are the batch's.  Raises MeshshardInputError for a per-example loss and for a value

@@ -214,9 +214,10 @@ class Worker:
                 # then read in place (the driver's jax.Array remembers the key)
                 self.store[base + off] = arr
             self._cv.notify_all()
-        # one fetch for all of them: their copies to the host overlap
-        values = jax.device_get([data for _, data in by_value])
-        result = {off: np.asarray(v) for (off, _), v in zip(by_value, values, strict=True)}
+        result = {}
+        if by_value:  # one fetch for all of them: their copies to the host overlap
+            values = jax.device_get([data for _, data in by_value])
+            result = {off: np.asarray(v) for (off, _), v in zip(by_value, values, strict=True)}
         if self.interp.recorder is not None:  # finished: the small outputs are in hand
             self.last_trace = self.interp.recorder.snapshot(self.worker, clock_ns())
         for key in free:
