@@ -175,7 +175,9 @@ class Worker:
         small ones by value (``{offset: value}``).
 
         ``batch`` and ``state`` follow this worker's :class:`StepLayout` order; a state
-        entry is a store key (int) or a host value.  ``seq`` (pipelined steps, 2BW
+        entry is a store key (int) or a host value.  ``free``: store keys of arrays the
+        driver dropped (the state the last step replaced), freed before the step runs,
+        so they are not held beside its inputs and outputs.  ``seq`` (pipelined steps, 2BW
         without flushes): the step's number; it may run while step ``after`` (the one in
         flight when it was submitted, or None) still runs here, and starts only after
         that one started; a state input that step has not stored yet is waited for when
@@ -190,6 +192,8 @@ class Worker:
             for leaf, v in zip(layout.state_leaves, state, strict=True)
         }
         pipelined = seq is not None
+        if not pipelined:  # alone on this worker: nothing still reads what the driver dropped
+            self._free(free)  # before this step's outputs exist: one state fewer at its peak
         try:
             if pipelined:
                 self.order.wait(after)
@@ -220,9 +224,14 @@ class Worker:
             result = {off: np.asarray(v) for (off, _), v in zip(by_value, values, strict=True)}
         if self.interp.recorder is not None:  # finished: the small outputs are in hand
             self.last_trace = self.interp.recorder.snapshot(self.worker, clock_ns())
-        for key in free:
-            self.store.pop(key, None)
+        if pipelined:  # the step before may still read them: freed once this one has run
+            self._free(free)
         return result
+
+    def _free(self, keys: Sequence[int]) -> None:
+        store = self.store
+        for key in keys:
+            store.pop(key, None)
 
     def _persistent(self, state: dict[int, object], pipelined: bool) -> dict:
         """The persistent groups (P, S) of this step; pipelined, a group whose stored

@@ -99,6 +99,35 @@ def test_three_hundred_steps_stay_flat(threads_cluster):
     assert {h: s["store"] for h, s in at300.items() if s["store"]} == held((state, loss))
 
 
+def test_a_step_frees_the_state_it_replaced_before_it_runs(threads_cluster, monkeypatch):
+    """The state the driver dropped goes before the step runs, not after: a worker holds
+    two states at a step's peak (its inputs and outputs), not three."""
+    from meshshard.runtime.worker import Worker
+
+    held_at_start, run_step = [], Worker.run_step
+
+    def recorded(self, batch, state, base, free=(), seq=None, after=None):
+        run = self.interp.run
+
+        def checked(*args, **kwargs):
+            held_at_start.append((len(free), sum(key in self.store for key in free)))
+            return run(*args, **kwargs)
+
+        self.interp.run = checked
+        try:
+            return run_step(self, batch, state, base, free, seq, after)
+        finally:
+            del self.interp.run
+
+    monkeypatch.setattr(Worker, "run_step", recorded)
+    state, batch = setup()
+    step = meshshard.parallelize(mlp.train_step, method=METHOD)
+    for _ in range(3):  # the third call carries the frees of the first call's result
+        state, _ = step(state, batch)
+    freeing = [still for count, still in held_at_start if count]
+    assert freeing and not any(freeing), held_at_start
+
+
 @pytest.mark.ray
 def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     state0, batch = setup()
