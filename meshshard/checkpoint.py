@@ -281,7 +281,7 @@ def restore(path: str | os.PathLike, like):
         out[i] = RemoteArray(owner, keys, shape, dtype, groups)
         if entries[i].get("weak_type"):
             out[i].weak_type = True
-        owner.backend.track(out[i])  # moved, not lost, if its hosts restart later
+        owner.backend.track([out[i]])  # moved, not lost, if its hosts restart later
     for part, names in host.items():
         arrays = read_host(os.path.join(path, part), [n for _, n in names])
         for i, n in names:

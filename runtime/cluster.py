@@ -912,8 +912,8 @@ class RayBackend:
         if self.generation != self.cluster.generation or not self.cluster._transport_ready:
             recompile()
 
-    def track(self, array) -> None:
-        self.cluster.arrays.add(array)
+    def track(self, arrays) -> None:
+        self.cluster.arrays.add_all(arrays)
 
     def run_step(self, per_worker: dict[int, tuple]) -> dict[int, dict]:
         return self.submit_step(per_worker).result()

@@ -100,8 +100,8 @@ class Backend(Protocol):
         """Before a step: raise if the cluster is gone, recover it if a host-actor failed,
         and call ``recompile()`` if the workers lost this plan's programs."""
 
-    def track(self, array: RemoteArray) -> None:
-        """Remember a live array, so restarts move it instead of losing it."""
+    def track(self, arrays: Sequence[RemoteArray]) -> None:
+        """Remember live arrays, so restarts move them instead of losing them."""
 
     def set_trace(self, workers, on: bool, sync: bool = False) -> None:
         """Make ``workers`` record their per-instruction timelines (``last_traces``)."""
@@ -134,40 +134,24 @@ class RemoteArray:
     __array_priority__ = 100
     #: True for a result ``jax.jit`` types weakly: passed back, a step traces it weakly too
     weak_type = False
+    # per-array state that rarely changes lives on the class until it does: a GPT step
+    # makes and drops ~160 of these, so each store saved is paid 160 times a step
+    deleted = False
+    _host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
+    _lost: str | None = None  # why it can no longer be fetched
+    _value: jax.Array | None = None  # local copy, once used as an array here
+    #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def __init__(self, owner: Executable, keys: dict[int, int], shape, dtype, groups=()):
-        self._fill(
-            weakref.ref(owner),
-            owner.backend,
-            owner.schedule_frees,
-            dict(keys),
-            tuple(shape),
-            np.dtype(dtype),
-            tuple(tuple(g) for g in groups),
-        )
-
-    @classmethod
-    def _stored(cls, owner_ref, backend, schedule_free, keys, shape, dtype, groups) -> RemoteArray:
-        """A step's output under ``keys``, from values the executable normalised once per
-        plan (``shape`` a tuple, ``dtype`` a NumPy dtype, ``groups`` tuples): a GPT step
-        makes ~160 of these, so the normalising of ``__init__`` is not repeated per step."""
-        self = cls.__new__(cls)
-        self._fill(owner_ref, backend, schedule_free, keys, shape, dtype, groups)
-        return self
-
-    def _fill(self, owner_ref, backend, schedule_free, keys, shape, dtype, groups) -> None:
-        self._owner = owner_ref
-        self.keys: dict[int, int] = keys
-        self.shape: tuple = shape
-        self.dtype: np.dtype = dtype
-        #: the workers of each mesh that holds a copy (a checkpoint writes one of them)
-        self.groups: tuple[tuple[int, ...], ...] = groups
-        self.deleted = False
-        self._backend = backend
-        self._schedule_free = schedule_free
-        self._host: np.ndarray | None = None  # driver copy, once moved off restarted hosts
-        self._lost: str | None = None  # why it can no longer be fetched
-        self._value: jax.Array | None = None  # local copy, once used as an array here
+        self._owner = weakref.ref(owner)
+        self._backend = owner.backend
+        self._drop = owner.drop_keys
+        self.keys: dict[int, int] = dict(keys)
+        self.shape: tuple = tuple(shape)
+        self.dtype: np.dtype = np.dtype(dtype)
+        if groups:
+            self.groups = tuple(tuple(g) for g in groups)
 
     @property
     def ndim(self) -> int:
@@ -336,11 +320,12 @@ class RemoteArray:
             self.deleted = True
             self._host = None
             self._value = None
-            self._schedule_free(self.keys.items())
+            self._drop(self.keys)
 
     def __del__(self):
-        try:
-            self._release()
+        try:  # dying: nothing to reset, only the keys to free
+            if not self.deleted:
+                self._drop(self.keys)
         except Exception:  # interpreter shutdown
             pass
 
@@ -383,7 +368,11 @@ class Executable:
         self.batch_argnums = tuple(batch_argnums)
         self.donate_argnums = tuple(donate_argnums)
         self._pending_free: dict[int, list[int]] = {}
+        #: ``{worker: key}`` of dropped arrays, not yet in ``_pending_free`` (appended
+        #: without a lock by finalizers: see :meth:`drop_keys`)
+        self._dropped: deque = deque()
         self._free_armed = False  # a delayed flush_frees is queued
+        self._self_ref = weakref.ref(self)
         RELEASER.start()  # now, not first from a finalizer
         self._lock = threading.RLock()  # re-entered by a finalizer freeing an array
         self.released = False
@@ -394,6 +383,8 @@ class Executable:
         self._out_specs = self._output_specs()
         self._donate_ranges: dict = {}  # argument structure -> donated leaf ranges
         self._leaf_pos = {spec.leaf: pos for pos, spec in enumerate(plan.inputs)}
+        #: per worker: (worker, input positions of its batch leaves, of its state leaves)
+        self._input_positions = tuple(self._positions(w) for w in plan.workers)
         self._said_moved = False  # the warning on state another step keeps elsewhere
         self._twin_steps: deque = deque()  # per recent step, its by-value results' twins
         self._small_outputs = [  # the program outputs a worker may return by value
@@ -474,7 +465,7 @@ class Executable:
         base = _KEYS.reserve(self.layout.num_keys)
         donated = self._donated(args, flat, tree)
         with self._lock:
-            frees, self._pending_free = self._pending_free, {}
+            frees = self._take_frees()
         requests = {
             w: (*inputs, base, frees.get(w, [])) for w, inputs in self._inputs(flat).items()
         }
@@ -494,45 +485,54 @@ class Executable:
             r._release()
         return self._by_value(leaves, results)
 
+    def _positions(self, worker: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        lay, pos = self.layout.workers.get(worker, EMPTY_LAYOUT), self._leaf_pos
+        batch = tuple(pos[leaf] for leaf in lay.batch_leaves)
+        return worker, batch, tuple(pos[leaf] for leaf in lay.state_leaves)
+
     def _inputs(self, flat) -> dict[int, tuple[list, list]]:
         """Each worker's batch and state entries in its :class:`StepLayout` order: store
         keys for arrays it keeps, host values (one copy per leaf) for the rest."""
-        pos = self._leaf_pos
         host: dict[int, np.ndarray] = {}
 
-        def value(leaf: int) -> np.ndarray:
-            if leaf not in host:
-                host[leaf] = np.asarray(flat[pos[leaf]])
-            return host[leaf]
+        def value(p: int) -> np.ndarray:
+            if p not in host:
+                host[p] = np.asarray(flat[p])
+            return host[p]
 
         out = {}
-        moved: set[int] = set()  # leaves another step keeps, sent from here by value
-        for w in self.plan.workers:
-            lay = self.layout.workers.get(w, EMPTY_LAYOUT)
+        backend = self.backend
+        moved: set[int] = set()  # positions of leaves another step keeps, sent by value
+        for w, batch_pos, state_pos in self._input_positions:
             state = []
-            for leaf in lay.state_leaves:
-                x = flat[pos[leaf]]
-                if isinstance(x, RemoteArray):
-                    key = x.key_on(self.backend, w)
-                    if key is None:
-                        moved.add(leaf)
+            for p in state_pos:
+                x = flat[p]
+                if type(x) is RemoteArray and x._backend is backend and not x.deleted:
+                    key = None if x._lost else x.keys.get(w)  # this step's own result
+                elif isinstance(x, RemoteArray):
+                    key = x.key_on(backend, w)
                 else:  # a recent by-value result is read where it is also kept
                     twin = _twin_of(x) if _TWINS else None
-                    key = twin.key_on(self.backend, w) if isinstance(twin, RemoteArray) else None
-                state.append(value(leaf) if key is None else int(key))
-            out[w] = ([value(leaf) for leaf in lay.batch_leaves], state)
+                    key = twin.key_on(backend, w) if isinstance(twin, RemoteArray) else None
+                if key is None:
+                    if isinstance(x, RemoteArray):
+                        moved.add(p)
+                    state.append(value(p))
+                else:
+                    state.append(int(key))
+            out[w] = ([value(p) for p in batch_pos], state)
         if moved and not self._said_moved:
             self._say_moved(sorted(moved))
         return out
 
-    def _say_moved(self, leaves: list[int]) -> None:
+    def _say_moved(self, positions: list[int]) -> None:
         """Warn, once per compiled step, that state arrays kept on the cluster by another
         step (or another layout) reach this one through the driver: fetched here and sent
         by value.  Once is normal after a layout change (the step's results are then kept
         where it reads them); on every call it is a cost worth knowing (an eval step
         whose stages read parameters where the train step does not keep them)."""
         self._said_moved = True
-        specs = [self.plan.inputs[self._leaf_pos[leaf]] for leaf in leaves]
+        specs = [self.plan.inputs[p] for p in positions]
         nbytes = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in specs)
         names = ", ".join(s.path for s in specs[:3]) + (
             f" and {len(specs) - 3} more" if len(specs) > 3 else ""
@@ -597,33 +597,56 @@ class Executable:
         while self._inflight:
             self._settle_one()
 
-    def schedule_frees(self, items) -> None:
-        """Drop stored arrays, ``(worker, key)`` pairs: with the next step, or from the
-        releaser thread within :data:`FREE_DELAY_S` if no step takes them first (safe to
-        call from a finalizer).  The state a step replaces is dropped as it returns, so
-        in a training loop the next call carries those frees: no extra message."""
+    def drop_keys(self, keys: dict[int, int]) -> None:
+        """Free a dropped array's ``{worker: key}`` with the next step, or from the
+        releaser thread within :data:`FREE_DELAY_S` if no step takes it first.  Called
+        by the finalizer of each array of a state the next step replaced (~160 for a
+        GPT), so it only appends to a thread-safe queue: no lock, unless it must arm
+        the delayed flush.  The state a step replaces is dropped as it returns, so in a
+        training loop the next call carries those frees: no extra message."""
+        self._dropped.append(keys)
+        if not self._free_armed:
+            self._arm_flush()
+
+    def _arm_flush(self) -> None:
         with self._lock:
-            pending, inflight = self._pending_free, self._inflight
-            for worker, key in items:
-                if inflight:
-                    writer = next((s for s in inflight if (worker, key) in s.written), None)
-                    if writer is not None:  # freed once its step has stored it
-                        writer.deferred.append((worker, key))
-                        continue
-                keys = pending.get(worker)
-                if keys is None:
-                    pending[worker] = [key]
-                else:
-                    keys.append(key)
-            if self._free_armed or not self._pending_free:
+            if self._free_armed or not (self._pending_free or self._dropped):
                 return
             self._free_armed = True
         RELEASER.call_later(FREE_DELAY_S, self.flush_frees)
 
+    def _pend(self, items) -> None:
+        """Add ``(worker, key)`` pairs to the frees the next step carries (under the
+        lock); a key a pipelined step in flight still writes waits for that step."""
+        pending, inflight = self._pending_free, self._inflight
+        for worker, key in items:
+            if inflight:
+                writer = next((s for s in inflight if (worker, key) in s.written), None)
+                if writer is not None:  # freed once its step has stored it
+                    writer.deferred.append((worker, key))
+                    continue
+            keys = pending.get(worker)
+            if keys is None:
+                pending[worker] = [key]
+            else:
+                keys.append(key)
+
+    def _take_frees(self) -> dict[int, list[int]]:
+        """Every free not yet sent, ``{worker: keys}``, taken (under the lock)."""
+        dropped, items = self._dropped, []
+        while dropped:  # popleft is atomic against a finalizer's append
+            try:
+                items.extend(dropped.popleft().items())
+            except IndexError:
+                break
+        self._pend(items)
+        frees, self._pending_free = self._pending_free, {}
+        return frees
+
     def flush_frees(self) -> None:
         """Free the arrays dropped since the last step now, without waiting for a step."""
         with self._lock:
-            frees, self._pending_free = self._pending_free, {}
+            frees = self._take_frees()
             self._free_armed = False
         for w, keys in frees.items():
             self.backend.free(w, keys)
@@ -682,23 +705,31 @@ class Executable:
         that come back by value), literals as ``jax.Array``s, and inputs returned as they
         came, except host values (NumPy arrays, Python scalars), which become
         ``jax.Array``s as under ``jax.jit``."""
-        leaves = []
-        owner, backend, free = weakref.ref(self), self.backend, self.schedule_frees
-        track, stored = backend.track, RemoteArray._stored
+        leaves, made = [], []
+        owner, backend, drop = self._self_ref, self.backend, self.drop_keys
+        new = RemoteArray.__new__
         for kind, what, shape, dtype, groups, weak in self._out_specs:
-            if kind == "stored":
-                array = stored(
-                    owner, backend, free, {w: base + off for w, off in what}, shape, dtype, groups
-                )
+            if kind == "stored":  # filled in place: ~160 a step (see RemoteArray's defaults)
+                array = new(RemoteArray)
+                array._owner, array._backend, array._drop = owner, backend, drop
+                if len(what) == 1:
+                    ((w, off),) = what
+                    array.keys = {w: base + off}
+                else:
+                    array.keys = {w: base + off for w, off in what}
+                array.shape, array.dtype = shape, dtype
+                if groups:
+                    array.groups = groups
                 if weak:
                     array.weak_type = True
-                track(array)
+                made.append(array)
                 leaves.append(array)
             elif kind == "input":
                 x = flat[what]
                 leaves.append(as_result(x) if _is_host_value(x) else x)
             else:  # a literal, made a jax.Array once (immutable, so it can be shared)
                 leaves.append(what)
+        backend.track(made)
         return leaves
 
     def _output_specs(self) -> tuple:

@@ -35,8 +35,13 @@ class LiveArrays:
 
     def add(self, obj) -> None:
         """Hold ``obj`` weakly (it is forgotten once garbage-collected)."""
+        self.add_all((obj,))
+
+    def add_all(self, objs) -> None:
+        """Hold each of ``objs`` weakly (a step's results: one lock for all of them)."""
+        refs = [weakref.ref(o) for o in objs]
         with self._lock:
-            self._refs.append(weakref.ref(obj))
+            self._refs.extend(refs)
             if len(self._refs) > self._limit:
                 self._refs = [r for r in self._refs if r() is not None]
                 self._limit = max(MIN_PRUNE, 2 * len(self._refs))

@@ -43,7 +43,7 @@ class LocalBackend:
         if self.closed:
             raise MeshshardRuntimeError(CLOSED_STEP)
 
-    def track(self, array) -> None:
+    def track(self, arrays) -> None:
         pass  # threads never restart: nothing to move
 
     def compile(self, fn, abstract_args, batch_argnums, plan: Plan) -> dict[int, float]:

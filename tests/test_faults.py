@@ -118,8 +118,8 @@ class _Owner:
         self.backend = backend
         self.freed = []
 
-    def schedule_frees(self, items):
-        self.freed.extend(items)
+    def drop_keys(self, keys):
+        self.freed.extend(keys.items())
 
 
 def test_evacuate_copies_from_survivors_and_marks_lost_arrays():
