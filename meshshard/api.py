@@ -17,7 +17,7 @@ import numpy as np
 from meshshard._compat import jit_static_positions
 from meshshard.cluster import ClusterSpec
 from meshshard.errors import MeshshardInputError
-from meshshard.keys import physical_call, physical_leaves
+from meshshard.keys import leaf_signatures, physical_call, physical_leaves
 from meshshard.long_work import LongWork, phase
 from meshshard.methods import (
     DataParallel,
@@ -279,8 +279,14 @@ class ParallelizedFunction:
         if self._two_bw is not None:  # PipeDream-2BW: see meshshard.two_bw
             return self._two_bw(*args)
         # typed keys travel as raw data; the arguments are flattened once per call
-        _, raw_args, leaves, tree = physical_leaves(self.fn, args)
-        exe = self._executable_for(args, raw_args, (leaves, tree))
+        leaves, tree = jax.tree.flatten(args)
+        signature, typed = leaf_signatures(leaves)
+        if typed:
+            _, raw_args, leaves, tree = physical_leaves(self.fn, args)
+            signature = None  # of the raw data
+        else:
+            raw_args = args
+        exe = self._executable_for(args, raw_args, (leaves, tree), signature)
         extra = exe.statistics(leaves) if exe.statistics is not None else []
         if plan_needs_index(exe.plan):  # the micro-batch index, for batch-carrying draws
             extra.append(np.arange(exe.plan.num_micro_batches, dtype=np.int32))
@@ -366,10 +372,10 @@ class ParallelizedFunction:
             return tuple(i for i in self.batch_argnums if i < n)
         return tuple(i % n if -n <= i < 0 else i for i in self.batch_argnums)
 
-    def _executable_for(self, args, raw_args=None, flat=None):
+    def _executable_for(self, args, raw_args=None, flat=None, signature=None):
         """The compiled step for ``args`` (``raw_args``: the same with typed keys as raw
-        data, and ``flat``: their leaves and tree structure, when the caller has them),
-        compiling it on first use."""
+        data, ``flat``: their leaves and tree structure, and ``signature``: the leaves'
+        :func:`leaf_signatures`, when the caller has them), compiling it on first use."""
         from meshshard.runtime.cluster import require_cluster
         from meshshard.runtime.executable import Executable
 
@@ -381,17 +387,7 @@ class ParallelizedFunction:
         # the cache key from the leaves themselves: building ShapeDtypeStructs for every
         # leaf on every call was the driver's largest own cost (runtime_overhead.py)
         leaves, tree = jax.tree.flatten(args) if flat is None else flat
-        key = (
-            tree,
-            tuple(  # a weakly typed leaf traces apart, as under jax.jit
-                (
-                    getattr(a, "shape", None),
-                    getattr(a, "dtype", type(a)),
-                    getattr(a, "weak_type", False),
-                )
-                for a in leaves
-            ),
-        )
+        key = (tree, signature if signature is not None else leaf_signatures(leaves)[0])
         exe = self._compiled_for(key, cluster)
         if exe is None:
             batch_argnums = self._batch_for(args)

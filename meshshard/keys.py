@@ -30,6 +30,26 @@ def is_typed_key(x) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def leaf_signatures(leaves) -> tuple[tuple, bool]:
+    """Each leaf's ``(shape, dtype, weak type)``, what a compiled step is looked up by
+    (``jax.jit`` traces a weakly typed leaf apart), and whether any leaf is a typed key.
+    One pass: a step call looks at its ~160 state leaves each time."""
+    sig, typed = [], False
+    for a in leaves:
+        try:  # a jax.Array or a RemoteArray: no getattr defaults needed
+            shape, dtype, weak = a.shape, a.dtype, a.weak_type
+        except AttributeError:
+            shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+            weak = getattr(a, "weak_type", False)
+            if dtype is None:  # a Python scalar
+                sig.append((shape, type(a), weak))
+                continue
+        if not typed and not isinstance(dtype, np.dtype):  # a key dtype is JAX's own type
+            typed = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        sig.append((shape, dtype, weak))
+    return tuple(sig), typed
+
+
 def key_impl(x) -> str:
     """The PRNG implementation's name of typed key ``x`` (array or ShapeDtypeStruct)."""
     if not isinstance(x, jax.ShapeDtypeStruct):
