@@ -42,15 +42,32 @@ LIVENESS_S = 5.0
 CLOSED_VERDICT_S = 10.0
 
 
+#: Array buffers at least this large travel out of band, sent from where they lie;
+#: smaller ones go inside the pickle (a step's batch and by-value results are small).
+OUT_OF_BAND_BYTES = 64 << 10
+
+
 def send_msg(sock: socket.socket, obj) -> None:
-    """Send ``obj`` pickled: the lengths, the pickle, then the array buffers it refers to
-    out of band (sent from where they lie: a large batch or state is not copied into the
-    pickle first)."""
+    """Send ``obj`` pickled: the lengths, the pickle, then the large array buffers it
+    refers to out of band (sent from where they lie: a large batch or state is not
+    copied into the pickle first).  A message without large buffers goes out in one
+    ``sendall``: one segment, so the peer wakes once to read it."""
     buffers: list = []
-    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:  # False: out of band
+        if buf.raw().nbytes < OUT_OF_BAND_BYTES:
+            return True
+        buffers.append(buf)
+        return False
+
+    data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
     raws = [b.raw() for b in buffers]
     sizes = [len(data), *(r.nbytes for r in raws)]
-    sock.sendall(_HEADER.pack(len(sizes)) + struct.pack(f"!{len(sizes)}Q", *sizes))
+    head = _HEADER.pack(len(sizes)) + struct.pack(f"!{len(sizes)}Q", *sizes)
+    if not raws:
+        sock.sendall(head + data)
+        return
+    sock.sendall(head)
     sock.sendall(data)
     for r in raws:
         sock.sendall(r)
