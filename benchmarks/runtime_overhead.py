@@ -18,6 +18,14 @@ per instruction on an empty pipeline.
    the GIL), with the overlapping and with the sequential runtime.  Next to it, Ray
    Compiled Graphs' published per-step dispatch (< 50 us; see ANCHORS.md) for scale.
 
+3. **The driver's own work per step** (Ray cluster, 1F1B): the same steps with the
+   host-actors taken out (the backend answers each step at once with a reply the
+   workers sent earlier), so what is timed is only what the driver does per call:
+   flattening and looking up the arguments, the workers' requests, the result arrays,
+   the by-value results, the frees of the replaced state.  On a quiet core, so it is
+   the steadiest of the three figures; inside a real step the same work takes 2-4
+   times as long (the workers' programs leave the driver's caches cold).
+
 ``--profile`` prints the top of a cProfile of the empty pipeline's steps.
 """
 
@@ -154,7 +162,69 @@ def empty_pipeline(stages: int, micro_batches: int, steps: int, profile: bool) -
     return rows
 
 
-def print_tables(ray_rows, empty_rows) -> None:
+class _Instant:
+    """A submitted step that is already done: the reply the workers sent earlier."""
+
+    def __init__(self, results: dict):
+        self.results = results
+
+    def result(self) -> dict:
+        return dict(self.results)
+
+
+def driver_own(stage_counts, micro_batches: int, steps: int) -> list[dict]:
+    """Part 3: the driver's per-step work, with the backend answering at once."""
+    import jax
+
+    import meshshard
+    from examples import gpt
+
+    rows = []
+    meshshard.init(num_hosts=max(stage_counts), devices_per_host=1)
+    try:
+        state0 = gpt.make_state(gpt.GPT(**MODEL), make_batch(0)["inputs"])
+        batches = [make_batch(i) for i in range(16)]
+        for stages in stage_counts:
+            method = _meshshard_method("1f1b", stages, micro_batches)
+            step = meshshard.parallelize(gpt.train_step, method=method)
+            state, _ = step(state0, batches[0])
+            backend = step.executable.backend
+            replies = {}
+            real_submit, real_free = backend.submit_step, backend.free
+
+            def submit(per_worker, real=real_submit, replies=replies):
+                replies["last"] = real(per_worker).result()
+                return _Instant(replies["last"])
+
+            backend.submit_step = submit
+            state, _ = step(state, batches[1])  # one real step: its reply is replayed
+            backend.submit_step = lambda per_worker, r=replies: _Instant(r["last"])
+            backend.free = lambda worker, keys: None  # the replayed keys were never stored
+            try:
+                times = []
+                for i in range(steps):
+                    t0 = time.perf_counter()
+                    state, loss = step(state, batches[i % len(batches)])
+                    float(loss)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                backend.submit_step, backend.free = real_submit, real_free
+            leaves = len(jax.tree.leaves(state))
+            rows.append(
+                dict(
+                    stages=stages,
+                    state_leaves=leaves,
+                    us_per_step=statistics.median(times) * 1e6,
+                    us_per_step_mean=statistics.fmean(times) * 1e6,
+                )
+            )
+            del state, step
+    finally:
+        meshshard.shutdown()
+    return rows
+
+
+def print_tables(ray_rows, empty_rows, own_rows=()) -> None:
     print(f"{'S':>2} {'schedule':<18} {'path':<11} {'step ms':>8} {'driver ms':>9} {'share':>6}")
     for r in ray_rows:
         if "skipped" in r:
@@ -180,6 +250,14 @@ def print_tables(ray_rows, empty_rows) -> None:
         f"{'Ray Compiled Graphs (published)':<28} {'':>6} {'':>8} "
         f"{'< ' + str(RAY_CG_DISPATCH_US) + ' us per step':>19}"
     )
+    if own_rows:
+        print()
+        print(f"{'driver alone, 1f1b':<28} {'leaves':>6} {'us/step (median)':>17} {'(mean)':>8}")
+        for r in own_rows:
+            print(
+                f"{'S=' + str(r['stages']):<28} {r['state_leaves']:>6} "
+                f"{r['us_per_step']:>17.1f} {r['us_per_step_mean']:>8.1f}"
+            )
 
 
 def main(argv=None) -> int:
@@ -189,6 +267,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--own-steps", type=int, default=1000, help="part 3's steps (0: skip)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -196,7 +275,10 @@ def main(argv=None) -> int:
     if not args.skip_ray:
         ray_rows = ray_overheads(args.stages, args.micro_batches, args.steps, args.warmup)
     empty_rows = empty_pipeline(max(args.stages), 8, args.steps, args.profile)
-    print_tables(ray_rows, empty_rows)
+    own_rows = []
+    if args.own_steps:
+        own_rows = driver_own(args.stages, args.micro_batches, args.own_steps)
+    print_tables(ray_rows, empty_rows, own_rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -204,6 +286,7 @@ def main(argv=None) -> int:
                     model=MODEL,
                     ray=ray_rows,
                     empty=empty_rows,
+                    driver_alone=own_rows,
                     ray_compiled_graphs_us=RAY_CG_DISPATCH_US,
                 ),
                 f,
