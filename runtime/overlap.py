@@ -75,12 +75,15 @@ class Lazy:
     (42, 42, 1)
     """
 
-    __slots__ = ("_fn", "_lock", "_done", "_value", "_exc", "_claimed", "at_ns")
+    __slots__ = ("_fn", "_lock", "_pending", "_value", "_exc", "_claimed", "at_ns")
 
     def __init__(self, fn: Callable[[], object]):
         self._fn = fn
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        # held until the value is there: a plain lock, not an Event (a Condition and a
+        # lock per object, and a lock per wait), as a step makes one per transfer
+        self._pending = threading.Lock()
+        self._pending.acquire()
         self._value = self._exc = None
         self._claimed = False
         self.at_ns = 0  # perf_counter_ns when the value was there
@@ -98,11 +101,13 @@ class Lazy:
         finally:
             self.at_ns = time.perf_counter_ns()
             self._fn = None
-            self._done.set()
+            self._pending.release()
 
     def result(self):
         """Wait for the value without computing it here (raises what computing raised)."""
-        self._done.wait()
+        if self._pending.locked():  # wait for the release, then pass it on to other waiters
+            with self._pending:
+                pass
         if self._exc is not None:
             raise self._exc
         return self._value
@@ -115,7 +120,7 @@ class Lazy:
     @property
     def done(self) -> bool:
         """True once the value (or its error) is there."""
-        return self._done.is_set()
+        return not self._pending.locked()
 
 
 class Tracked:

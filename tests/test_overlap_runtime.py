@@ -63,6 +63,34 @@ def test_lazy_runs_once_and_hands_errors_to_every_waiter():
             lz.get()
 
 
+def test_lazy_hands_one_value_to_every_waiting_thread():
+    """Threads that wait while another computes the value all get it, once computed;
+    ``done`` flips only then."""
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def compute():
+        calls.append(1)
+        started.set()
+        release.wait(10)
+        return 7
+
+    lz = Lazy(compute)
+    runner = threading.Thread(target=lz.run)
+    runner.start()
+    started.wait(10)
+    got = []
+    waiters = [threading.Thread(target=lambda: got.append(lz.get())) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)
+    assert not lz.done and got == []  # all four wait for the runner
+    release.set()
+    for t in [runner, *waiters]:
+        t.join(10)
+    assert got == [7] * 4 and calls == [1] and lz.done and lz.result() == 7
+
+
 # --- priority order through the interpreter ---------------------------------------------
 
 
