@@ -646,8 +646,9 @@ class Executable:
     def flush_frees(self) -> None:
         """Free the arrays dropped since the last step now, without waiting for a step."""
         with self._lock:
-            frees = self._take_frees()
+            # disarmed before the drain: a drop appended after it arms the next flush
             self._free_armed = False
+            frees = self._take_frees()
         for w, keys in frees.items():
             self.backend.free(w, keys)
 
