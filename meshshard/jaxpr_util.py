@@ -6,6 +6,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 from jax.extend import source_info_util
 
 from meshshard._compat import DropVar, JaxprEqn, Literal
@@ -148,6 +149,12 @@ def paired_bodies(em: JaxprEqn, ef: JaxprEqn):
             e.primitive for e in bf.eqns
         ]:
             yield bm, bf
+
+
+def is_inexact(v) -> bool:
+    """True for a variable of a floating or complex type: one that carries gradients and
+    partial sums (integer indices and masks do not)."""
+    return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
 
 
 def is_literal(v) -> bool:

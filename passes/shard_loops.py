@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_literal, var_ids
+from meshshard.jaxpr_util import contraction_flops, is_dropvar, is_inexact, is_literal, var_ids
 from meshshard.passes.shard_costs import Comm, LogicalMesh
-from meshshard.passes.shard_unreduced import _is_float, unreduced_values
+from meshshard.passes.shard_unreduced import unreduced_values
 
 __all__ = ["scan_strategies", "cond_strategies", "body_layouts", "loop_flops"]
 
@@ -207,7 +207,7 @@ def _held_reduces(eqn, lay: Mapping, chosen: Sequence) -> dict[int, int]:
         if is_literal(init) and init.val != 0:
             continue  # the runtime holds a carry that starts at zeros only: a literal
             # says; a value is taken as zeros (the gradient carries autodiff makes are)
-        if lay.get(i) == _whole(i) and _is_float(i):
+        if lay.get(i) == _whole(i) and is_inexact(i):
             seed[i] = ()
     carried = [body.outvars[k] for k in range(ncar) if body.invars[nc + k] in seed]
     stacked = [v for v in body.outvars[ncar:] if not is_literal(v)]
@@ -256,7 +256,7 @@ def scan_strategies(eqn, mesh: LogicalMesh) -> list:
     values = [
         (k, v)
         for k, v in enumerate(body.invars)
-        if k >= nc + ncar or (k >= nc and _is_float(v))  # a carry or a scanned operand
+        if k >= nc + ncar or (k >= nc and is_inexact(v))  # a carry or a scanned operand
     ]
     for _, v, axes, seed in _seeds(mesh, values):
         if strats is None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
-from meshshard.jaxpr_util import bind_eqn, eval_eqns, is_dropvar, is_literal, var_ids
+from meshshard.jaxpr_util import bind_eqn, eval_eqns, is_dropvar, is_inexact, is_literal, var_ids
 from meshshard.plan import Unreduced
 
 __all__ = ["Unreduced", "unreduced_values", "eval_unreduced"]
@@ -67,10 +67,6 @@ ADDITIVE = frozenset({"add", "sub", "add_any"})
 PRODUCT = frozenset({"mul", "dot_general"})
 
 
-def _is_float(v) -> bool:
-    return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
-
-
 def _zeros(eqn) -> bool:
     """``broadcast_in_dim 0.0``: what a scatter-add (an embedding gradient) starts from."""
     v = eqn.invars[0] if eqn.invars else None
@@ -99,7 +95,7 @@ def _mapped_rule(eqn, held: Mapping, zeros: set | frozenset = frozenset()) -> tu
     ops = [v for v in eqn.invars if not is_literal(v)]
     which = [k for k, v in enumerate(eqn.invars) if not is_literal(v) and v in held]
     axes = {held[eqn.invars[k]].axes for k in which}
-    if len(axes) != 1 or not all(_is_float(o) for o in eqn.outvars):
+    if len(axes) != 1 or not all(is_inexact(o) for o in eqn.outvars):
         return None
     name = eqn.primitive.name
     if name in UNARY_LINEAR and which == [0] and len(ops) == 1:
@@ -121,7 +117,7 @@ def _mapped_rule(eqn, held: Mapping, zeros: set | frozenset = frozenset()) -> tu
 def _made_rule(eqn, split_of: Callable, ids: Mapping, zeros=frozenset()) -> tuple | None:
     """(axes, split dims) when ``eqn`` contracts a dim split over mesh axes (in one
     operand, the other's matching dim split alike or whole), else None."""
-    if not all(_is_float(o) for o in eqn.outvars):
+    if not all(is_inexact(o) for o in eqn.outvars):
         return None
     spl = [(split_of(ids[v]) or {}) if not is_literal(v) and v in ids else {} for v in eqn.invars]
     name = eqn.primitive.name
@@ -229,7 +225,7 @@ def _scan_held(eqn, ids: Mapping, held: Mapping, zeros, loop_split: Callable) ->
     body_ids = var_ids(body)
     slots = []
     for k, v in enumerate(eqn.invars[nc : nc + ncar]):
-        if not _is_float(v):
+        if not is_inexact(v):
             continue
         if is_literal(v) and v.val == 0 or v in zeros or (v in held and held[v].axes == axes):
             slots.append(k)
