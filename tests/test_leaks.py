@@ -128,6 +128,36 @@ def test_a_step_frees_the_state_it_replaced_before_it_runs(threads_cluster, monk
     assert freeing and not any(freeing), held_at_start
 
 
+def test_arrays_dropped_on_another_thread_while_steps_run_are_all_freed(threads_cluster):
+    """Finalizers append dropped keys without a lock while a step drains them: none is
+    lost, whichever thread drops the arrays and whenever."""
+    import queue
+    import threading
+
+    state0, batch = setup()
+    base = settle(threads_cluster)
+    step = meshshard.parallelize(mlp.train_step, method=METHOD)
+    handed: queue.SimpleQueue = queue.SimpleQueue()
+
+    def dropper():  # holds each state a moment, then drops it on this thread
+        while (item := handed.get()) is not None:
+            time.sleep(0.001)
+            del item
+
+    thread = threading.Thread(target=dropper)
+    thread.start()
+    state = state0
+    for _ in range(40):
+        state, _ = step(state, batch)
+        handed.put(state)  # the main thread's reference goes with the next step
+    handed.put(None)
+    thread.join(30)
+    during = settle(threads_cluster)
+    assert {h: s["store"] for h, s in during.items() if s["store"]} == held((state, _))
+    del step, state, _
+    assert settle(threads_cluster) == base
+
+
 @pytest.mark.ray
 def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     state0, batch = setup()
