@@ -510,6 +510,8 @@ class Executable:
                 if type(x) is RemoteArray and x._backend is backend and not x.deleted:
                     key = None if x._lost else x.keys.get(w)  # this step's own result
                 elif isinstance(x, RemoteArray):
+                    if x._owner() is not self:  # another step's result: stored once it ran
+                        x._settle()
                     key = x.key_on(backend, w)
                 else:  # a recent by-value result is read where it is also kept
                     twin = _twin_of(x) if _TWINS else None

@@ -225,3 +225,37 @@ def test_closing_the_cluster_waits_for_a_slow_step_that_gets_on(threads_cluster,
     assert ended(handle, exe, bound_s=0.0), "the close returned with the step running"
     assert handle.errors == {}
     assert took > cluster_mod.CLOSE_WAIT_S  # it did wait past the idle limit
+
+
+def test_another_step_reads_a_pipelined_result_once_it_is_stored(threads_cluster, monkeypatch):
+    """An eval step on the state a 2BW step just returned, while that step still runs,
+    waits for it: before, it read keys the workers had not stored yet and failed with
+    "no longer holds array ..."."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from meshshard.runtime.worker import Worker
+
+    step, exe, state, batch = steady_2bw(threads_cluster)
+    apply_fn = state.apply_fn
+
+    def eval_loss(params, b):
+        return jnp.mean((apply_fn({"params": params}, b["x"]) - b["y"]) ** 2)
+
+    method = PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2)
+    evaluate = meshshard.parallelize(eval_loss, method=method)
+    evaluate(state.params, batch)  # compiled now, so the next call comes at once
+    run_step = Worker.run_step
+
+    def slow(self, batch, state, base, free=(), seq=None, after=None):
+        if seq is not None:  # a pipelined step: still running when the eval is called
+            time.sleep(0.3)
+        return run_step(self, batch, state, base, free, seq, after)
+
+    monkeypatch.setattr(Worker, "run_step", slow)
+    state, _ = step(state, batch)
+    assert exe._inflight  # the step that writes ``state`` runs on
+    got = evaluate(state.params, batch)
+    want = jax.jit(eval_loss)(meshshard.fetch(state.params), batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
