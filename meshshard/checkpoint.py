@@ -151,6 +151,8 @@ def save(path: str | os.PathLike, state, *, wait: bool = True, on_done=None) -> 
                 f"save: state{where} was donated to a later step and no longer exists; "
                 "save the state that step returned"
             )
+        if isinstance(leaf, RemoteArray):  # a pipelined (2BW) step may still write it
+            leaf.block_until_ready()
         group = _writer_group(leaf) if isinstance(leaf, RemoteArray) else None
         impl = None
         if group is not None:

@@ -227,6 +227,21 @@ def test_closing_the_cluster_waits_for_a_slow_step_that_gets_on(threads_cluster,
     assert took > cluster_mod.CLOSE_WAIT_S  # it did wait past the idle limit
 
 
+def slow_pipelined_steps(monkeypatch, seconds: float = 0.3) -> None:
+    """Each pipelined step waits ``seconds`` before it runs, so a call right after the
+    step returned finds it in flight."""
+    from meshshard.runtime.worker import Worker
+
+    run_step = Worker.run_step
+
+    def slow(self, batch, state, base, free=(), seq=None, after=None):
+        if seq is not None:
+            time.sleep(seconds)
+        return run_step(self, batch, state, base, free, seq, after)
+
+    monkeypatch.setattr(Worker, "run_step", slow)
+
+
 def test_another_step_reads_a_pipelined_result_once_it_is_stored(threads_cluster, monkeypatch):
     """An eval step on the state a 2BW step just returned, while that step still runs,
     waits for it: before, it read keys the workers had not stored yet and failed with
@@ -234,8 +249,6 @@ def test_another_step_reads_a_pipelined_result_once_it_is_stored(threads_cluster
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from meshshard.runtime.worker import Worker
 
     step, exe, state, batch = steady_2bw(threads_cluster)
     apply_fn = state.apply_fn
@@ -246,16 +259,32 @@ def test_another_step_reads_a_pipelined_result_once_it_is_stored(threads_cluster
     method = PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2)
     evaluate = meshshard.parallelize(eval_loss, method=method)
     evaluate(state.params, batch)  # compiled now, so the next call comes at once
-    run_step = Worker.run_step
-
-    def slow(self, batch, state, base, free=(), seq=None, after=None):
-        if seq is not None:  # a pipelined step: still running when the eval is called
-            time.sleep(0.3)
-        return run_step(self, batch, state, base, free, seq, after)
-
-    monkeypatch.setattr(Worker, "run_step", slow)
+    slow_pipelined_steps(monkeypatch)
     state, _ = step(state, batch)
     assert exe._inflight  # the step that writes ``state`` runs on
     got = evaluate(state.params, batch)
     want = jax.jit(eval_loss)(meshshard.fetch(state.params), batch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def test_saving_a_state_a_pipelined_step_still_writes_waits_for_it(
+    threads_cluster, monkeypatch, tmp_path
+):
+    """``meshshard.save`` right after a 2BW call writes the state that call returned:
+    before, it failed ("array ... is no longer stored on this host") unless the user
+    settled the step first."""
+    import jax
+    import numpy as np
+
+    step, exe, state, batch = steady_2bw(threads_cluster)
+    slow_pipelined_steps(monkeypatch)
+    state, _ = step(state, batch)
+    assert exe._inflight
+    meshshard.save(str(tmp_path / "ck"), state)
+    back = meshshard.restore(str(tmp_path / "ck"), like=state)
+    for a, b in zip(
+        jax.tree.leaves(meshshard.fetch(state.params)),
+        jax.tree.leaves(meshshard.fetch(back.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
