@@ -193,7 +193,7 @@ class Worker:
         }
         pipelined = seq is not None
         if not pipelined:  # alone on this worker: nothing still reads what the driver dropped
-            self._free(free)  # before this step's outputs exist: one state fewer at its peak
+            self.free(free)  # before this step's outputs exist: one state fewer at its peak
         try:
             if pipelined:
                 self.order.wait(after)
@@ -225,13 +225,8 @@ class Worker:
         if self.interp.recorder is not None:  # finished: the small outputs are in hand
             self.last_trace = self.interp.recorder.snapshot(self.worker, clock_ns())
         if pipelined:  # the step before may still read them: freed once this one has run
-            self._free(free)
+            self.free(free)
         return result
-
-    def _free(self, keys: Sequence[int]) -> None:
-        store = self.store
-        for key in keys:
-            store.pop(key, None)
 
     def _persistent(self, state: dict[int, object], pipelined: bool) -> dict:
         """The persistent groups (P, S) of this step; pipelined, a group whose stored
