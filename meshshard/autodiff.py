@@ -9,6 +9,7 @@ stages and to tell the gradient computation (run per micro-batch) from the updat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -40,7 +41,7 @@ from meshshard.passes.unroll_scans import (
     split_note,
     split_scans,
 )
-from meshshard.primitives import boundary_p
+from meshshard.primitives import boundary_p, loss_share_p
 
 __all__ = [
     "grad",
@@ -223,6 +224,19 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
     cuts = _auto_cuts(jaxpr, len(marker_pos), layers)
     cut_live = _live_across(jaxpr, list(cuts), before=True)
     cut_index = {p: (k, cut_live[p]) for k, p in enumerate(cuts)}
+    shares = _shared_terms(jaxpr, _LOSS_SHARES.get())
+
+    def shared(i, eqn, env) -> bool:  # equation i with 1/M shares of some operands
+        if i not in shares:
+            return False
+        scale, positions = shares[i]
+        vals = [read_var(env, v) for v in eqn.invars]
+        vals = [
+            loss_share_p.bind(x, scale=scale)[0] if k in positions else x
+            for k, x in enumerate(vals)
+        ]
+        (env[eqn.outvars[0]],) = [eqn.primitive.bind(*vals, **eqn.params)]
+        return True
 
     def on_eqn(i, eqn, env):
         if i in cut_index:  # an automatic boundary before equation i
@@ -230,9 +244,9 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
             crossing = [v for v in crossing if _differentiable(v)]
             vals = boundary_p.bind(*[env[v] for v in crossing], kind="fwd", index=k)
             env.update(zip(crossing, vals, strict=True))
-            return False  # then evaluate equation i itself
+            return shared(i, eqn, env)  # then evaluate equation i itself
         if i not in index_of and i not in detached:
-            return False
+            return shared(i, eqn, env)
         for src, dst in zip(eqn.invars, eqn.outvars, strict=True):  # explicit-value form
             env[dst] = read_var(env, src)
         if i in detached:  # nothing crossing it is differentiated: no boundary
@@ -262,6 +276,59 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
         return (loss, aux) if has_aux else loss
 
     return layered
+
+
+#: Loss terms to take as 1/M shares while tracing (see :func:`loss_term_shares`).
+_LOSS_SHARES: ContextVar[tuple | None] = ContextVar("meshshard_loss_shares", default=None)
+
+
+@contextlib.contextmanager
+def loss_term_shares(scale: float, paths: Sequence[tuple]):
+    """Trace ``meshshard.grad`` with some terms of the loss taken as ``scale`` shares.
+
+    The compiler traces a step again under this when its loss adds terms that combine
+    differently over micro-batches (a batch sum plus a batch mean or a constant): each
+    of ``paths`` (:func:`~meshshard.passes.reductions.share_paths`) leads from the loss
+    to an addition and names the operands to scale, so every micro-batch's loss is its
+    share of the full batch's and the micro-batches' losses and gradients add up."""
+    token = _LOSS_SHARES.set((scale, tuple(paths)))
+    try:
+        yield
+    finally:
+        _LOSS_SHARES.reset(token)
+
+
+def _shared_terms(jaxpr, setting) -> dict[int, tuple[float, frozenset]]:
+    """Equation index of the loss ``jaxpr`` -> (scale, operand positions to scale), for
+    each path of ``setting`` (from :data:`_LOSS_SHARES`) that leads to an equation of the
+    primitive it names; a path that does not is skipped (the compiler then refuses the
+    loss, as it would without shares)."""
+    if setting is None or not jaxpr.outvars:
+        return {}
+    scale, paths = setting
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+
+    def made(v):
+        while not is_literal(v) and v in producer:
+            i, e = producer[v]
+            if not is_marker(e):
+                return i, e
+            v = e.invars[list(e.outvars).index(v)]  # a marker: the identity per position
+        return None, None
+
+    out = {}
+    for steps, target, positions in paths:
+        v = jaxpr.outvars[0]
+        for name, k in steps:
+            _, e = made(v)
+            if e is None or e.primitive.name != name or k >= len(e.invars):
+                break
+            v = e.invars[k]
+        else:
+            i, e = made(v)
+            if e is not None and e.primitive.name == target:
+                out[i] = (scale, frozenset(positions))
+    return out
 
 
 #: ``PipeshardParallel.remat`` choices: which values a layer's forward keeps for its

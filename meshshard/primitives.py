@@ -1,4 +1,4 @@
-"""The pipeline-boundary primitive.
+"""The pipeline-boundary primitive, and the loss-share primitive.
 
 ``mark_pipeline_boundary()`` in a model's forward pass records where one layer ends
 and the next begins.  It is an identity: a single-device ``jax.jit`` of the same step
@@ -14,7 +14,7 @@ import numpy as np
 
 from meshshard._compat import Primitive, instantiate_zeros, register_identity_rules
 
-__all__ = ["boundary_p", "mark_pipeline_boundary", "MARKER_KINDS"]
+__all__ = ["boundary_p", "loss_share_p", "mark_pipeline_boundary", "MARKER_KINDS"]
 
 #: ``mark``: a user's marker (no operands); ``fwd``/``bwd``: a layer boundary in the forward
 #: pass and its mirror in the backward pass; ``loss``/``loss_bwd``: the loss value and its
@@ -68,6 +68,34 @@ def _transpose(cts, *args, kind, index, **params):
 boundary_p.def_impl(_impl)
 boundary_p.def_abstract_eval(_abstract_eval)
 register_identity_rules(boundary_p, _jvp, _transpose, impl=_impl, computes=_scales)
+
+
+#: One term of a loss that adds terms combining differently over micro-batches, taken
+#: as its share of one micro-batch: the term times ``scale`` (``1/M``).  A summed loss
+#: plus a mean (a masked token loss plus an unmasked auxiliary mean) or plus a constant
+#: (a weight penalty) is the sum over micro-batches of each micro-batch's sum plus
+#: ``1/M`` of the other terms; the compiler puts this primitive on those terms
+#: (:mod:`meshshard.passes.reductions`), and its transpose scales their cotangents alike.
+loss_share_p = Primitive("loss_share")
+loss_share_p.multiple_results = True
+
+
+def _share_impl(*args, scale):
+    return [x * np.asarray(scale, x.dtype) for x in args]
+
+
+def _share_jvp(primals, tangents, *, scale):
+    tangents = [instantiate_zeros(t) for t in tangents]
+    return loss_share_p.bind(*primals, scale=scale), loss_share_p.bind(*tangents, scale=scale)
+
+
+def _share_transpose(cts, *args, scale):
+    return loss_share_p.bind(*[instantiate_zeros(c) for c in cts], scale=scale)
+
+
+loss_share_p.def_impl(_share_impl)
+loss_share_p.def_abstract_eval(lambda *avals, scale: list(avals))
+register_identity_rules(loss_share_p, _share_jvp, _share_transpose, impl=_share_impl)
 
 
 def mark_pipeline_boundary(*values):

@@ -18,8 +18,11 @@ batch but whose outputs do not *reduces the batch* (``reduce_sum``, a contractio
   product of two batch sums; a ``log`` of a sum): not inferred, since no combination of
   per-micro-batch values gives the full-batch one;
 * terms that combine differently, added: a batch sum plus a constant (a weight penalty
-  added to a summed loss would count once per micro-batch), a mean plus a sum, two
-  maxima: not inferred (a mean plus a constant is a mean);
+  added to a summed loss would count once per micro-batch) or a mean plus a sum: not
+  inferred as they stand (a mean plus a constant is a mean), but a loss of these is a
+  sum once each micro-batch adds 1/M of its mean and constant terms
+  (:class:`LossTermShares`: the step is traced again with ``loss_share`` equations on
+  them); two maxima: not inferred;
 * a value that pairs examples with one another (in-batch similarities ``z @ z.T``, the
   batch in two dimensions): not inferred, since a micro-batch sees only its own examples;
 * an order statistic over the batch (a sort or top-k along it: ``jnp.median``, a
@@ -56,6 +59,7 @@ from meshshard.jaxpr_util import (
 )
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
+from meshshard.primitives import loss_share_p
 
 SUM_LIKE = frozenset({"reduce_sum", "dot_general", "cumsum", "scatter-add"})
 #: How a reduction's source starts when it was not inferred (a default was taken).
@@ -120,20 +124,73 @@ def _normalizes(em, ef, m: int) -> str:
     return out
 
 
-def classify(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple[str, str]:
+def classify(
+    micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set, shares: dict | None = None
+) -> tuple[str, str]:
     """(reduction or '', why) for value ``var`` of ``micro``; ``dep``: batch-dependent vars.
 
     A batch statistic the step uses on the batch again (a batch norm's mean, SAM's
     ascent direction ``g / norm(g)``) is an input to each micro-batch's share, which
     computes its own (GPipe's semantics, reported by
     :mod:`~meshshard.passes.batch_coupling`): ``var``'s slice stops there, so how it
-    was computed does not decide how ``var`` combines."""
-    memo = {_STATISTICS: used_on_the_batch(micro, full, dep)}
+    was computed does not decide how ``var`` combines.  So does a ``loss_share``: a
+    1/M share of a batch mean or of a constant, which adds up over micro-batches.
+
+    ``shares``: a dict to collect, instead of refusing them, the additions of a batch
+    sum and a batch mean or a constant, as ``{id(eqn): (eqn, operand positions)}`` of
+    the operands to take as 1/M shares (a value whose tail holds one is then a sum)."""
+    shared = frozenset(
+        o for e in micro.jaxpr.eqns if e.primitive is loss_share_p for o in e.outvars
+    )
+    memo = {
+        _STATISTICS: used_on_the_batch(micro, full, dep) | shared,
+        _SHARED: shared,
+        _SHARES: shares,
+    }
     return _classify(micro, full, var, m, dep, memo)
 
 
 #: The key under which :func:`classify`'s memo holds the statistics its slices stop at.
 _STATISTICS = object()
+#: ... the results of the step's ``loss_share`` equations ...
+_SHARED = object()
+#: ... and the additions found to need shares (None: refuse them instead).
+_SHARES = object()
+
+
+class LossTermShares(Exception):
+    """The loss adds a batch sum to terms that combine otherwise (a mean, a constant):
+    it combines over micro-batches once those terms are 1/M shares.  ``paths``: where,
+    as :func:`share_paths` gives them; the compiler traces the step again with them
+    (:func:`meshshard.autodiff.loss_term_shares`)."""
+
+    def __init__(self, paths: tuple):
+        super().__init__("the loss needs 1/M shares of some of its terms")
+        self.paths = paths
+
+
+def share_paths(micro: ClosedJaxpr, var, shares: dict) -> tuple:
+    """``(steps, primitive name, operand positions)`` for each addition in ``shares``
+    (from :func:`classify`): ``steps`` are the ``(primitive name, operand index)`` pairs
+    that lead from the loss ``var`` to it, boundary markers skipped, which find the same
+    addition in the loss function's own jaxpr."""
+    producer = {v: e for e in micro.jaxpr.eqns for v in e.outvars}
+    found, stack, seen = {}, [(var, ())], set()
+    while stack and len(found) < len(shares):
+        v, steps = stack.pop()
+        if is_literal(v) or v not in producer:
+            continue
+        e = producer[v]
+        if is_marker(e):
+            stack.append((e.invars[list(e.outvars).index(v)], steps))
+            continue
+        if id(e) in seen or len(steps) > 64:
+            continue
+        seen.add(id(e))
+        if id(e) in shares:
+            found[id(e)] = (steps, e.primitive.name, tuple(sorted(shares[id(e)][1])))
+        stack += [(x, (*steps, (e.primitive.name, k))) for k, x in enumerate(e.invars)]
+    return tuple(found.values())
 
 
 def used_on_the_batch(micro: ClosedJaxpr, full: ClosedJaxpr, dep: set) -> frozenset:
@@ -159,6 +216,8 @@ def _classify(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]
 
 
 def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
+    if not is_literal(var) and var in memo[_SHARED]:
+        return _share_kind(micro, full, var, m, dep, memo)
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
     kinds, norms = set(), 0
@@ -193,6 +252,9 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     if mixed:
         return "", mixed
     tail = _tail(producers, var)
+    if memo[_SHARED]:  # a share is a reduced value: what follows it must be linear too
+        read = {v for em in tail[0] for v in em.invars if not is_literal(v)}
+        tail = (tail[0], tail[1] | (read & memo[_SHARED]))
     if _divides_by_batch_total(producers, tail[0], dep):
         return "", "it divides by a total computed from the batch (e.g. a masked mean)"
     bad = _nonlinear_after_reduction(micro, tail)
@@ -201,6 +263,12 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     mixed = _mixed_terms(micro, full, producers, tail[0], m, dep, memo)
     if mixed:
         return "", mixed
+    if memo[_SHARES] and any(id(em) in memo[_SHARES] for em in tail[0]):
+        return "sum", SHARED_SUM
+    if memo[_SHARED] and any(
+        not is_literal(v) and v in memo[_SHARED] for em in tail[0] for v in em.invars
+    ):
+        return "sum", SHARED_SUM
     if not kinds:
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
     if kinds <= SUM_LIKE:
@@ -217,6 +285,26 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     if kinds & {"argmax", "argmin"}:
         return "", POSITION_IN_BATCH
     return "", f"it reduces the batch with {sorted(kinds)}"
+
+
+#: How a loss that adds a batch sum to 1/M shares of other terms is said to combine.
+SHARED_SUM = (
+    "a sum over the batch plus terms that are not (a batch mean, a value the same on every "
+    "micro-batch), which each micro-batch adds as 1/M shares"
+)
+
+
+def _share_kind(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
+    """How the result ``var`` of a ``loss_share`` combines: ``sum`` when it shares a batch
+    mean or a value the same on every micro-batch (each micro-batch adds ``1/M`` of it)."""
+    eqn = next(e for e in micro.jaxpr.eqns if var in e.outvars)
+    x = eqn.invars[list(eqn.outvars).index(var)]
+    if is_literal(x) or x not in dep:
+        return "sum", "a 1/M share of a value the same on every micro-batch"
+    red, why = _classify(micro, full, x, m, dep, memo)
+    if red == "mean":
+        return "sum", "a 1/M share of a batch mean"
+    return "", why or f"it takes a 1/M share of a batch {red}"
 
 
 #: Reductions whose micro-batch results combine by their maximum or minimum: a batch's
@@ -542,8 +630,9 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
     Adding batch reductions is linear only when every term combines the same way: a
     mean plus anything the same on every micro-batch (a weight penalty) is a mean, and
     batch sums add to a sum, but a batch sum plus a constant counts the constant once
-    per micro-batch, a mean plus a sum is neither, and two maxima do not add to the
-    maximum of the sums.  A concatenation (a split scan's per-layer values, see
+    per micro-batch, a mean plus a sum is neither (both are sums once the mean and the
+    constant are 1/M shares: collected in ``memo[_SHARES]`` when it is a dict, see
+    :func:`classify`), and two maxima do not add to the maximum of the sums.  A concatenation (a split scan's per-layer values, see
     :mod:`~meshshard.passes.unroll_scans`) follows the same rules, except that its parts
     stay apart: maxima concatenate to maxima.  Each term is classified on its own
     (:func:`classify`).  Only
@@ -559,7 +648,7 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
             continue
         kinds = []
         for v in em.invars:
-            if is_literal(v) or v not in dep:
+            if is_literal(v) or (v not in dep and v not in memo[_SHARED]):
                 kinds.append("const")
                 continue
             red, why = _classify(micro, full, v, m, dep, memo)
@@ -568,6 +657,10 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
             kinds.append(red)
         terms = [k for k in kinds if k != "const"]
         joins = em.primitive.name == "concatenate"
+        if _shareable(em, kinds, memo[_SHARES]):
+            positions = {k for k, kind in enumerate(kinds) if kind != "sum"}
+            memo[_SHARES][id(em)] = (em, frozenset(positions))
+            continue
         verb = "concatenates" if joins else "adds"
         if len(set(terms)) > 1:
             return f"it {verb} a batch {terms[0]} and a batch {terms[1]}"
@@ -579,6 +672,17 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
         if len(terms) > 1 and terms[0] in ("max", "min") and not joins:
             return f"it adds two batch {terms[0]}ima"
     return ""
+
+
+def _shareable(em, kinds: list, shares: dict | None) -> bool:
+    """Whether addition ``em``, whose operands combine as ``kinds``, adds a batch sum to
+    batch means or constants that 1/M shares would make sums (with ``shares`` to collect
+    it in: :func:`classify`)."""
+    if shares is None or em.primitive.name not in ("add", "sub", "add_any"):
+        return False
+    if "sum" not in kinds or not set(kinds) <= {"sum", "mean", "const"} or set(kinds) == {"sum"}:
+        return False
+    return all(np.issubdtype(np.dtype(v.aval.dtype), np.inexact) for v in em.invars)
 
 
 def _tail(producers, var) -> tuple[list, set]:
@@ -758,8 +862,14 @@ def marker_reductions(g) -> tuple:
     return tuple(g.params.get("reduce") or (("grad", "", ""),) * len(g.invars))
 
 
-def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> tuple:
-    """The ``grad_end`` marker's ``reduce`` parameter with every reduction decided."""
+def resolve(
+    micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int, allow_shares: bool = False
+) -> tuple:
+    """The ``grad_end`` marker's ``reduce`` parameter with every reduction decided.
+
+    With ``allow_shares``, a loss that adds a batch sum to a batch mean or a constant
+    raises :class:`LossTermShares` (the step is traced again with those terms as 1/M
+    shares) instead of being refused."""
     mj = micro.jaxpr
     g = next((e for e in mj.eqns if is_marker(e, "grad_end")), None)
     if g is None:
@@ -793,6 +903,8 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             source = f"{DEFAULT}the step traces differently at micro-batch and full-batch shape"
         elif not red:
             red, why = classify(micro, full, v, m, dep)
+            if not red and label == "loss" and allow_shares:
+                _raise_for_shares(micro, full, v, m, dep)
             if red == "batch":
                 red, why = _per_example(micro, full, v, m, label, why, p)
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
@@ -823,6 +935,17 @@ def resolve(micro: ClosedJaxpr, full: ClosedJaxpr | None, is_batch, m: int) -> t
             loss = red
         out.append((label, red, source))
     return tuple(out)
+
+
+def _raise_for_shares(micro: ClosedJaxpr, full: ClosedJaxpr, loss, m: int, dep: set) -> None:
+    """Raise :class:`LossTermShares` if the refused ``loss`` combines over micro-batches
+    once some of its terms are 1/M shares (a batch sum plus a batch mean or a constant)."""
+    shares: dict = {}
+    red, _ = classify(micro, full, loss, m, dep, shares)
+    if red == "sum" and shares:
+        paths = share_paths(micro, loss, shares)
+        if len(paths) == len(shares):
+            raise LossTermShares(paths)
 
 
 #: How :mod:`~meshshard.passes.pre_grad_values` labels the batch values it passes

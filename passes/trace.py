@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.autodiff import LayerCuts, SharingLayerCuts
+from meshshard.autodiff import LayerCuts, SharingLayerCuts, loss_term_shares
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import is_literal, is_marker, without_markers
 from meshshard.passes.batch_coupling import coupled_statistics
@@ -70,7 +70,7 @@ from meshshard.passes.narrow_gradients import narrow_padded_gradients
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
-from meshshard.passes.reductions import resolve, same_program, set_reductions
+from meshshard.passes.reductions import LossTermShares, resolve, same_program, set_reductions
 from meshshard.passes.scatter_totals import split_scatter_totals
 from meshshard.passes.shared_grads import split_shared_gradients
 from meshshard.passes.sink_metrics import (
@@ -291,7 +291,20 @@ def _cached(key) -> TracedStep | None:
 
 
 def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
-    """:func:`trace_step` without the cache."""
+    """:func:`trace_step` without the cache.  A loss that adds a batch sum to a batch
+    mean or a constant is traced again with those terms as 1/M shares of each
+    micro-batch's loss (:func:`meshshard.autodiff.loss_term_shares`)."""
+    try:
+        return _trace_step_once(fn, m, treedef, wheres, full_abs, in_batch, allow_shares=True)
+    except LossTermShares as shares:
+        with loss_term_shares(1.0 / m, shares.paths):
+            return _trace_step_once(fn, m, treedef, wheres, full_abs, in_batch)
+
+
+def _trace_step_once(
+    fn, m: int, treedef, wheres, full_abs, in_batch, allow_shares: bool = False
+) -> TracedStep:
+    """:func:`_trace_step`, one trace; ``allow_shares``: see :func:`resolve`."""
     full_cuts, micro_cuts = LayerCuts(), LayerCuts()  # layers=: the cuts each shape chose
     try:
         full, full_out, transposed, notes = _trace(fn, treedef, full_abs, full_cuts)
@@ -361,7 +374,7 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     coupled = coupled_statistics(micro, full, flags) if m > 1 else ()
     draws = find_batch_draws(micro, full, m)
     pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink, micro_cuts)
-    reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m)
+    reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m, allow_shares)
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, flags + [True] * bool(draws))
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
