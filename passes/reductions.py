@@ -634,7 +634,9 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
     constant are 1/M shares: collected in ``memo[_SHARES]`` when it is a dict, see
     :func:`classify`), and two maxima do not add to the maximum of the sums.  A concatenation (a split scan's per-layer values, see
     :mod:`~meshshard.passes.unroll_scans`) follows the same rules, except that its parts
-    stay apart: maxima concatenate to maxima.  Each term is classified on its own
+    stay apart: maxima concatenate to maxima.  So does a ``select_n`` whose predicate is
+    the same on every micro-batch (``jnp.where(step < warmup, 0.5 * loss, loss)``): it
+    picks one of its cases, which must combine alike.  Each term is classified on its own
     (:func:`classify`).  Only
     sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
     norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
@@ -642,12 +644,17 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
     equations (:func:`_tail`)."""
     tail = {id(em) for em in tail}
     for em, _, ins, outs in producers:
-        if ins or outs or em.primitive.name not in ("add", "sub", "add_any", "concatenate"):
+        if (
+            ins
+            or outs
+            or em.primitive.name not in ("add", "sub", "add_any", "concatenate", "select_n")
+        ):
             continue
         if id(em) not in tail:
             continue
         kinds = []
-        for v in em.invars:
+        cases = em.invars[1:] if em.primitive.name == "select_n" else em.invars
+        for v in cases:
             if is_literal(v) or (v not in dep and v not in memo[_SHARED]):
                 kinds.append("const")
                 continue
@@ -661,7 +668,8 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
             positions = {k for k, kind in enumerate(kinds) if kind != "sum"}
             memo[_SHARES][id(em)] = (em, frozenset(positions))
             continue
-        verb = "concatenates" if joins else "adds"
+        picks = em.primitive.name == "select_n"
+        verb = "concatenates" if joins else "picks between" if picks else "adds"
         if len(set(terms)) > 1:
             return f"it {verb} a batch {terms[0]} and a batch {terms[1]}"
         if terms and terms[0] == "sum" and "const" in kinds:
@@ -669,7 +677,7 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
                 f"it {verb} a value that does not depend on the batch to a batch sum (each "
                 "micro-batch's value would count it once)"
             )
-        if len(terms) > 1 and terms[0] in ("max", "min") and not joins:
+        if len(terms) > 1 and terms[0] in ("max", "min") and not (joins or picks):
             return f"it adds two batch {terms[0]}ima"
     return ""
 
@@ -742,6 +750,9 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> st
             # summed or weighted over another axis (an ensemble's mean of its members'
             # batch means): still linear, but a sum of maxima is no maximum
             or (name in ("reduce_sum", "dot_general") and len(which) == 1 and not keep_order)
+            # jnp.where(step < warmup, 0.5 * loss, loss): a predicate the same on every
+            # micro-batch picks one case everywhere; _mixed_terms checks the cases agree
+            or (name == "select_n" and 0 not in which)
         )
         if not linear:
             return name

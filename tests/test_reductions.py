@@ -312,6 +312,26 @@ def test_declaring_a_sum_for_a_summed_loss_plus_a_penalty_would_show():
         assert_trees_close(once, twice)
 
 
+def warm_up_step(state, batch):
+    """Half the loss on the first step: a where on the step count, not the batch."""
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        loss = jnp.mean((pred - batch["y"]) ** 2)
+        return jnp.where(state.step < 1, 0.5 * loss, loss)
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_where_on_the_step_count_over_a_mean_loss_equals_jit(threads_cluster):
+    """It was refused ("it applies select_n to a value reduced over the batch")."""
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(warm_up_step, method, state, BATCHES)
+    assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
+
+
 def test_a_share_of_a_batch_sum_is_still_refused():
     """Shares make sums of means and constants only: two batch maxima added to a sum
     are refused as before."""
@@ -516,6 +536,10 @@ def test_unknown_reduction_is_refused():
         meshshard.metrics.aux_reduce(jnp.float32(1), "median")
 
 
+#: A predicate the same on every micro-batch (a closed-over array, not the batch).
+_WARM = jnp.asarray(True)
+
+
 def _classify_loss(loss_fn, m=4):
     x_full = jnp.arange(32.0).reshape(8, 4)
     x_micro = x_full[: 8 // m]
@@ -626,6 +650,15 @@ def _classify_loss(loss_fn, m=4):
         # decayed, or starting from a value: no combination of micro-batch totals
         (lambda x: jax.lax.scan(lambda c, col: (0.5 * c + jnp.sum(col), None), 0.0, x.T)[0], ""),
         (lambda x: jax.lax.scan(lambda c, col: (c + jnp.sum(col), None), 1.0, x.T)[0], ""),
+        # jnp.where's select_n (as the step's inlined jaxpr has it) on a predicate the
+        # same on every micro-batch (a warm-up on the step count) picks one case
+        # everywhere: the cases must combine alike (was refused: "it applies
+        # select_n"); a predicate on the batch is not
+        (lambda x: jax.lax.select(_WARM, 0.5 * jnp.mean(x**2), jnp.mean(x**2)), "mean"),
+        (lambda x: jax.lax.select(_WARM, jnp.max(x), jnp.max(2 * x)), "max"),
+        (lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0)), ""),
+        (lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.mean(x)), ""),
+        (lambda x: jax.lax.select(jnp.mean(x) > 3.0, jnp.mean(x), jnp.float32(0.0)), ""),
     ],
     ids=[
         "mean",
@@ -667,6 +700,11 @@ def _classify_loss(loss_fn, m=4):
         "sum-over-time-beside-a-state",
         "decayed-total-over-time",
         "total-over-time-from-one",
+        "where-on-the-step-count",
+        "where-between-maxima",
+        "where-between-a-sum-and-a-constant",
+        "where-between-a-sum-and-a-mean",
+        "where-on-the-batch",
     ],
 )
 def test_classify(fn, want):
