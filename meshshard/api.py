@@ -551,15 +551,15 @@ def parallelize(
 def _warn_guessed_reductions(traced) -> None:
     """Say so when an aux value's combination over micro-batches was not inferred: the
     value returned is a default (mean or sum), not what one full-batch step computes."""
-    from meshshard.passes.reductions import reduction_notes
+    from meshshard.passes.reductions import fix_for, reduction_notes
 
     for note in reduction_notes(traced.jaxpr, traced.num_micro_batches, guessed_only=True):
-        log.warning(
-            "%s. Declare it (meshshard.aux_mean/aux_sum/aux_max/aux_min(x), or "
-            "value_and_grad(..., aux_reduce=...)), return its batch sums instead, or use "
-            "num_micro_batches=1",
+        fix = fix_for(
             note,
+            "Declare it (meshshard.aux_mean/aux_sum/aux_max/aux_min(x), or "
+            "value_and_grad(..., aux_reduce=...)), return its batch sums instead",
         )
+        log.warning("%s. %s, or use num_micro_batches=1", note, fix[0].upper() + fix[1:])
 
 
 def _warn_unmet_requests(plan) -> None:

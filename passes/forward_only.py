@@ -217,7 +217,7 @@ def output_reductions(
 
 
 def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, str]:
-    from meshshard.passes.reductions import classify, concat_problem
+    from meshshard.passes.reductions import classify, concat_problem, fix_for
 
     red, why = classify(micro, full, var, m, dep)
     if red == "batch":
@@ -227,11 +227,15 @@ def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, s
         why = problem
     elif red:
         return red, f"traced: {why}"
+    fix = fix_for(
+        why,
+        "return a mean, sum, max or min over the batch or per-example values (the batch "
+        "as the first dimension), declare it with meshshard.aux_sum/aux_mean/aux_max/"
+        "aux_min",
+    )
     raise MeshshardInputError(
         f"step result {label}: meshshard cannot tell how to combine it over micro-batches "
-        f"({why}); return a mean, sum, max or min over the batch or per-example values "
-        "(the batch as the first dimension), declare it with meshshard.aux_sum/aux_mean/"
-        "aux_max/aux_min, or use num_micro_batches=1"
+        f"({why}); {fix}, or use num_micro_batches=1"
     )
 
 

@@ -287,6 +287,22 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     return "", f"it reduces the batch with {sorted(kinds)}"
 
 
+#: Why-phrases of a value that adds terms combining differently over micro-batches.
+MIXED_TERMS = ("it adds a batch ", "it adds a value that does not depend on the batch to")
+#: What to do with such a value (other than the loss, whose terms become 1/M shares):
+#: no one declared reduction of the total is right.
+MIXED_TERMS_FIX = (
+    "return its terms as separate values (each combines on its own) and add them after "
+    "the step; no single declared reduction of the total equals it"
+)
+
+
+def fix_for(why: str, otherwise: str) -> str:
+    """The fix to suggest for a value refused or defaulted because ``why``:
+    :data:`MIXED_TERMS_FIX` for added terms that combine differently, else ``otherwise``."""
+    return MIXED_TERMS_FIX if any(m in why for m in MIXED_TERMS) else otherwise
+
+
 #: How a loss that adds a batch sum to 1/M shares of other terms is said to combine.
 SHARED_SUM = (
     "a sum over the batch plus terms that are not (a batch mean, a value the same on every "

@@ -788,6 +788,40 @@ def test_a_norm_metric_is_not_summed_and_the_user_is_told(threads_cluster, caplo
     )
 
 
+def mixed_metric_step(state, batch):
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        err = jnp.abs(pred - batch["y"])
+        return jnp.mean(err), {"total": jnp.sum(err) + jnp.mean(pred**2)}
+
+    (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+def test_an_aux_sum_plus_mean_tells_the_user_to_return_its_terms(threads_cluster, caplog):
+    """Declaring a reduction for it (what the warning suggested) gives a wrong total:
+    summed, the mean counts once per micro-batch; averaged, the sum is divided."""
+    step = meshshard.parallelize(
+        mixed_metric_step, method=PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    )
+    with caplog.at_level("WARNING", logger="meshshard"):
+        step(sgd_state(BATCHES[0]["x"]), BATCHES[0])
+    (message,) = [r.getMessage() for r in caplog.records if "aux['total']" in r.getMessage()]
+    assert "it adds a batch sum and a batch mean" in message
+    assert "Return its terms as separate values" in message and "aux_sum" not in message
+
+
+def test_a_forward_result_adding_a_sum_and_a_mean_names_the_fix():
+    def eval_step(params, batch):
+        err = jnp.abs(mlp.MLP(num_layers=4).apply({"params": params}, batch["x"]) - batch["y"])
+        return jnp.sum(err) + jnp.mean(err**2)
+
+    state = sgd_state(BATCHES[0]["x"])
+    step = meshshard.parallelize(eval_step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(MeshshardInputError, match=r"return its terms as separate values"):
+        step.lower(state.params, BATCHES[0], cluster=CLUSTER)
+
+
 def _gpt_step(reduce):
     def step(state, batch):
         def loss_fn(params):
