@@ -487,6 +487,11 @@ def _trace(
         if bad:
             raise MeshshardInputError(_non_array_message(fn, bad)) from exc
         raise
+    except NameError as exc:  # pmap-style code: jax.lax.pmean(grads, "batch")
+        axis = _unbound_axis(exc)
+        if axis is None:
+            raise
+        raise MeshshardInputError(_unbound_axis_message(fn, axis)) from exc
     lost = getattr(fn, "in_place_note", None)  # a KeyedStep's (meshshard.keys)
     transposed = has_transposed_eqns(closed)  # before re-traces drop the name stacks
     note = user_sharding_note(closed)
@@ -494,6 +499,29 @@ def _trace(
     # jit-wrapped steps/losses first, then one equation per mesh in the update part
     closed = physical_keys(inline_update_calls(inline_calls(closed)))
     return closed, out, transposed, tuple(n for n in (note, lost) if n)
+
+
+def _unbound_axis(exc: NameError) -> str | None:
+    """The axis name JAX found unbound in ``exc`` ('' if it did not say which), or None
+    for another NameError."""
+    text = str(exc)
+    if "unbound axis name" not in text:
+        return None
+    return text.split("unbound axis name:", 1)[-1].split(".")[0].strip() if ":" in text else ""
+
+
+def _unbound_axis_message(fn, axis: str) -> str:
+    """Why a step written for ``jax.pmap`` (a collective over a named axis) is refused."""
+    name = _user_name(fn)
+    which = f" {axis!r}" if axis else ""
+    return (
+        f"{name} calls a collective over the named axis{which} (jax.lax.pmean, psum, "
+        "all_gather ... as code written for jax.pmap does), which no mapped axis binds "
+        "here: meshshard runs the step over the whole batch, as jax.jit does, and splits "
+        "and combines it itself, so the gradients meshshard.grad returns are already the "
+        "full batch's; drop the collective (or compute it under jax.shard_map inside the "
+        "step)"
+    )
 
 
 def _is_array_result(leaf) -> bool:
@@ -524,13 +552,17 @@ def _non_array_results(target: Callable, args) -> list[tuple[str, str]]:
     return bad
 
 
-def _non_array_message(fn: Callable, bad: list[tuple[str, str]]) -> str:
-    name = "the step"
-    for _ in range(8):  # through meshshard's wrappers (keys, layers=) to the user's function
+def _user_name(fn: Callable) -> str:
+    """The name of the user's step function under meshshard's wrappers (keys, layers=)."""
+    for _ in range(8):
         if isinstance(getattr(fn, "__name__", None), str):
-            name = fn.__name__
-            break
+            return fn.__name__
         fn = getattr(fn, "fn", None) or getattr(fn, "__wrapped__", None)
+    return "the step"
+
+
+def _non_array_message(fn: Callable, bad: list[tuple[str, str]]) -> str:
+    name = _user_name(fn)
     listed = ", ".join(f"{path} (type {kind})" for path, kind in bad[:4])
     more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
     return (

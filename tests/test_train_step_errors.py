@@ -149,3 +149,20 @@ def test_an_update_that_evaluates_the_loss_again_is_refused_by_name(state):
         r"\(test_train_step_errors.py:\d+\) keeps the batch.*optax.contrib.sophia's obj_fn",
     ):
         lower(step, carry, BATCH)
+
+
+def test_a_pmap_style_collective_is_refused_naming_the_axis_and_the_fix(state):
+    """Code written for jax.pmap averages its gradients with jax.lax.pmean over a named
+    axis; traced here it failed with JAX's bare NameError from deep inside tracing."""
+
+    def pmap_style_step(state, batch):
+        loss, grads = meshshard.value_and_grad(mse(state, batch))(state.params)
+        grads = jax.lax.pmean(grads, axis_name="batch")
+        return state.apply_gradients(grads=grads), jax.lax.pmean(loss, "batch")
+
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"pmap_style_step calls a collective over the named axis 'batch' .*"
+        r"drop the collective",
+    ):
+        lower(pmap_style_step, state, BATCH)
