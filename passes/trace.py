@@ -519,8 +519,7 @@ def _unbound_axis_message(fn, axis: str) -> str:
         "all_gather ... as code written for jax.pmap does), which no mapped axis binds "
         "here: meshshard runs the step over the whole batch, as jax.jit does, and splits "
         "and combines it itself, so the gradients meshshard.grad returns are already the "
-        "full batch's; drop the collective (or compute it under jax.shard_map inside the "
-        "step)"
+        "full batch's; drop the collective"
     )
 
 
