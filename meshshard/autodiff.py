@@ -219,7 +219,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
         if is_marker(e, "mark", "fwd") and e.params["index"] == -1
     ]
     live = _live_across(jaxpr, marker_pos)
-    detached = _detached_markers(jaxpr, marker_pos, live)
+    detached = _detached_markers(jaxpr, marker_pos, live, weights)
     index_of = {pos: k for k, pos in enumerate(p for p in marker_pos if p not in detached)}
     cuts = _auto_cuts(jaxpr, len(marker_pos), layers)
     cut_live = _live_across(jaxpr, list(cuts), before=True)
@@ -630,18 +630,29 @@ def _data_statistics_first(run: list, data: dict, env: dict) -> list:
     return [e for e in run if id(e) not in need]
 
 
-def _detached_markers(jaxpr, positions: list[int], live: dict[int, list]) -> frozenset[int]:
+def _detached_markers(
+    jaxpr, positions: list[int], live: dict[int, list], weights: list[bool]
+) -> frozenset[int]:
     """The user markers none of whose crossing values the loss is differentiated through:
     the layers of a model run under ``jax.lax.stop_gradient`` (a distillation teacher),
-    or of an aux-only computation.  They would have no backward mirror, so they mark no
-    pipeline boundary; their equations run in the layer they stand in between the others."""
+    of an aux-only computation, or layers before the first weight (the input's one-hot
+    or normalization, a frozen backbone's layers: values computed from the batch and
+    constants alone).  They would have no backward mirror, so they mark no pipeline
+    boundary; their equations run in the layer they stand in between the others.
+    ``weights``: which of ``jaxpr``'s inputs are differentiated."""
     if not positions or is_literal(jaxpr.outvars[0]):
         return frozenset()
     needed = {jaxpr.outvars[0]}  # the loss: the first output leaf
     for e in reversed(jaxpr.eqns):
         if e.primitive.name != "stop_gradient" and any(o in needed for o in e.outvars):
             needed.update(v for v in e.invars if not is_literal(v) and _differentiable(v))
-    return frozenset(p for p in positions if not any(v in needed for v in live[p]))
+    varying = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
+    for e in jaxpr.eqns:  # what depends on the differentiated inputs
+        if e.primitive.name != "stop_gradient" and any(
+            not is_literal(v) and v in varying for v in e.invars
+        ):
+            varying.update(e.outvars)
+    return frozenset(p for p in positions if not any(v in needed and v in varying for v in live[p]))
 
 
 def _live_across(jaxpr, positions: list[int], before: bool = False) -> dict[int, list]:

@@ -6,6 +6,7 @@ never touches Ray, so a plan for a GPU cluster can be made and inspected on a la
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -90,6 +91,20 @@ def _slice(st: CompileState) -> CompileState:
     return replace(st, slicing=slice_layers(st.traced.jaxpr))
 
 
+@contextlib.contextmanager
+def _naming_detached_markers(jaxpr):
+    """Add to a refusal for too few layers that some of the user's markers cut nothing
+    (:func:`~meshshard.passes.slicing.detached_notes`), so its count of boundaries
+    agrees with the markers the user wrote."""
+    try:
+        yield
+    except MeshshardInputError as exc:
+        detached = detached_notes(jaxpr)
+        if not detached:
+            raise
+        raise MeshshardInputError(f"{exc} (the step's {detached[0]})") from exc
+
+
 def _layout(st: CompileState) -> CompileState:
     if getattr(st.method, "stages", None) == "auto":
         stats = step_layer_stats(st.traced, st.slicing)
@@ -115,7 +130,8 @@ def _layout(st: CompileState) -> CompileState:
             "step's top-level boundaries only; loop in Python instead (for i in range(n): "
             "...) so each iteration's boundaries are cut, or use one stage (DataParallel)"
         )
-    groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
+    with _naming_detached_markers(st.traced.jaxpr):
+        groups, meshes, workers = stage_layout(st.method, cluster, st.slicing.num_layers)
     stages = getattr(st.method, "stages", "uniform")  # DataParallel has one mesh
     shapes = [] if isinstance(stages, str) else list(stages) * d
     if d > 1 and shapes and sum(h * n for h, n in shapes) <= cluster.num_devices:
@@ -133,7 +149,8 @@ def _layout(st: CompileState) -> CompileState:
     v = getattr(st.method, "virtual_stages", 1)
     if v > 1:  # interleaved 1F1B: v logical stages per mesh
         chosen = st.method.stage_layers
-        groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v, chosen)
+        with _naming_detached_markers(st.traced.jaxpr):
+            groups, meshes = virtual_layout(meshes, st.slicing.num_layers, v, chosen)
     notes = _worker_notes(st.cluster, cluster)
     return replace(st, cluster=cluster, layer_groups=groups, meshes=meshes, layout_notes=notes)
 

@@ -145,7 +145,7 @@ def detached_notes(jaxpr) -> list[str]:
     return [
         f"{n} pipeline boundar{'y' if n == 1 else 'ies'} inside meshshard.grad carr"
         f"{'ies' if n == 1 else 'y'} no value the loss is differentiated through (layers "
-        "under jax.lax.stop_gradient, such as a distillation teacher's, or aux-only "
-        "layers): not a stage boundary; those layers run in the stage of the layer "
-        "they stand in"
+        "under jax.lax.stop_gradient, such as a distillation teacher's, aux-only layers, "
+        "or layers before the first differentiated weight): not a stage boundary; those "
+        "layers run in the stage of the layer they stand in"
     ]

@@ -132,3 +132,64 @@ def test_a_step_without_detached_layers_has_no_such_note():
     par = meshshard.parallelize(adversarial_step, method=THREE_STAGES)
     plan = par.lower(state, batches[0], cluster=meshshard.ClusterSpec("d-4x2", 4, 2))
     assert not [n for n in plan.notes if "differentiated through" in n]
+
+
+class InputFirst(nn.Module):
+    """A first layer without weights: the input one-hot encoded and scaled (or a frozen
+    feature extractor), marked as a layer of its own."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = jax.nn.one_hot(tokens, 12) / jnp.sqrt(12.0)
+        meshshard.mark_pipeline_boundary()
+        for _ in range(2):
+            x = jnp.tanh(nn.Dense(16)(x))
+            meshshard.mark_pipeline_boundary()
+        return nn.Dense(12)(x)
+
+
+def _input_first_case():
+    rng = np.random.default_rng(1)
+    batches = [
+        {
+            "x": rng.integers(0, 12, (8, 5)).astype(np.int32),
+            "y": rng.integers(0, 12, (8, 5)).astype(np.int32),
+        }
+        for _ in range(2)
+    ]
+    params = InputFirst().init(jax.random.key(0), batches[0]["x"])["params"]
+    return (params, TX.init(params)), batches
+
+
+def input_first_step(state, batch):
+    params, opt = state
+
+    def loss_fn(p):
+        logits = InputFirst().apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(params)
+    updates, opt = TX.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt), loss
+
+
+def test_a_first_layer_without_weights_equals_jit(threads_cluster):
+    """Its boundary carries a value the loss needs but no weight reaches, so it had no
+    backward mirror and the step was refused ("pipeline boundaries [0] have no backward
+    mirror: the values crossing them do not influence the loss")."""
+    state, batches = _input_first_case()
+    par = check_step_parity(input_first_step, THREE_STAGES, state, batches)
+    note = [n for n in par.plan.notes if "carries no value the loss is differentiated" in n]
+    assert note and note[0].startswith("1 pipeline boundary inside meshshard.grad")
+
+
+def test_too_few_stages_for_detached_boundaries_says_which_cut_nothing():
+    state, batches = _input_first_case()
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)] * 4)
+    par = meshshard.parallelize(input_first_step, method=method)
+    with pytest.raises(
+        meshshard.MeshshardInputError,
+        match=r"at most 3 stages.*\(the step's 1 pipeline boundary inside meshshard.grad "
+        r"carries no value the loss is differentiated through",
+    ):
+        par.lower(state, batches[0], cluster=meshshard.ClusterSpec("d-4x2", 4, 2))
