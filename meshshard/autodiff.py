@@ -264,7 +264,7 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
         if policy is None:
             eval_eqns(jaxpr.eqns, env, on_eqn=on_eqn)
         else:
-            _eval_rematerialized(jaxpr, env, on_eqn, REMAT_POLICIES[policy], set(cut_index))
+            _eval_rematerialized(jaxpr, env, on_eqn, REMAT_POLICIES[policy], set(cut_index), shared)
         out = jax.tree.unflatten(out_tree, [read_var(env, v) for v in jaxpr.outvars])
         loss, aux = out if has_aux else (out, None)
         # ``detached`` only when there are some: a step's fingerprint (and so a saved
@@ -341,7 +341,7 @@ REMAT_POLICIES = {
 _REMAT: ContextVar[str | None] = ContextVar("meshshard_remat", default=None)
 
 
-def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
+def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts, shared=None) -> None:
     """Evaluate ``jaxpr``'s equations like ``eval_eqns(..., on_eqn=on_eqn)``, with each run
     of equations between markers inside ``jax.checkpoint(policy=policy)``: a layer's
     forward then keeps for its backward only what ``policy`` saves, and its backward
@@ -350,9 +350,20 @@ def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
     Small values the loss computes from its closed-over data alone (a masked mean's
     token count) are computed outside the checkpoint and read by it: recomputed inside
     the backward, they could not be the same value the compiler gives the forward
-    (``passes/batch_statistics.py`` takes such a count over the full batch)."""
+    (``passes/batch_statistics.py`` takes such a count over the full batch).
+
+    ``shared(i, eqn, env)``: evaluates equation ``i`` itself when it takes 1/M shares of
+    loss terms (:func:`loss_term_shares`), inside a checkpoint too; else returns False."""
     eqns = jaxpr.eqns
     n = len(eqns)
+    position = {id(e): i for i, e in enumerate(eqns)}
+
+    def evaluate(run: list, env: dict) -> None:
+        if shared is None:
+            eval_eqns(run, env)
+        else:
+            eval_eqns(run, env, on_eqn=lambda _, e, env: shared(position[id(e)], e, env))
+
     last_use = _last_uses(jaxpr)
     data = _data_only_values(jaxpr)
 
@@ -368,12 +379,12 @@ def _eval_rematerialized(jaxpr, env: dict, on_eqn, policy, cuts) -> None:
         )
         outs = [v for e in run for v in e.outvars if last_use.get(v, -1) >= end]
         if not outs:
-            eval_eqns(run, env)  # nothing it computes is read: no checkpoint to cut
+            evaluate(run, env)  # nothing it computes is read: no checkpoint to cut
             return
 
         def segment(*vals):
             local = dict(zip(reads, vals, strict=True))
-            eval_eqns(run, local)
+            evaluate(run, local)
             return [local[v] for v in outs]
 
         vals = jax.checkpoint(segment, policy=policy)(*[env[v] for v in reads])

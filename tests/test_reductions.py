@@ -278,8 +278,10 @@ SHARED_LOSSES = {
         PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)]),
         PipeshardParallel(num_micro_batches=4, stages=[(1, 1)] * 2, schedule="zb_h1"),
         meshshard.ShardParallel((1, 2), num_micro_batches=2),
+        # layers under jax.checkpoint: the shares are taken inside the checkpoint too
+        PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)], remat="full"),
     ],
-    ids=["1f1b-m2", "zb_h1-m4", "shard-m2"],
+    ids=["1f1b-m2", "zb_h1-m4", "shard-m2", "remat-m2"],
 )
 @pytest.mark.parametrize("name", list(SHARED_LOSSES))
 def test_a_loss_adding_a_batch_sum_to_a_mean_or_a_constant_equals_jit(
