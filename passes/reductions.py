@@ -648,12 +648,13 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
     batch sums add to a sum, but a batch sum plus a constant counts the constant once
     per micro-batch, a mean plus a sum is neither (both are sums once the mean and the
     constant are 1/M shares: collected in ``memo[_SHARES]`` when it is a dict, see
-    :func:`classify`), and two maxima do not add to the maximum of the sums.  A concatenation (a split scan's per-layer values, see
+    :func:`classify`), and two maxima do not add to the maximum of the sums.  A
+    concatenation (a split scan's per-layer values, see
     :mod:`~meshshard.passes.unroll_scans`) follows the same rules, except that its parts
     stay apart: maxima concatenate to maxima.  So does a ``select_n`` whose predicate is
     the same on every micro-batch (``jnp.where(step < warmup, 0.5 * loss, loss)``): it
-    picks one of its cases, which must combine alike.  Each term is classified on its own
-    (:func:`classify`).  Only
+    picks one of its cases, which must combine alike.  Each term is classified on its
+    own (:func:`classify`).  Only
     sums in the value's tail count (as in :func:`_nonlinear_after_reduction`): batch
     norm's fast variance ``mean(x**2) - mean(x)**2`` is a batch statistic used on the
     batch again, per micro-batch, not a term of the value.  ``tail``: the value's tail
@@ -689,10 +690,12 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
         if len(set(terms)) > 1:
             return f"it {verb} a batch {terms[0]} and a batch {terms[1]}"
         if terms and terms[0] == "sum" and "const" in kinds:
-            return (
-                f"it {verb} a value that does not depend on the batch to a batch sum (each "
-                "micro-batch's value would count it once)"
+            what = (
+                "picks between a batch sum and a value that does not depend on the batch"
+                if picks
+                else f"{verb} a value that does not depend on the batch to a batch sum"
             )
+            return f"it {what} (each micro-batch's value would count it once)"
         if len(terms) > 1 and terms[0] in ("max", "min") and not (joins or picks):
             return f"it adds two batch {terms[0]}ima"
     return ""

@@ -334,6 +334,17 @@ def test_a_where_on_the_step_count_over_a_mean_loss_equals_jit(threads_cluster):
     assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
 
 
+def test_a_where_between_a_batch_sum_and_a_constant_says_why():
+    fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
+    x_full = jnp.arange(32.0).reshape(8, 4)
+    micro, full = jax.make_jaxpr(fn)(x_full[:2]), jax.make_jaxpr(fn)(x_full)
+    dep = batch_dependent(micro.jaxpr, [True], len(micro.jaxpr.eqns))
+    why = classify(micro, full, micro.jaxpr.outvars[0], 4, dep)[1]
+    assert why.startswith(
+        "it picks between a batch sum and a value that does not depend on the batch"
+    ), why
+
+
 def test_a_share_of_a_batch_sum_is_still_refused():
     """Shares make sums of means and constants only: two batch maxima added to a sum
     are refused as before."""
