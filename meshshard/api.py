@@ -567,17 +567,20 @@ def _warn_unmet_requests(plan) -> None:
     whole on every device there: no data parallelism), or when ``sharding="zero2"``
     found no optimizer state to split: what the user asked for did not happen; and when
     a micro-batch's activation statistics stand in for the full batch's; when the
-    step's own sharding constraints were dropped; and when it changes NNX modules in
-    place without returning them."""
+    step's own sharding constraints were dropped; when it changes NNX modules in
+    place without returning them; and when automatic stages leave devices idle."""
     from meshshard.nnx_modules import LOST_NOTE
     from meshshard.passes.batch_coupling import NOTE as COUPLED
     from meshshard.passes.shard_plan import ZERO_UNSPLIT
     from meshshard.passes.sharding import UNSPLIT_BATCH
+    from meshshard.passes.stage_dp import IDLE_DEVICES
     from meshshard.passes.user_shardings import NOTE as PLACEMENTS
 
     for note in plan.notes:
         if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT, COUPLED, PLACEMENTS, LOST_NOTE)):
             log.warning("%s", note)
+        elif note.strip().removeprefix("note: ").startswith(IDLE_DEVICES):  # the stage DP's
+            log.warning("%s", note.strip().removeprefix("note: "))
 
 
 def _write_at_exit(ref) -> None:

@@ -312,11 +312,11 @@ def stage_dp(
     cands = _candidates(tab, 1 + tolerance)
     if not cands.size:
         _raise_no_fit(cost, choices, m_b)
-    if not _can_tile(sizes, n_dev, max_stages):
+    all_devices, n_dev = n_dev, _most_tiled(sizes, n_dev, max_stages)
+    if not n_dev:
         raise MeshshardInputError(
-            f"the submesh shapes {list(choices)} cannot tile the {n_dev} devices of {cluster} "
-            f"with at most {max_stages} stages (one per layer at most; the model has "
-            f"{big_l} layers); allow other submesh shapes, or more layers"
+            f"the submesh shapes {list(choices)} cannot tile any devices of {cluster} "
+            f"with at most {max_stages} stages; allow other submesh shapes"
         )
     lo = _first_feasible(tab, sizes, n_dev, cands, max_stages)
     if lo is None:
@@ -332,16 +332,30 @@ def stage_dp(
                 plan = evaluate(_walk(tab, fs, args, sizes, choices, n_dev, s), cost, m_b)
                 if best is None or plan.seconds < best.seconds:
                     best = plan
-    note = f"stage DP: {big_l} layers, {len(choices)} submesh shapes, {sweeps} t_max sweeps"
-    return StagePlan(**{**best.__dict__, "name": "auto", "notes": (note,)})
+    notes = (f"stage DP: {big_l} layers, {len(choices)} submesh shapes, {sweeps} t_max sweeps",)
+    if n_dev < all_devices:
+        notes += (
+            f"{IDLE_DEVICES}{n_dev} of the {all_devices} devices of {cluster}: submeshes of shapes "
+            f"{list(choices)}, at most {max_stages} stages (one per layer at most; the model "
+            f"has {big_l} layers), cannot tile them all; mark more layers or allow other "
+            "submesh shapes to use every device",
+        )
+    return StagePlan(**{**best.__dict__, "name": "auto", "notes": notes})
 
 
-def _can_tile(sizes, n_dev: int, max_stages: int) -> bool:
-    """Whether at most ``max_stages`` submeshes of these sizes add up to ``n_dev`` devices."""
+#: How the note of a plan that leaves devices idle starts (the user is warned of it).
+IDLE_DEVICES = "the automatic stages use "
+
+
+def _most_tiled(sizes, n_dev: int, max_stages: int) -> int:
+    """The most devices, at most ``n_dev``, that at most ``max_stages`` submeshes of these
+    sizes add up to (0: none): all of them, unless the model has too few layers for the
+    submeshes allowed (3 layers on 4 hosts of 2 devices, meshes inside one host), where
+    the plan leaves the rest idle rather than fail."""
     reach = {0}
     for _ in range(max_stages):
         reach |= {r + int(z) for r in reach for z in sizes if r + z <= n_dev}
-    return n_dev in reach
+    return max(reach)
 
 
 def _feasible(tab, sizes, n_dev: int, t_max: float, max_stages: int) -> bool:

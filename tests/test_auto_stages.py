@@ -153,3 +153,31 @@ def test_stages_auto_on_a_cluster_too_small_says_what_would_fit():
         r"parameters' state: use more or larger devices",
     ):
         step.lower(state, batch, cluster=tiny, costs=False)
+
+
+def test_stages_auto_with_too_few_layers_for_the_cluster_leaves_devices_idle(
+    threads_cluster, caplog
+):
+    """Three layers on 4 hosts of 2 devices, meshes inside one host (the in-process
+    backend's): no three submeshes tile 8 devices, and the step was refused ("cannot
+    tile the 8 devices"); the plan now runs on 6 of them, and says so."""
+    state = _no_marker_state()[:3]  # three tanh layers, cut by layers="auto"
+    method = PipeshardParallel(num_micro_batches=2, stages="auto", layers="auto")
+    step = meshshard.parallelize(_no_marker_step, method=method)
+    with caplog.at_level("WARNING", logger="meshshard"):
+        got, got_loss = step(state, _three_layer_batch(0))
+    ref, ref_loss = jax.jit(_no_marker_step)(state, _three_layer_batch(0))
+    assert_trees_close(ref, got)
+    assert_trees_close(ref_loss, got_loss)
+    assert sum(h * d for h, d in (m.shape for m in step.plan.meshes)) == 6
+    assert any(
+        "the automatic stages use 6 of the 8 devices" in r.getMessage() for r in caplog.records
+    )
+
+
+def _three_layer_batch(seed):
+    rng = np.random.default_rng(200 + seed)
+    return {
+        "x": rng.standard_normal((16, 8)).astype(np.float32),
+        "y": rng.standard_normal((16, 16)).astype(np.float32),
+    }
