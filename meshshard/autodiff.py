@@ -32,6 +32,7 @@ from meshshard.metrics import check_reduction
 from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
+from meshshard.passes.reductions import bind_with_shares, shared_equations
 from meshshard.passes.unroll_scans import (
     counter_indexed_stacks,
     counter_note,
@@ -41,7 +42,7 @@ from meshshard.passes.unroll_scans import (
     split_note,
     split_scans,
 )
-from meshshard.primitives import boundary_p, loss_share_p
+from meshshard.primitives import boundary_p
 
 __all__ = [
     "grad",
@@ -224,19 +225,11 @@ def _with_boundaries(fun: Callable, args: tuple, has_aux: bool, weights: list[bo
     cuts = _auto_cuts(jaxpr, len(marker_pos), layers)
     cut_live = _live_across(jaxpr, list(cuts), before=True)
     cut_index = {p: (k, cut_live[p]) for k, p in enumerate(cuts)}
-    shares = _shared_terms(jaxpr, _LOSS_SHARES.get())
+    setting = _LOSS_SHARES.get()
+    shares = shared_equations(jaxpr, *setting) if setting else {}
 
     def shared(i, eqn, env) -> bool:  # equation i with 1/M shares of some operands
-        if i not in shares:
-            return False
-        scale, positions = shares[i]
-        vals = [read_var(env, v) for v in eqn.invars]
-        vals = [
-            loss_share_p.bind(x, scale=scale)[0] if k in positions else x
-            for k, x in enumerate(vals)
-        ]
-        (env[eqn.outvars[0]],) = [eqn.primitive.bind(*vals, **eqn.params)]
-        return True
+        return i in shares and bind_with_shares(eqn, env, *shares[i])
 
     def on_eqn(i, eqn, env):
         if i in cut_index:  # an automatic boundary before equation i
@@ -296,39 +289,6 @@ def loss_term_shares(scale: float, paths: Sequence[tuple]):
         yield
     finally:
         _LOSS_SHARES.reset(token)
-
-
-def _shared_terms(jaxpr, setting) -> dict[int, tuple[float, frozenset]]:
-    """Equation index of the loss ``jaxpr`` -> (scale, operand positions to scale), for
-    each path of ``setting`` (from :data:`_LOSS_SHARES`) that leads to an equation of the
-    primitive it names; a path that does not is skipped (the compiler then refuses the
-    loss, as it would without shares)."""
-    if setting is None or not jaxpr.outvars:
-        return {}
-    scale, paths = setting
-    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-
-    def made(v):
-        while not is_literal(v) and v in producer:
-            i, e = producer[v]
-            if not is_marker(e):
-                return i, e
-            v = e.invars[list(e.outvars).index(v)]  # a marker: the identity per position
-        return None, None
-
-    out = {}
-    for steps, target, positions in paths:
-        v = jaxpr.outvars[0]
-        for name, k in steps:
-            _, e = made(v)
-            if e is None or e.primitive.name != name or k >= len(e.invars):
-                break
-            v = e.invars[k]
-        else:
-            i, e = made(v)
-            if e is not None and e.primitive.name == target:
-                out[i] = (scale, frozenset(positions))
-    return out
 
 
 #: ``PipeshardParallel.remat`` choices: which values a layer's forward keeps for its

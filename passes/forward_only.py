@@ -185,18 +185,21 @@ def check_forward_only(traced, num_stages: int) -> None:
 
 
 def output_reductions(
-    micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, m: int, labels
+    micro: ClosedJaxpr, full: ClosedJaxpr, is_batch, m: int, labels, allow_shares: bool = False
 ) -> tuple[tuple[str, str, str] | None, ...]:
     """Per step result of a forward-only step: (label, reduction, source), or None for a
-    result that is a literal or an input (nothing to combine)."""
+    result that is a literal or an input (nothing to combine).  With ``allow_shares``,
+    results that add a batch sum to a batch mean or a constant raise
+    :class:`~meshshard.passes.reductions.LossTermShares` naming them (the step is traced
+    again with those terms as 1/M shares) instead of being refused."""
     from meshshard.passes.hoist import batch_dependent
-    from meshshard.passes.reductions import same_program
+    from meshshard.passes.reductions import LossTermShares, same_program
 
     mj = micro.jaxpr
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
     invars = set(mj.invars)
     producer = {v: e for e in mj.eqns for v in e.outvars}
-    out = []
+    out, shared = [], {}
     for label, v in zip(labels, mj.outvars, strict=True):
         if is_literal(v) or v in invars:
             out.append(None)
@@ -212,8 +215,30 @@ def output_reductions(
                 "or use num_micro_batches=1"
             )
         else:
-            out.append((label, *_output_reduction(micro, full, v, m, dep, label)))
+            try:
+                out.append((label, *_output_reduction(micro, full, v, m, dep, label)))
+            except MeshshardInputError:
+                paths = _term_shares(micro, full, v, m, dep) if allow_shares else ()
+                if not paths:
+                    raise
+                shared[len(out)] = paths
+                out.append(None)
+    if shared:
+        raise LossTermShares(outputs=shared)
     return tuple(out)
+
+
+def _term_shares(micro, full, var, m: int, dep) -> tuple:
+    """:func:`~meshshard.passes.reductions.share_paths` of the terms of result ``var``
+    that, taken as 1/M shares, make it a sum over micro-batches (``()``: none do)."""
+    from meshshard.passes.reductions import classify, share_paths
+
+    shares: dict = {}
+    red, _ = classify(micro, full, var, m, dep, shares)
+    if red != "sum" or not shares:
+        return ()
+    paths = share_paths(micro, var, shares)
+    return paths if len(paths) == len(shares) else ()
 
 
 def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, str]:

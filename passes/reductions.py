@@ -53,6 +53,7 @@ from meshshard.jaxpr_util import (
     is_dropvar,
     is_literal,
     is_marker,
+    retrace,
     set_marker_params,
     user_frame,
     var_ids,
@@ -162,11 +163,13 @@ class LossTermShares(Exception):
     """The loss adds a batch sum to terms that combine otherwise (a mean, a constant):
     it combines over micro-batches once those terms are 1/M shares.  ``paths``: where,
     as :func:`share_paths` gives them; the compiler traces the step again with them
-    (:func:`meshshard.autodiff.loss_term_shares`)."""
+    (:func:`meshshard.autodiff.loss_term_shares`).  ``outputs``: instead, for a
+    forward-only step, result index -> such paths (:func:`share_outputs`)."""
 
-    def __init__(self, paths: tuple):
+    def __init__(self, paths: tuple = (), outputs: dict | None = None):
         super().__init__("the loss needs 1/M shares of some of its terms")
         self.paths = paths
+        self.outputs = outputs
 
 
 def share_paths(micro: ClosedJaxpr, var, shares: dict) -> tuple:
@@ -191,6 +194,65 @@ def share_paths(micro: ClosedJaxpr, var, shares: dict) -> tuple:
             found[id(e)] = (steps, e.primitive.name, tuple(sorted(shares[id(e)][1])))
         stack += [(x, (*steps, (e.primitive.name, k))) for k, x in enumerate(e.invars)]
     return tuple(found.values())
+
+
+def shared_equations(jaxpr, scale: float, paths, output: int = 0) -> dict:
+    """Equation index of ``jaxpr`` -> (scale, operand positions to scale), for each of
+    ``paths`` (:func:`share_paths`, taken from result ``output``, boundary markers
+    skipped) that leads to an equation of the primitive it names; one that does not is
+    left out, and the value it was for is refused as it would be without shares."""
+    if len(jaxpr.outvars) <= output:
+        return {}
+    producer = {v: (i, e) for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+
+    def made(v):
+        while not is_literal(v) and v in producer:
+            i, e = producer[v]
+            if not is_marker(e):
+                return i, e
+            v = e.invars[list(e.outvars).index(v)]  # a marker: the identity per position
+        return None, None
+
+    out = {}
+    for steps, target, positions in paths:
+        v = jaxpr.outvars[output]
+        for name, k in steps:
+            _, e = made(v)
+            if e is None or e.primitive.name != name or k >= len(e.invars):
+                break
+            v = e.invars[k]
+        else:
+            i, e = made(v)
+            if e is not None and e.primitive.name == target:
+                out[i] = (scale, frozenset(positions))
+    return out
+
+
+def bind_with_shares(eqn, env: dict, scale: float, positions: frozenset) -> bool:
+    """Evaluate addition ``eqn`` reading ``env`` with ``scale`` shares
+    (``loss_share``) of the operands at ``positions``; writes its result, returns True."""
+    vals = [v.val if is_literal(v) else env[v] for v in eqn.invars]
+    vals = [
+        loss_share_p.bind(x, scale=scale)[0] if k in positions else x for k, x in enumerate(vals)
+    ]
+    env[eqn.outvars[0]] = eqn.primitive.bind(*vals, **eqn.params)
+    return True
+
+
+def share_outputs(closed: ClosedJaxpr, scale: float, paths_by_output: dict) -> ClosedJaxpr:
+    """``closed`` with ``scale`` shares of the terms ``paths_by_output`` names (result
+    index -> :func:`share_paths`): a forward-only step's result that adds a batch sum to
+    a batch mean or a constant then sums over micro-batches to the full batch's."""
+    index = {}
+    for output, paths in paths_by_output.items():
+        index.update(shared_equations(closed.jaxpr, scale, paths, output))
+    if not index:
+        return closed
+
+    def hook(i, eqn, env, extra) -> bool:
+        return i in index and bind_with_shares(eqn, env, *index[i])
+
+    return retrace(closed, hook)
 
 
 def used_on_the_batch(micro: ClosedJaxpr, full: ClosedJaxpr, dep: set) -> frozenset:

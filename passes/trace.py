@@ -35,6 +35,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import jax
@@ -70,7 +71,13 @@ from meshshard.passes.narrow_gradients import narrow_padded_gradients
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
-from meshshard.passes.reductions import LossTermShares, resolve, same_program, set_reductions
+from meshshard.passes.reductions import (
+    LossTermShares,
+    resolve,
+    same_program,
+    set_reductions,
+    share_outputs,
+)
 from meshshard.passes.scatter_totals import split_scatter_totals
 from meshshard.passes.shared_grads import split_shared_gradients
 from meshshard.passes.sink_metrics import (
@@ -297,8 +304,19 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
     try:
         return _trace_step_once(fn, m, treedef, wheres, full_abs, in_batch, allow_shares=True)
     except LossTermShares as shares:
+        if shares.outputs:  # a forward-only step's results
+            token = _OUTPUT_SHARES.set((1.0 / m, shares.outputs))
+            try:
+                return _trace_step_once(fn, m, treedef, wheres, full_abs, in_batch)
+            finally:
+                _OUTPUT_SHARES.reset(token)
         with loss_term_shares(1.0 / m, shares.paths):
             return _trace_step_once(fn, m, treedef, wheres, full_abs, in_batch)
+
+
+#: A forward-only step's result terms to take as 1/M shares while tracing: (scale,
+#: result index -> paths), see :func:`~meshshard.passes.reductions.share_outputs`.
+_OUTPUT_SHARES: ContextVar[tuple | None] = ContextVar("meshshard_output_shares", default=None)
 
 
 def _trace_step_once(
@@ -386,7 +404,7 @@ def _trace_step_once(
     forward_only = is_forward_only(closed.jaxpr)
     if m > 1 and forward_only and not transposed:  # results combined (forward_only.py)
         labels = ["out" + jax.tree_util.keystr(p) for p, _ in out_paths]
-        how = output_reductions(micro, full, flags, m, labels)
+        how = output_reductions(micro, full, flags, m, labels, allow_shares)
         closed = combine_outputs(closed, how, m)
     infos = [
         LeafInfo(w, tuple(a.shape), str(np.dtype(a.dtype)), b, i in keys)
@@ -498,6 +516,9 @@ def _trace(
     closed = drop_user_shardings(closed)
     # jit-wrapped steps/losses first, then one equation per mesh in the update part
     closed = physical_keys(inline_update_calls(inline_calls(closed)))
+    shares = _OUTPUT_SHARES.get()
+    if shares is not None:
+        closed = share_outputs(closed, *shares)
     return closed, out, transposed, tuple(n for n in (note, lost) if n)
 
 

@@ -824,15 +824,41 @@ def test_an_aux_sum_plus_mean_tells_the_user_to_return_its_terms(threads_cluster
     assert "Return its terms as separate values" in message and "aux_sum" not in message
 
 
-def test_a_forward_result_adding_a_sum_and_a_mean_names_the_fix():
+def _eval_step(total):
     def eval_step(params, batch):
         err = jnp.abs(mlp.MLP(num_layers=4).apply({"params": params}, batch["x"]) - batch["y"])
-        return jnp.sum(err) + jnp.mean(err**2)
+        return total(err)
 
+    return eval_step
+
+
+@pytest.mark.parametrize(
+    "total",
+    [
+        lambda err: jnp.sum(err) + jnp.mean(err**2),
+        lambda err: jnp.sum(err * (err > 0.5)) / 16.0 + 2.0,
+    ],
+    ids=["sum_plus_mean", "sum_plus_constant"],
+)
+def test_a_forward_result_adding_a_sum_to_a_mean_or_a_constant_equals_jit(threads_cluster, total):
+    """An eval step returning the training loss (a token sum plus a mean z-loss) with
+    micro-batches was refused; its terms are now 1/M shares, as a train step's loss."""
     state = sgd_state(BATCHES[0]["x"])
-    step = meshshard.parallelize(eval_step, method=PipeshardParallel(num_micro_batches=2))
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = meshshard.parallelize(_eval_step(total), method=method)
+    for batch in BATCHES:
+        assert_trees_close(
+            jax.jit(_eval_step(total))(state.params, batch), par(state.params, batch)
+        )
+    assert "out: sum over 2 micro-batches (traced: a sum over the batch plus" in str(par.plan)
+
+
+def test_a_forward_result_adding_a_sum_and_a_max_names_the_fix():
+    state = sgd_state(BATCHES[0]["x"])
+    step = _eval_step(lambda err: jnp.sum(err) + jnp.max(err))
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
     with pytest.raises(MeshshardInputError, match=r"return its terms as separate values"):
-        step.lower(state.params, BATCHES[0], cluster=CLUSTER)
+        par.lower(state.params, BATCHES[0], cluster=CLUSTER)
 
 
 def _gpt_step(reduce):
