@@ -50,7 +50,7 @@ from meshshard.jaxpr_util import (
 )
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
-from meshshard.passes.reductions import _shape, _slice, marker_reductions, same_program
+from meshshard.passes.reductions import _shape, _slice, marker_reductions
 
 #: The path of a statistic's input leaf in the plan (``{k}``: its position among them).
 PATH = "<full-batch statistic {k}>"
@@ -108,12 +108,15 @@ class _Found:
 
 def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
     """The full-batch statistics of a step traced at micro-batch and full-batch shape
-    (``is_batch``: per input of ``micro``, whether it is a batch leaf); none when the
-    two traces do not pair equation by equation."""
+    (``is_batch``: per input of ``micro``, whether it is a batch leaf), among the
+    equations the two traces pair: all of them, or those before the first that differs
+    (one-row micro-batches: JAX traces the transposes of size-1 broadcasts as other
+    equations, in the backward, while a masked mean's token count is in the forward)."""
     none = _Found((), (), frozenset())
-    if full is None or not same_program(micro, full):
+    if full is None:
         return none
     mj, fj = micro.jaxpr, full.jaxpr
+    paired = _paired_prefix(mj, fj)
     data = data_only(mj, is_batch)
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
     where = {v: (i, k) for i, e in enumerate(mj.eqns) for k, v in enumerate(e.outvars)}
@@ -122,7 +125,7 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
         if is_literal(v) or v not in data or v not in dep or v not in where:
             return False
         i, k = where[v]
-        return _shape(v) == _shape(fj.eqns[i].outvars[k])
+        return i < paired and _shape(v) == _shape(fj.eqns[i].outvars[k])
 
     if _recomputed_inside(mj, data & dep):
         return none
@@ -144,6 +147,17 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
     inputs = tuple(distinct.setdefault(key(mj.eqns[i].outvars[k]), len(distinct)) for i, k in found)
     replaced = {mj.eqns[i].outvars[k] for i, k in found}
     return _Found(tuple(found), inputs, _dead(mj, replaced, data))
+
+
+def _paired_prefix(mj, fj) -> int:
+    """How many leading equations of two traces run the same primitives (all of them
+    when :func:`~meshshard.passes.reductions.same_program`)."""
+    n = 0
+    for a, b in zip(mj.eqns, fj.eqns, strict=False):
+        if a.primitive is not b.primitive or len(a.outvars) != len(b.outvars):
+            break
+        n += 1
+    return n
 
 
 def _structure(jaxpr):

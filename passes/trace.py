@@ -392,7 +392,8 @@ def _trace_step_once(
     coupled = coupled_statistics(micro, full, flags) if m > 1 else ()
     draws = find_batch_draws(micro, full, m)
     pair = _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m, sink, micro_cuts)
-    reduce = resolve(*pair, flags[: len(pair[0].jaxpr.invars)], m, allow_shares)
+    pair_flags = is_batch + [False] * (len(pair[0].jaxpr.invars) - len(is_batch))  # + statistics
+    reduce = resolve(*pair, pair_flags, m, allow_shares)
     closed = slice_batch_draws(micro, draws)
     closed = hoist_to_update(closed, flags + [True] * bool(draws))
     closed, reduce = seed_micro_batch_shares(closed, reduce, m)
@@ -486,7 +487,10 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sin
     shared = LayerCuts(cuts.chosen)
     two = sink(_trace(fn, treedef, at(2), shared)[0])
     many = sink(_trace(fn, treedef, at(2 * m), shared)[0])
-    return (two, many) if same_program(two, many) else (micro, full)
+    if not same_program(two, many):
+        return micro, full
+    found = find_statistics(two, many, is_batch)  # as the micro-batch reads them
+    return (hoist_statistics(two, found), hoist_statistics(many, found)) if found else (two, many)
 
 
 def _trace(

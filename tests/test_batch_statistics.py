@@ -207,12 +207,20 @@ def test_a_declared_mean_keeps_the_micro_batches_own_counts():
     assert not any(leaf.path.startswith("<full-batch") for leaf in traced.inputs)
 
 
-def test_micro_batches_of_one_row_still_refuse_a_masked_mean():
-    """JAX specializes a dimension of size 1, so the two traces do not pair up and the
-    count cannot be matched: the loss is refused as before, with the fix."""
-    step = meshshard.parallelize(masked_step, method=PipeshardParallel(num_micro_batches=8))
-    with pytest.raises(MeshshardInputError, match=r"divides by a total computed from the batch"):
-        step.lower(_state(), BATCHES[0], cluster=CLUSTER)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_micro_batches_of_one_row_take_a_masked_mean_over_the_full_batch(threads_cluster, schedule):
+    """JAX specializes a dimension of size 1, so the two traces do not pair up, and the
+    count was not matched: the loss was refused ("divides by a total computed from the
+    batch"), though one-row micro-batches are the usual pipeline setting for large
+    models. The traces differ only in the backward (the transposes of size-1
+    broadcasts): the count, in the forward, pairs."""
+    method = PipeshardParallel(num_micro_batches=8, stages=[(1, 2), (1, 2)], schedule=schedule)
+    check_step_parity(masked_step, method, _state(), BATCHES)
+    traced = _traced(masked_step, m=8)
+    stats = [leaf for leaf in traced.inputs if leaf.path.startswith("<full-batch")]
+    assert [s.path for s in stats] == [PATH.format(k=0)]
+    (count,) = traced.statistics(jax.tree.leaves((_state(), BATCHES[1])))
+    assert float(count) == BATCHES[1]["mask"].sum()
 
 
 def eval_step(state, batch):
