@@ -123,15 +123,25 @@ def find_batch_draws(micro: ClosedJaxpr, full: ClosedJaxpr, m: int) -> tuple[Bat
 
 
 def _find(mj, fj, m: int, path: tuple[Step, ...]) -> list[BatchDraw]:
-    """The batch draws of ``mj`` (and its sub-jaxprs), matched with ``fj``'s by position."""
+    """The batch draws of ``mj`` (and its sub-jaxprs), matched with ``fj``'s by position.
+
+    The traces need to pair only up to their last draw: with one-row micro-batches JAX
+    traces the backward's transposes of size-1 broadcasts as other equations, after the
+    forward's dropout masks."""
     me, fe = mj.eqns, fj.eqns
     draw = _first_draw(mj)
     if draw is None:
         return []
-    if [e.primitive.name for e in me] != [e.primitive.name for e in fe]:
-        raise _different_programs(draw, path, f"{len(me)} vs {len(fe)} equations")
+    paired = 0
+    for a, b in zip(me, fe, strict=False):
+        if a.primitive is not b.primitive:
+            break
+        paired += 1
+    late = _first_draw(mj.replace(eqns=me[paired:])) if paired < len(me) else None
+    if late is not None:
+        raise _different_programs(late, path, f"{len(me)} vs {len(fe)} equations")
     out = []
-    for i, (a, b) in enumerate(zip(me, fe, strict=True)):
+    for i, (a, b) in enumerate(zip(me[:paired], fe[:paired], strict=True)):
         if a.primitive.name in DRAW_PRIMITIVES:
             d = _batch_draw(a, b, m, i, path)
             if d is not None:
@@ -150,7 +160,8 @@ def _different_programs(draw: str, path: tuple[Step, ...], how: str) -> Meshshar
         f"the step draws random numbers ({draw}) but traces to different programs at "
         f"micro-batch and full-batch shape{where} ({how}), so meshshard cannot match each "
         "draw with the full batch's; make the step's Python control flow independent of "
-        "the batch size"
+        "the batch size (with micro-batches of one row, JAX itself traces some size-1 "
+        "dimensions otherwise: two rows or more avoid that)"
     )
 
 
