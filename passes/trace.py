@@ -461,6 +461,7 @@ def _trace_micro(fn, treedef, micro_abs, m: int, wheres, full_abs, cuts: LayerCu
             "non-batch argument, and code that assumes the full batch size must read it "
             "from the arrays' shapes; or use num_micro_batches=1"
             f"{_batch_elsewhere(full_abs, wheres, was_cut)}"
+            f"{_rows_in_the_state(full_abs, wheres, was_cut, str(e))}"
         ) from e
 
 
@@ -647,6 +648,29 @@ def _batch_elsewhere(full_abs, wheres, is_batch) -> str:
     return (
         f"; args[{i}]'s leaves all have {rows[i].pop()} rows: if it is the batch, pass "
         f"batch_argnums=({i},)"
+    )
+
+
+def _rows_in_the_state(full_abs, wheres, is_batch, error: str) -> str:
+    """A hint when the error names the shape of a non-batch leaf with as many rows as
+    the batch: a value kept per example between steps (an RNN's hidden state carried
+    over truncated backpropagation, a memory) that each micro-batch needs its rows of."""
+    rows = {a.shape[0] for a, b in zip(full_abs, is_batch, strict=True) if b and a.shape}
+    if len(rows) != 1:
+        return ""
+    (n,) = rows
+    named = [
+        w
+        for a, w, b in zip(full_abs, wheres, is_batch, strict=True)
+        if not b and a.shape and a.shape[0] == n and str(tuple(a.shape)) in error
+    ]
+    if not named:
+        return ""
+    return (
+        f"; {', '.join(named[:3])} {'has' if len(named) == 1 else 'have'} {n} rows, as the "
+        "batch has: a value kept per example from step to step (an RNN's hidden state) "
+        "must travel with the batch: pass it in a batch argument (batch_argnums) so each "
+        "micro-batch reads its own rows, and return its new rows from the step"
     )
 
 

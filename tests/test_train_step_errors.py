@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -166,3 +167,28 @@ def test_a_pmap_style_collective_is_refused_naming_the_axis_and_the_fix(state):
         r"drop the collective",
     ):
         lower(pmap_style_step, state, BATCH)
+
+
+def test_a_hidden_state_kept_in_the_state_names_the_leaf_and_the_fix():
+    """Truncated backpropagation through time carries the RNN's hidden state, one row per
+    example, from step to step; kept in the state, micro-batches failed with JAX's
+    broadcasting error and a hint about loss weights and lookup tables."""
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 4)), jnp.float32)}
+
+    def tbptt_step(state, batch):
+        def loss_fn(p):
+            h = jnp.tanh(state["h"] @ p["w"] + batch["x"])
+            return jnp.mean((h - batch["y"]) ** 2), h
+
+        (loss, h), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        new = jax.tree.map(lambda a, g: a - 0.1 * g, state["params"], grads)
+        return {"params": new, "h": h}, loss
+
+    state = {"params": params, "h": jnp.zeros((8, 4), jnp.float32)}
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 4), np.float32)}
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"args\[0\]\['h'\] has 8 rows, as the batch has: .*pass it in a batch argument",
+    ):
+        lower(tbptt_step, state, batch)
