@@ -350,7 +350,12 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
 
 
 #: Why-phrases of a value that adds terms combining differently over micro-batches.
-MIXED_TERMS = ("it adds a batch ", "it adds a value that does not depend on the batch to")
+MIXED_TERMS = (
+    "it adds a batch ",
+    "it adds two batch ",
+    "it adds a value that does not depend on the batch to",
+    "it picks between a batch ",
+)
 #: What to do with such a value (other than the loss, whose terms become 1/M shares):
 #: no one declared reduction of the total is right.
 MIXED_TERMS_FIX = (
@@ -359,10 +364,19 @@ MIXED_TERMS_FIX = (
 )
 
 
-def fix_for(why: str, otherwise: str) -> str:
-    """The fix to suggest for a value refused or defaulted because ``why``:
-    :data:`MIXED_TERMS_FIX` for added terms that combine differently, else ``otherwise``."""
-    return MIXED_TERMS_FIX if any(m in why for m in MIXED_TERMS) else otherwise
+#: The loss's: its batch sums plus means or constants are combined already (1/M shares),
+#: so what is left mixes other kinds, and one declared reduction would be wrong too.
+LOSS_TERMS_FIX = (
+    "make each term of the loss a mean or a sum over the batch (a batch sum plus means "
+    "and constants is combined for you); declaring loss_reduce would combine every term "
+    "alike, which is wrong for these"
+)
+
+
+def fix_for(why: str, otherwise: str, mixed: str = MIXED_TERMS_FIX) -> str:
+    """The fix to suggest for a value refused or defaulted because ``why``: ``mixed``
+    for terms that combine differently, added or picked between, else ``otherwise``."""
+    return mixed if any(m in why for m in MIXED_TERMS) else otherwise
 
 
 #: How a loss that adds a batch sum to 1/M shares of other terms is said to combine.
@@ -1002,13 +1016,17 @@ def resolve(
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
             if not red and label == "loss":
                 _refuse_an_order_statistic(micro, full, v)
-                raise MeshshardInputError(
-                    f"meshshard cannot tell how the loss combines over micro-batches: {why}; "
+                fix = fix_for(
+                    why,
                     "make the loss a mean or a sum over the batch (with a masked mean, divide "
                     "by a count passed as a non-batch argument), or declare it with "
                     "meshshard.value_and_grad(..., loss_reduce='mean' or 'sum') (a declared "
                     "mean averages the micro-batches' losses with equal weights, whatever "
-                    "their counts)"
+                    "their counts)",
+                    LOSS_TERMS_FIX,
+                )
+                raise MeshshardInputError(
+                    f"meshshard cannot tell how the loss combines over micro-batches: {why}; {fix}"
                 )
             if not red and why in _REFUSED:
                 raise MeshshardInputError(_REFUSED[why](label, p, m))

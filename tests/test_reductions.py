@@ -347,12 +347,15 @@ def test_a_where_between_a_batch_sum_and_a_constant_says_why():
 
 def test_a_share_of_a_batch_sum_is_still_refused():
     """Shares make sums of means and constants only: two batch maxima added to a sum
-    are refused as before."""
+    are refused as before, without the fix of declaring loss_reduce (which would combine
+    the maxima and the sum alike: wrong)."""
     state = sgd_state(BATCHES[0]["x"])
     step = _loss_step(lambda pred, y, p: jnp.sum((pred - y) ** 2) + jnp.max(pred) + jnp.max(y))
     par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
-    with pytest.raises(MeshshardInputError, match="cannot tell how the loss combines"):
+    with pytest.raises(MeshshardInputError, match="cannot tell how the loss combines") as err:
         par.lower(state, BATCHES[0], cluster=CLUSTER)
+    assert "make each term of the loss a mean or a sum" in str(err.value)
+    assert "declaring loss_reduce would combine every term alike" in str(err.value)
 
 
 @pytest.mark.parametrize(
