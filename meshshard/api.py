@@ -577,10 +577,11 @@ def _warn_unmet_requests(plan) -> None:
     from meshshard.passes.user_shardings import NOTE as PLACEMENTS
 
     for note in plan.notes:
+        dp_note = note.strip().removeprefix("note: ")  # the stage DP's notes are indented
         if note.startswith((UNSPLIT_BATCH, ZERO_UNSPLIT, COUPLED, PLACEMENTS, LOST_NOTE)):
             log.warning("%s", note)
-        elif note.strip().removeprefix("note: ").startswith(IDLE_DEVICES):  # the stage DP's
-            log.warning("%s", note.strip().removeprefix("note: "))
+        elif dp_note.startswith(IDLE_DEVICES):
+            log.warning("%s", dp_note)
 
 
 def _write_at_exit(ref) -> None:

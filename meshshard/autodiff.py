@@ -30,6 +30,7 @@ from meshshard.jaxpr_util import (
 )
 from meshshard.metrics import check_reduction
 from meshshard.nnx_modules import module_filters, plain_argnums, split_modules
+from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.inline import inline_calls
 from meshshard.passes.layer_cluster import MAX_AUTO_LAYERS
 from meshshard.passes.reductions import bind_with_shares, shared_equations
@@ -617,12 +618,8 @@ def _detached_markers(
     for e in reversed(jaxpr.eqns):
         if e.primitive.name != "stop_gradient" and any(o in needed for o in e.outvars):
             needed.update(v for v in e.invars if not is_literal(v) and _differentiable(v))
-    varying = {v for v, w in zip(jaxpr.invars, weights, strict=True) if w}
-    for e in jaxpr.eqns:  # what depends on the differentiated inputs
-        if e.primitive.name != "stop_gradient" and any(
-            not is_literal(v) and v in varying for v in e.invars
-        ):
-            varying.update(e.outvars)
+    # what depends on the differentiated inputs
+    varying = batch_dependent(jaxpr, weights, len(jaxpr.eqns), frozenset({"stop_gradient"}))
     return frozenset(p for p in positions if not any(v in needed and v in varying for v in live[p]))
 
 

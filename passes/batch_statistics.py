@@ -50,7 +50,7 @@ from meshshard.jaxpr_util import (
 )
 from meshshard.metrics import aux_reduce_p
 from meshshard.passes.hoist import batch_dependent
-from meshshard.passes.reductions import _shape, _slice, marker_reductions
+from meshshard.passes.reductions import _shape, _slice, marker_reductions, paired_prefix
 
 #: The path of a statistic's input leaf in the plan (``{k}``: its position among them).
 PATH = "<full-batch statistic {k}>"
@@ -116,7 +116,7 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
     if full is None:
         return none
     mj, fj = micro.jaxpr, full.jaxpr
-    paired = _paired_prefix(mj, fj)
+    paired = paired_prefix(mj, fj)
     data = data_only(mj, is_batch)
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
     where = {v: (i, k) for i, e in enumerate(mj.eqns) for k, v in enumerate(e.outvars)}
@@ -147,17 +147,6 @@ def find_statistics(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch) -> _Found:
     inputs = tuple(distinct.setdefault(key(mj.eqns[i].outvars[k]), len(distinct)) for i, k in found)
     replaced = {mj.eqns[i].outvars[k] for i, k in found}
     return _Found(tuple(found), inputs, _dead(mj, replaced, data))
-
-
-def _paired_prefix(mj, fj) -> int:
-    """How many leading equations of two traces run the same primitives (all of them
-    when :func:`~meshshard.passes.reductions.same_program`)."""
-    n = 0
-    for a, b in zip(mj.eqns, fj.eqns, strict=False):
-        if a.primitive is not b.primitive or len(a.outvars) != len(b.outvars):
-            break
-        n += 1
-    return n
 
 
 def _structure(jaxpr):

@@ -193,7 +193,7 @@ def output_reductions(
     :class:`~meshshard.passes.reductions.LossTermShares` naming them (the step is traced
     again with those terms as 1/M shares) instead of being refused."""
     from meshshard.passes.hoist import batch_dependent
-    from meshshard.passes.reductions import LossTermShares, same_program
+    from meshshard.passes.reductions import LossTermShares, same_program, term_share_paths
 
     mj = micro.jaxpr
     dep = batch_dependent(mj, is_batch, len(mj.eqns))
@@ -218,7 +218,7 @@ def output_reductions(
             try:
                 out.append((label, *_output_reduction(micro, full, v, m, dep, label)))
             except MeshshardInputError:
-                paths = _term_shares(micro, full, v, m, dep) if allow_shares else ()
+                paths = term_share_paths(micro, full, v, m, dep) if allow_shares else ()
                 if not paths:
                     raise
                 shared[len(out)] = paths
@@ -226,19 +226,6 @@ def output_reductions(
     if shared:
         raise LossTermShares(outputs=shared)
     return tuple(out)
-
-
-def _term_shares(micro, full, var, m: int, dep) -> tuple:
-    """:func:`~meshshard.passes.reductions.share_paths` of the terms of result ``var``
-    that, taken as 1/M shares, make it a sum over micro-batches (``()``: none do)."""
-    from meshshard.passes.reductions import classify, share_paths
-
-    shares: dict = {}
-    red, _ = classify(micro, full, var, m, dep, shares)
-    if red != "sum" or not shares:
-        return ()
-    paths = share_paths(micro, var, shares)
-    return paths if len(paths) == len(shares) else ()
 
 
 def _output_reduction(micro, full, var, m: int, dep, label: str) -> tuple[str, str]:

@@ -17,11 +17,15 @@ from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 
 
-def batch_dependent(jaxpr, is_batch, stop: int) -> set:
-    """Vars of equations ``[0, stop)`` computed (transitively) from batch inputs."""
+def batch_dependent(jaxpr, is_batch, stop: int, blocked: frozenset = frozenset()) -> set:
+    """Vars of equations ``[0, stop)`` computed (transitively) from batch inputs (the
+    inputs ``is_batch`` flags); the outputs of ``blocked`` primitives (e.g.
+    ``stop_gradient``) depend on nothing."""
     dep = {v for v, b in zip(jaxpr.invars, is_batch, strict=True) if b}
     for e in jaxpr.eqns[:stop]:
-        if any(not is_literal(v) and v in dep for v in e.invars):
+        if e.primitive.name not in blocked and any(
+            not is_literal(v) and v in dep for v in e.invars
+        ):
             dep.update(v for v in e.outvars if not is_dropvar(v))
     return dep
 

@@ -46,6 +46,7 @@ from jax import lax
 from meshshard._compat import ClosedJaxpr
 from meshshard.errors import MeshshardInputError
 from meshshard.jaxpr_util import bind_eqn, eval_eqns, is_dropvar, read_var, retrace
+from meshshard.passes.reductions import paired_prefix
 
 #: Primitives that draw random values with a ``shape`` parameter.
 DRAW_PRIMITIVES = frozenset({"random_bits", "random_split"})
@@ -132,11 +133,7 @@ def _find(mj, fj, m: int, path: tuple[Step, ...]) -> list[BatchDraw]:
     draw = _first_draw(mj)
     if draw is None:
         return []
-    paired = 0
-    for a, b in zip(me, fe, strict=False):
-        if a.primitive is not b.primitive:
-            break
-        paired += 1
+    paired = paired_prefix(mj, fj)
     late = _first_draw(mj.replace(eqns=me[paired:])) if paired < len(me) else None
     if late is not None:
         raise _different_programs(late, path, f"{len(me)} vs {len(fe)} equations")

@@ -314,9 +314,13 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     if mixed:
         return "", mixed
     tail = _tail(producers, var)
-    if memo[_SHARED]:  # a share is a reduced value: what follows it must be linear too
-        read = {v for em in tail[0] for v in em.invars if not is_literal(v)}
-        tail = (tail[0], tail[1] | (read & memo[_SHARED]))
+    shares_read = (
+        {v for em in tail[0] for v in em.invars if not is_literal(v)} & memo[_SHARED]
+        if memo[_SHARED]
+        else set()
+    )
+    if shares_read:  # a share is a reduced value: what follows it must be linear too
+        tail = (tail[0], tail[1] | shares_read)
     if _divides_by_batch_total(producers, tail[0], dep):
         return "", "it divides by a total computed from the batch (e.g. a masked mean)"
     bad = _nonlinear_after_reduction(micro, tail)
@@ -325,11 +329,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     mixed = _mixed_terms(micro, full, producers, tail[0], m, dep, memo)
     if mixed:
         return "", mixed
-    if memo[_SHARES] and any(id(em) in memo[_SHARES] for em in tail[0]):
-        return "sum", SHARED_SUM
-    if memo[_SHARED] and any(
-        not is_literal(v) and v in memo[_SHARED] for em in tail[0] for v in em.invars
-    ):
+    if shares_read or (memo[_SHARES] and any(id(em) in memo[_SHARES] for em in tail[0])):
         return "sum", SHARED_SUM
     if not kinds:
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
@@ -930,6 +930,19 @@ def _slice(jaxpr, var, stop=frozenset()):
         yield i, e
 
 
+def paired_prefix(mj, fj) -> int:
+    """How many leading equations of two traces' jaxprs run the same primitives (all of
+    them when :func:`same_program`): where a one-row micro-batch's trace and the full
+    batch's still pair (JAX traces the backward's transposes of size-1 broadcasts as
+    other equations)."""
+    n = 0
+    for a, b in zip(mj.eqns, fj.eqns, strict=False):
+        if a.primitive is not b.primitive or len(a.outvars) != len(b.outvars):
+            break
+        n += 1
+    return n
+
+
 def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
     """Whether two traces of one step run the same primitives in the same order (so their
     equations pair up by position)."""
@@ -1010,7 +1023,9 @@ def resolve(
         elif not red:
             red, why = classify(micro, full, v, m, dep)
             if not red and label == "loss" and allow_shares:
-                _raise_for_shares(micro, full, v, m, dep)
+                paths = term_share_paths(micro, full, v, m, dep)
+                if paths:
+                    raise LossTermShares(paths)
             if red == "batch":
                 red, why = _per_example(micro, full, v, m, label, why, p)
             source = f"traced: {why}" if red else f"{DEFAULT}{why}"
@@ -1047,15 +1062,16 @@ def resolve(
     return tuple(out)
 
 
-def _raise_for_shares(micro: ClosedJaxpr, full: ClosedJaxpr, loss, m: int, dep: set) -> None:
-    """Raise :class:`LossTermShares` if the refused ``loss`` combines over micro-batches
-    once some of its terms are 1/M shares (a batch sum plus a batch mean or a constant)."""
+def term_share_paths(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple:
+    """:func:`share_paths` of the terms of ``var`` (refused as it stands) that, taken as
+    1/M shares, make it a sum over micro-batches (a batch sum plus a batch mean or a
+    constant); ``()`` when none do."""
     shares: dict = {}
-    red, _ = classify(micro, full, loss, m, dep, shares)
-    if red == "sum" and shares:
-        paths = share_paths(micro, loss, shares)
-        if len(paths) == len(shares):
-            raise LossTermShares(paths)
+    red, _ = classify(micro, full, var, m, dep, shares)
+    if red != "sum" or not shares:
+        return ()
+    paths = share_paths(micro, var, shares)
+    return paths if len(paths) == len(shares) else ()
 
 
 #: How :mod:`~meshshard.passes.pre_grad_values` labels the batch values it passes
