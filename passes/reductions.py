@@ -56,6 +56,7 @@ from meshshard.jaxpr_util import (
     retrace,
     set_marker_params,
     user_frame,
+    user_line,
     var_ids,
 )
 from meshshard.metrics import aux_reduce_p
@@ -323,9 +324,9 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         tail = (tail[0], tail[1] | shares_read)
     if _divides_by_batch_total(producers, tail[0], dep):
         return "", "it divides by a total computed from the batch (e.g. a masked mean)"
-    bad = _nonlinear_after_reduction(micro, tail)
+    bad, where = _nonlinear_after_reduction(micro, tail)
     if bad:
-        return "", f"it applies {bad} to a value reduced over the batch"
+        return "", f"it applies {bad} to a value reduced over the batch{where}"
     mixed = _mixed_terms(micro, full, producers, tail[0], m, dep, memo)
     if mixed:
         return "", mixed
@@ -338,9 +339,11 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     extremes = {EXTREMES[k] for k in kinds if k in EXTREMES}
     if kinds <= EXTREMES.keys() and len(extremes) == 1 and not norms:
         which = extremes.pop()  # a batch max, or a running max x.at[i].max(rows)
-        flip = _nonlinear_after_reduction(micro, tail, keep_order=True)
+        flip, where = _nonlinear_after_reduction(micro, tail, keep_order=True)
         if flip:  # -max(x) is the min of -x: a max over micro-batches would be wrong
-            return "", f"it applies {flip} to a batch {which}imum, which may reverse its order"
+            return "", (
+                f"it applies {flip} to a batch {which}imum, which may reverse its order{where}"
+            )
         return which, "reduction over the batch"
     if kinds & {"scatter", "scatter-mul"}:
         return "", WRITES_ROWS
@@ -561,7 +564,7 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
                 return (
                     f"it mixes examples: {em.primitive.name} makes a value with the batch in "
                     f"{k} dimensions {list(_shape(a))} (e.g. in-batch similarities), which "
-                    "one micro-batch cannot reproduce"
+                    f"one micro-batch cannot reproduce{_at_user_line(em)}"
                 )
         name = em.primitive.name
         axis = _along_axis(em)
@@ -569,7 +572,7 @@ def _mixed_examples(micro: ClosedJaxpr, producers) -> str:
             return (
                 f"it mixes examples: {name} runs along the batch dimension (axis {axis}), so "
                 "each result reads other examples' values, which a micro-batch does not hold "
-                "(is the batch the leading axis of every batch leaf?)"
+                f"(is the batch the leading axis of every batch leaf?){_at_user_line(em)}"
             )
         if name == "scan" and em.params["length"] != ef.params["length"] and _carries_xs(em):
             return (
@@ -654,7 +657,7 @@ def _order_statistic_why(em) -> str:
             f"it mixes examples: {SHUFFLE} (jax.random.permutation, as mixup or cutmix "
             f"draws its partner examples; a sort by random bits along axis "
             f"{_along_axis(em)}) pairs examples from anywhere in the batch, so no "
-            "micro-batch can compute its share"
+            f"micro-batch can compute its share{_at_user_line(em)}"
         )
     return (
         f"it mixes examples: {em.primitive.name} runs along the batch dimension (axis "
@@ -662,7 +665,7 @@ def _order_statistic_why(em) -> str:
         "sort, median, quantile or top-k, e.g. jnp.median(l), jnp.sort(l)[-k:], "
         "jax.lax.top_k(l, k)) ranks each example against the whole batch, so it cannot be "
         "computed per micro-batch and combined (the median of the micro-batches' medians "
-        "is not the batch's)"
+        f"is not the batch's){_at_user_line(em)}"
     )
 
 
@@ -814,9 +817,17 @@ def _tail(producers, var) -> tuple[list, set]:
     return tail, reduced
 
 
-def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> str:
+def _at_user_line(eqn) -> str:
+    """`` (at file:line (function))`` naming the user's code that made ``eqn``, or ''
+    when no frame of user code is known: a refusal that points at the line to change."""
+    line = user_line(eqn)
+    return "" if line == "<unknown>" else f" (at {line})"
+
+
+def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> tuple[str, str]:
     """The first non-linear primitive between the batch reductions ``var`` is made from
-    and ``var`` itself, or ''.  Only the value's *tail* counts: the equations after its
+    and ``var`` itself, and where the user's code applies it (:func:`_at_user_line`),
+    or ``('', '')``.  Only the value's *tail* counts: the equations after its
     last batch reduction, on values without a batch dimension.  A batch statistic used
     on the batch again (batch norm's ``rsqrt`` of the variance) is per-micro-batch
     semantics, not a combination, and is left alone.  ``keep_order`` (for a maximum or
@@ -849,12 +860,10 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> st
             # micro-batch picks one case everywhere; _mixed_terms checks the cases agree
             or (name == "select_n" and 0 not in which)
         )
-        if not linear:
-            return name
-        if keep_order and _may_reverse(em, which):
-            return name
+        if not linear or (keep_order and _may_reverse(em, which)):
+            return name, _at_user_line(em)
         reduced.update(em.outvars)
-    return ""
+    return "", ""
 
 
 def _may_reverse(em, which) -> bool:

@@ -375,24 +375,34 @@ def test_a_share_of_a_batch_sum_is_still_refused():
             ),
             r"it mixes examples: top_k runs along the batch dimension",
         ),
+        (  # a product of batch means (a mixture-of-experts balance loss, f . P)
+            lambda pred, y, p: jnp.sum(jnp.mean(pred, 0) * jnp.mean(jnp.tanh(pred), 0)),
+            r"it applies mul to a value reduced over the batch",
+        ),
     ],
     ids=[
         "in_batch_negatives",
         "cumsum_over_batch",
         "hardest_half_top_k",
+        "product_of_batch_means",
     ],
 )
 def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):
     """These took 'sum' or 'mean' from the kinds of reduction in the whole slice, and the
-    parallel step silently returned other numbers than jax.jit."""
+    parallel step silently returned other numbers than jax.jit.  The refusal names the
+    user's line that mixes the examples or combines the reductions (it named only a
+    primitive, which a user of a large model could not find)."""
     state = sgd_state(BATCHES[0]["x"])
     step = meshshard.parallelize(
         _loss_step(make_loss), method=PipeshardParallel(num_micro_batches=2)
     )
     with pytest.raises(
         MeshshardInputError, match=r"cannot tell how the loss combines over micro-batches: " + why
-    ):
+    ) as info:
         step.lower(state, BATCHES[0], cluster=CLUSTER)
+    assert re.search(r"\(at test_reductions\.py:\d+ \(<lambda>\)\)", str(info.value)), str(
+        info.value
+    )
 
 
 def test_a_max_loss_is_refused():
@@ -516,10 +526,16 @@ def test_a_negated_batch_max_is_not_combined_as_a_max():
 
     par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
     notes = par.lower(state, BATCHES[0], cluster=CLUSTER).notes
-    assert (
-        "aux['neg_worst']: mean over 2 micro-batches (default: it applies neg to a batch "
-        "maximum, which may reverse its order)" in notes
-    )
+    assert any(
+        re.fullmatch(
+            r"aux\['neg_worst'\]: mean over 2 micro-batches \(default: it applies neg to a "
+            r"batch maximum, which may reverse its order \(at test_reductions\.py:\d+ "
+            r"\(test_a_negated_batch_max_is_not_combined_as_a_max\.<locals>\.step\.<locals>"
+            r"\.loss_fn\)\)\)",
+            n,
+        )
+        for n in notes
+    ), notes
     assert "aux['worst']: max over 2 micro-batches (traced: reduction over the batch)" in notes
 
 
