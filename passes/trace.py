@@ -635,13 +635,27 @@ def _check_row_counts(full_abs, wheres, is_batch, m: int, cause=None) -> None:
 
 def _batch_elsewhere(full_abs, wheres, is_batch) -> str:
     """A hint when another argument looks like the batch (every array leaf with one
-    number of rows) while the one named holds leaves of several: the arguments may be
-    in another order than ``batch_argnums`` says (``step(batch, state)``)."""
+    number of rows): while the one named holds leaves of several, the arguments may be
+    in another order than ``batch_argnums`` says (``step(batch, state)``); while it
+    holds that many rows too, the batch may come in several arguments (``step(state,
+    images, labels)``), of which the default takes the first only."""
     rows: dict[int, set[int]] = {}
+    named: dict[int, set[int]] = {}
     for a, w, b in zip(full_abs, wheres, is_batch, strict=True):
-        if not b and a.shape:
-            rows.setdefault(_argnum(w), set()).add(a.shape[0])
+        if a.shape:
+            (named if b else rows).setdefault(_argnum(w), set()).add(a.shape[0])
     alike = [i for i, counts in sorted(rows.items()) if len(counts) == 1]
+    batch_rows = set().union(*named.values()) if named else set()
+    if len(batch_rows) == 1:
+        more = [i for i in alike if rows[i] == batch_rows]
+        if more:
+            argnums = ", ".join(map(str, sorted({*named, *more})))
+            return (
+                f"; {', '.join(f'args[{i}]' for i in more)} "
+                f"{'has' if len(more) == 1 else 'have'} {batch_rows.pop()} rows, as the "
+                f"batch has: if the batch comes in several arguments, pass "
+                f"batch_argnums=({argnums})"
+            )
     if not alike:
         return ""
     i = alike[0]

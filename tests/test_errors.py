@@ -108,6 +108,33 @@ def test_a_step_taking_the_batch_first_is_told_batch_argnums(setup):
             lower(sgd_batch_first, method, batch, params)
 
 
+def test_a_batch_in_two_arguments_names_both_argnums(setup):
+    """``step(params, x, y)``: the default batch is the second argument only, so the
+    labels were not cut; the hint said ``batch_argnums=(2,)``, which leaves the inputs
+    whole instead of cutting both."""
+    _, batch, _ = setup
+
+    def step(params, x, y):
+        def loss_fn(p):
+            return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"] - y) ** 2)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params = {"w": jnp.zeros((batch["x"].shape[1], 3)), "v": jnp.zeros((3, batch["y"].shape[1]))}
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2)])
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"args\[2\] has 16 rows, as the batch has: if the batch comes in several "
+        r"arguments, pass batch_argnums=\(1, 2\)",
+    ):
+        lower(step, method, params, batch["x"], batch["y"])
+    plan = meshshard.parallelize(step, method=method, batch_argnums=(1, 2)).lower(
+        params, batch["x"], batch["y"], cluster=CLUSTER
+    )
+    assert plan.num_micro_batches == 2
+
+
 def test_scalar_batch_leaf(setup):
     """Named before the model fails on it (Flax's Dense raised an IndexError)."""
     _, batch, state = setup
