@@ -24,7 +24,16 @@ the marker see the marker's result.  Values that do not depend on the batch are 
 from __future__ import annotations
 
 from meshshard._compat import ClosedJaxpr
-from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.errors import MeshshardInputError
+from meshshard.jaxpr_util import (
+    bind_eqn,
+    is_dropvar,
+    is_literal,
+    is_marker,
+    read_var,
+    retrace,
+    user_line,
+)
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import PRE_GRAD_LABEL, marker_reductions
 
@@ -67,3 +76,38 @@ def pass_through_grad(closed: ClosedJaxpr, is_batch) -> ClosedJaxpr:
         return True
 
     return retrace(closed, hook)
+
+
+def update_reads_batch_message(where: str, eqn) -> str:
+    """The refusal of a step whose update part (after ``meshshard.grad``) reads the
+    batch leaf ``where`` in ``eqn`` together with what the grad computes (an accuracy of
+    the updated parameters on the batch): the update runs once per step, without the
+    batch."""
+    return (
+        f"the update part of the step (after meshshard.grad) reads the batch leaf {where} "
+        f"({eqn.primitive.name} at {user_line(eqn)}), together with what the grad "
+        "computes; it runs once per step on the meshes, without the batch: compute "
+        "everything that needs the batch inside the loss function (return it as aux with "
+        "has_aux=True). An optimizer whose update evaluates the loss again (optax.lbfgs's "
+        "line search, value_fn=...; optax.contrib.sophia's obj_fn) cannot run here: give "
+        "optax.lbfgs a step size instead (optax.lbfgs(learning_rate=..., linesearch=None)), "
+        "or use an optimizer that takes gradients only"
+    )
+
+
+def refuse_update_batch_reads(closed: ClosedJaxpr, is_batch, wheres) -> None:
+    """Raise MeshshardInputError if an equation after the ``grad_end`` marker reads a
+    batch leaf (``is_batch``, named by ``wheres``) once the batch values the update may
+    read have been passed through the marker (this pass) or moved in front of it
+    (:mod:`~meshshard.passes.sink_metrics`): what remains reads the batch together with
+    the grad's results, which no micro-batch can compute.  Checked before the passes
+    that give the update the full batch's constants, which such a read breaks."""
+    jaxpr = closed.jaxpr
+    g = next((i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
+    if g is None:
+        return
+    leaf = {v: k for k, (v, b) in enumerate(zip(jaxpr.invars, is_batch, strict=False)) if b}
+    for eqn in jaxpr.eqns[g + 1 :]:
+        for v in eqn.invars:
+            if not is_literal(v) and v in leaf:
+                raise MeshshardInputError(update_reads_batch_message(wheres[leaf[v]], eqn))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshshard.errors import MeshshardInputError
-from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, user_line, var_ids
+from meshshard.jaxpr_util import is_dropvar, is_literal, is_marker, var_ids
 from meshshard.passes.apply_placement import ApplyPlacement, place_apply
 from meshshard.passes.apply_programs import (
     ApplyGraph,
@@ -24,6 +24,7 @@ from meshshard.passes.apply_programs import (
     apply_program_ios,
     build_apply_graph,
 )
+from meshshard.passes.pre_grad_values import update_reads_batch_message
 from meshshard.passes.slicing import APPLY, BWD, FWD, LayerSlicing
 from meshshard.passes.trace import TracedStep
 from meshshard.refs import BufferGroup, BufferKind, BufferRef, OutputSource, Phase, ProgramRef
@@ -365,16 +366,7 @@ def _check_update_reads(st: _Step, apply_eqns, producer: dict) -> None:
             if is_literal(v):
                 continue
             if v in st.invar_leaf and st.is_batch[st.invar_leaf[v]]:
-                raise MeshshardInputError(
-                    f"the update part of the step (after meshshard.grad) reads the batch "
-                    f"leaf {st.describe(v)} ({st.eqns[i].primitive.name} at "
-                    f"{user_line(st.eqns[i])}), together with what the grad computes; it "
-                    "runs once per step on the meshes, without the batch: compute "
-                    "everything that needs the batch inside the loss function (return it as "
-                    "aux with has_aux=True). An optimizer whose update evaluates the loss "
-                    "again (optax.lbfgs's line search, value_fn=...) cannot run here: give it "
-                    "a step size instead (optax.lbfgs(learning_rate=..., linesearch=None))"
-                )
+                raise MeshshardInputError(update_reads_batch_message(st.describe(v), st.eqns[i]))
             if v in producer:
                 raise MeshshardInputError(
                     f"the update part of the step reads {_made_by(st, v, producer)}, a value "

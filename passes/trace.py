@@ -69,7 +69,11 @@ from meshshard.passes.inline_update import inline_update_calls
 from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.narrow_gradients import narrow_padded_gradients
 from meshshard.passes.physical_keys import physical_keys
-from meshshard.passes.pre_grad_values import pass_through_grad, read_after_grad
+from meshshard.passes.pre_grad_values import (
+    pass_through_grad,
+    read_after_grad,
+    refuse_update_batch_reads,
+)
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import (
     LossTermShares,
@@ -378,6 +382,7 @@ def _trace_step_once(
         return sink_batch_metrics(through(closed), is_batch, batch_aux, keep, combined)
 
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
+    refuse_update_batch_reads(micro, is_batch, wheres)
     if m > 1:  # the update runs once per step: constants of the full batch's size
         micro = use_full_batch_constants(micro, full)
     found = find_statistics(micro, full, is_batch) if m > 1 else None

@@ -128,10 +128,49 @@ def test_a_line_search_in_the_update_is_refused_with_a_step_size_instead(threads
     check_step_parity(_lbfgs_step(stepped), METHOD, (params, stepped.init(params)), batches)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_metric_of_the_updated_parameters_on_the_batch_is_refused_by_name(m):
+    """An accuracy of the new parameters on the batch reads the batch together with the
+    update.  With micro-batches it failed inside the compiler with JAX's bare "eq got
+    incompatible shapes for broadcasting: (16,), (8,)"; it now gets the refusal one
+    micro-batch gave, naming the leaf, the user's line and the fix."""
+    params = {
+        "e": jnp.linspace(-0.5, 0.5, 10 * 4).reshape(10, 4),
+        "w": jnp.linspace(-0.5, 0.5, 4 * 8).reshape(4, 8),
+        "v": jnp.linspace(0.3, -0.3, 8 * 2).reshape(8, 2),
+    }
+    tokens = jnp.arange(16, dtype=jnp.int32) % 10
+    batch = {"x": tokens, "y": tokens % 2}
+
+    def logits(p, tokens):  # an embedding lookup: its index arithmetic reads the batch only
+        return jnp.tanh(p["e"][tokens] @ p["w"]) @ p["v"]
+
+    def step(params, batch):
+        def loss_fn(p):
+            h = jnp.tanh(p["e"][batch["x"]] @ p["w"])
+            meshshard.mark_pipeline_boundary()
+            return optax.softmax_cross_entropy_with_integer_labels(h @ p["v"], batch["y"]).mean()
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(params)
+        new = jax.tree.map(lambda a, g: a - 0.1 * g, params, grads)
+        hits = jnp.argmax(logits(new, batch["x"]), -1) == batch["y"]
+        return new, (loss, jnp.mean(hits))
+
+    method = PipeshardParallel(num_micro_batches=m, stages=[(1, 2), (1, 2)])
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"the update part of the step \(after meshshard.grad\) reads the batch leaf "
+        r"args\[1\]\['(x|y)'\] \(\w+ at test_train_step_errors\.py:\d+ \(",
+    ) as err:
+        meshshard.parallelize(step, method=method).lower(params, batch, cluster=CLUSTER)
+    assert "compute everything that needs the batch inside the loss function" in str(err.value)
+
+
 def test_an_update_that_evaluates_the_loss_again_is_refused_by_name(state):
     """optax.contrib.sophia's update takes the loss (obj_fn) and differentiates it again on
     the batch.  With micro-batches that value was refused as "the after meshshard.grad #k
-    value meshshard.grad returns", which named neither the line nor the cause."""
+    value meshshard.grad returns", which named neither the line nor the cause; it is now
+    the refusal of any update that reads the batch, naming the leaf, the line and sophia."""
     from optax import contrib
 
     opt = contrib.sophia(1e-2)
@@ -146,8 +185,8 @@ def test_an_update_that_evaluates_the_loss_again_is_refused_by_name(state):
 
     with pytest.raises(
         MeshshardInputError,
-        match=r"a value the step computes from the batch after meshshard.grad "
-        r"\(test_train_step_errors.py:\d+\) keeps the batch.*optax.contrib.sophia's obj_fn",
+        match=r"the update part of the step \(after meshshard.grad\) reads the batch leaf "
+        r"args\[1\]\['x'\] \(dot_general at mlp.py:\d+ .*optax.contrib.sophia's obj_fn",
     ):
         lower(step, carry, BATCH)
 
