@@ -298,6 +298,13 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
             kinds.add("reduce_sum")
             norms += red == "mean"
             continue
+        if ins and not outs and em.primitive.name == "cond":
+            red, why = _cond_total(em, ef, producers, var, m, dep)
+            if not red:
+                return "", why
+            kinds.add("reduce_sum")
+            norms += red == "mean"
+            continue
         if ins and not outs:
             kinds.add(em.primitive.name)
             if em.primitive.name == "scatter-add" and not _into_zeros(em, producers):
@@ -499,6 +506,61 @@ def _scan_total(micro, full, em, ef, producers, m: int, dep: set) -> tuple[str, 
     if len(kinds) != 1:
         return "", "its scan totals a batch sum and a batch mean"
     return kinds.pop(), "scan over time"
+
+
+def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+    """How a ``lax.cond`` whose branches reduce the batch combines: ``sum`` or ``mean``
+    when the predicate is the same on every micro-batch (it does not read the batch) and
+    every branch's output that ``var`` reads is a batch sum, or every one a batch mean
+    (or a constant), each classified in its branch, paired with the full-batch trace's
+    (:func:`classify`); else ('', why).  A branch that takes a masked mean divides by its
+    micro-batch's own count, so it is refused, as are branches that combine differently
+    and values reduced outside the ``cond`` that its branches read."""
+    where = _at_user_line(em)
+    pred, operands = em.invars[0], em.invars[1:]
+    if not is_literal(pred) and pred in dep:
+        return "", (
+            f"it picks a lax.cond branch by a value computed from the batch{where}, which "
+            "each micro-batch would compute from its own examples"
+        )
+    if any(
+        not is_literal(a) and a in dep and _shape(a) == _shape(b)
+        for a, b in zip(operands, ef.invars[1:], strict=True)
+    ):
+        return "", (
+            f"it passes a value reduced over the batch into a lax.cond{where}, whose "
+            "branches meshshard cannot follow from one micro-batch to the batch; reduce "
+            "inside the branches, or pick with jnp.where"
+        )
+    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
+    kinds, whys = set(), set()
+    for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True)):
+        if a not in needed or _shape(a) != _shape(b):
+            continue
+        for bm, bf in zip(em.params["branches"], ef.params["branches"], strict=True):
+            if not same_program(bm, bf):
+                return "", (
+                    f"a branch of its lax.cond{where} traces to different programs at "
+                    "micro-batch and full-batch shape"
+                )
+            out = bm.jaxpr.outvars[k]
+            if is_literal(out):
+                red, why = "mean", "a constant"
+            else:
+                body_dep = batch_dependent(
+                    bm.jaxpr, [not is_literal(v) and v in dep for v in operands], len(bm.jaxpr.eqns)
+                )
+                red, why = classify(bm, bf, out, m, body_dep)
+            if red not in ("sum", "mean"):
+                return "", f"in a branch of its lax.cond{where}, {why or f'a batch {red}'}"
+            kinds.add(red)
+            whys.add(why)
+    if len(kinds) != 1:
+        return "", (
+            f"its lax.cond's branches{where} combine differently over micro-batches: "
+            f"{' in one, '.join(sorted(whys))} in another"
+        )
+    return kinds.pop(), "a lax.cond on a value the same on every micro-batch"
 
 
 def _cast_of(v, made: dict):
@@ -888,8 +950,10 @@ def full_batch_shape(micro: ClosedJaxpr, full: ClosedJaxpr, var) -> tuple:
 def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset = frozenset()):
     """Every equation ``var`` depends on, once each, as ``(micro eqn, full eqn, ins, outs)``;
     ``ins``/``outs``: whether its inputs / outputs change shape with the batch size (a
-    ``scan``'s outputs: those ``var`` depends on, so a loop summing the batch into a
-    carry reduces it even when it also returns per-row states).  The two traces match
+    ``scan``'s or ``cond``'s outputs: those ``var`` depends on, so a loop summing the
+    batch into a carry reduces it even when it also returns per-row states, and so does
+    a ``lax.cond`` whose branches reduce it beside the per-row residuals they keep for
+    the backward).  The two traces match
     equation by equation, which is what lets a value's reduction
     over the batch be read off its producers.  Values in ``stop`` count as inputs."""
     fj = full.jaxpr
@@ -898,7 +962,9 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset
     for i, em in found:
         ef = fj.eqns[i]
         ins, outs = batch_shape_changes(em, ef)
-        if outs and em.primitive.name == "scan":  # a loop's total beside its batch rows
+        # a loop's total beside its batch rows; a lax.cond's loss beside the residuals
+        # its branches keep for the backward
+        if outs and em.primitive.name in ("scan", "cond"):
             outs = any(
                 _shape(a) != _shape(b)
                 for a, b in zip(em.outvars, ef.outvars, strict=True)

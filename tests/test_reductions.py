@@ -334,6 +334,86 @@ def test_a_where_on_the_step_count_over_a_mean_loss_equals_jit(threads_cluster):
     assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
 
 
+def _cond_step(first, second, pick=lambda state, pred: state.step % 2 == 0):
+    """A loss that ``lax.cond`` picks, by ``pick``, from the two its branches compute."""
+
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            return jax.lax.cond(pick(state, pred), first, second, pred, batch["y"])
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def _mean_sq(pred, y):
+    return jnp.mean((pred - y) ** 2)
+
+
+def _mean_abs(pred, y):
+    return jnp.mean(jnp.abs(pred - y))
+
+
+def _sum_sq(pred, y):
+    return jnp.sum((pred - y) ** 2)
+
+
+def _sum_abs(pred, y):
+    return jnp.sum(jnp.abs(pred - y))
+
+
+def _masked_mean_sq(pred, y):
+    keep = y > 0
+    return jnp.sum(jnp.where(keep, (pred - y) ** 2, 0.0)) / jnp.maximum(jnp.sum(keep), 1)
+
+
+@pytest.mark.parametrize(
+    "first,second,how", [(_mean_sq, _mean_abs, "mean"), (_sum_sq, _sum_abs, "sum")]
+)
+def test_a_cond_on_the_step_count_between_two_batch_losses_equals_jit(
+    threads_cluster, first, second, how
+):
+    """The branches' reductions were not looked at: the lax.cond's loss (beside the
+    per-row residuals its branches keep) was traced as "same on every micro-batch" and
+    averaged, so two summed losses were halved."""
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(_cond_step(first, second), method, state, BATCHES)
+    assert f"gradients and loss: {how} over 2 micro-batches (traced" in str(par.plan)
+
+
+@pytest.mark.parametrize(
+    "step,why",
+    [
+        (
+            _cond_step(_mean_sq, _sum_sq),
+            r"its lax\.cond's branches \(at test_reductions\.py:\d+ .*\) combine "
+            r"differently over micro-batches: mean over the batch in one, sum over the batch",
+        ),
+        (  # each micro-batch would divide by its own count
+            _cond_step(_masked_mean_sq, _mean_sq),
+            r"in a branch of its lax\.cond \(at test_reductions\.py:\d+ .*\), it divides by "
+            r"a total computed from the batch",
+        ),
+        (
+            _cond_step(_mean_sq, _mean_abs, pick=lambda state, pred: jnp.mean(pred) > 0),
+            r"it picks a lax\.cond branch by a value computed from the batch",
+        ),
+    ],
+    ids=["mean_or_sum", "masked_mean", "batch_predicate"],
+)
+def test_a_cond_whose_branches_do_not_combine_alike_is_refused(step, why):
+    """These ran, combined as means, and returned other numbers than jax.jit."""
+    state = sgd_state(BATCHES[0]["x"])
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError, match=r"cannot tell how the loss combines over micro-batches: " + why
+    ):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
