@@ -283,7 +283,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return _share_kind(micro, full, var, m, dep, memo)
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
-    kinds, norms = set(), 0
+    kinds, norms, normalizers = set(), 0, []
     producers = list(paired_producers(micro, full, var, memo[_STATISTICS]))
     ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
     if ranked:
@@ -291,15 +291,16 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
-        if ins and not outs and em.primitive.name == "scan":
-            red, why = _scan_total(micro, full, em, ef, producers, m, dep)
+        if ins and not outs and em.primitive.name in ("scan", "while"):
+            red, why = _scan_total(micro, full, em, ef, producers, var, m, dep)
             if not red:
                 return "", why
             kinds.add("reduce_sum")
             norms += red == "mean"
             continue
-        if ins and not outs and em.primitive.name == "cond":
-            red, why = _cond_total(em, ef, producers, var, m, dep)
+        if ins and not outs and em.primitive.name in ("cond", *_CUSTOM_CALLS):
+            total = _cond_total if em.primitive.name == "cond" else _custom_call_total
+            red, why = total(em, ef, producers, var, m, dep)
             if not red:
                 return "", why
             kinds.add("reduce_sum")
@@ -318,6 +319,8 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         if how == "other":
             return "", f"{em.primitive.name} by a literal that changes with the batch size"
         norms += how == "norm"
+        if how == "norm":
+            normalizers.append(em)
     mixed = _mixed_examples(micro, producers)
     if mixed:
         return "", mixed
@@ -337,7 +340,11 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     mixed = _mixed_terms(micro, full, producers, tail[0], m, dep, memo)
     if mixed:
         return "", mixed
-    if shares_read or (memo[_SHARES] and any(id(em) in memo[_SHARES] for em in tail[0])):
+    sharing = [em for em in tail[0] if memo[_SHARES] and id(em) in memo[_SHARES]]
+    if shares_read or sharing:
+        shared = set(shares_read) | {o for em in sharing for o in em.outvars}
+        if _feeds(micro, shared, normalizers):  # (0.0 + sum(l)) / n: a mean of shares
+            return "mean", SHARED_MEAN
         return "sum", SHARED_SUM
     if not kinds:
         return ("mean", "same on every micro-batch") if not norms else ("", "normalizer only")
@@ -394,6 +401,29 @@ SHARED_SUM = (
     "a sum over the batch plus terms that are not (a batch mean, a value the same on every "
     "micro-batch), which each micro-batch adds as 1/M shares"
 )
+
+
+#: ... and when that sum is then divided by the batch size (a total kept from 0.0 in a
+#: Python loop, divided by the number of examples): each micro-batch's share of it is
+#: divided by its own size, and the micro-batches' values average to the batch's.
+SHARED_MEAN = (
+    "a mean over the batch of a sum plus terms that are not (a batch mean, a value the "
+    "same on every micro-batch), which each micro-batch adds as 1/M shares"
+)
+
+
+def _feeds(micro: ClosedJaxpr, values: set, eqns: list) -> bool:
+    """Whether any of ``eqns`` (equations of ``micro``) reads ``values`` or a value
+    computed from them."""
+    if not eqns:
+        return False
+    reach, targets = set(values), {id(e) for e in eqns}
+    for e in micro.jaxpr.eqns:
+        if any(not is_literal(v) and v in reach for v in e.invars):
+            if id(e) in targets:
+                return True
+            reach.update(e.outvars)
+    return False
 
 
 def _share_kind(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str, str]:
@@ -470,21 +500,36 @@ def _at_line(producer) -> str:
     return f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
 
 
-def _scan_total(micro, full, em, ef, producers, m: int, dep: set) -> tuple[str, str]:
-    """How a ``scan`` that reduces the batch combines: ``sum`` or ``mean`` when each of
-    its reducing outputs is a carry that starts at zero and adds, every step, a term
-    that is a batch sum or mean (a loss summed over time steps: ``total + sum(...)``);
-    else ('', why).  The term is classified in the loop body, paired with the
-    full-batch trace's (:func:`classify`)."""
-    nc, ncar = em.params["num_consts"], em.params["num_carry"]
-    bm, bf = em.params["jaxpr"], ef.params["jaxpr"]
+def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+    """How a ``scan`` or ``while`` loop that reduces the batch combines: ``sum`` or
+    ``mean`` when each of its reducing outputs that ``var`` reads is a carry that starts
+    at zero and adds, every step, a term that is a batch sum or mean (a loss summed over
+    time steps: ``total + sum(...)``); else ('', why).  The term is classified in the
+    loop body, paired with the full-batch trace's (:func:`classify`).  A ``while``
+    loop's trip count must not read the batch."""
+    if em.primitive.name == "while":  # operands: cond consts, body consts, carries
+        skip, nc, ncar = em.params["cond_nconsts"], em.params["body_nconsts"], len(em.outvars)
+        bm, bf = em.params["body_jaxpr"], ef.params["body_jaxpr"]
+        if any(v in dep for v in _loop_condition_reads(em)):
+            return "", (
+                f"it reduces the batch in a while loop whose trip count reads the batch"
+                f"{_at_user_line(em)}"
+            )
+    else:
+        skip, nc, ncar = 0, em.params["num_consts"], em.params["num_carry"]
+        bm, bf = em.params["jaxpr"], ef.params["jaxpr"]
+    operands = em.invars[skip:]
     made = {v: e for e, *_ in producers for v in e.outvars}
+    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
     kinds = set()
     for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True)):
-        if _shape(a) != _shape(b) or is_dropvar(a):
+        if _shape(a) != _shape(b) or is_dropvar(a) or a not in needed:
             continue
-        why = "it reduces the batch in a scan other than by adding to a carry that starts at zero"
-        if k >= ncar or not all_zeros(em.invars[nc + k], made) or not same_program(bm, bf):
+        why = (
+            f"it reduces the batch in a {em.primitive.name} loop other than by adding to a "
+            "carry that starts at zero"
+        )
+        if k >= ncar or not all_zeros(operands[nc + k], made) or not same_program(bm, bf):
             return "", why
         carry_in, carry_out = bm.jaxpr.invars[nc + k], bm.jaxpr.outvars[k]
         body_made = {v: e for e in bm.jaxpr.eqns for v in e.outvars}
@@ -496,16 +541,29 @@ def _scan_total(micro, full, em, ef, producers, m: int, dep: set) -> tuple[str, 
             return "", why
         body_dep = batch_dependent(
             bm.jaxpr,
-            [not is_literal(v) and v in dep for v in em.invars],
+            [not is_literal(v) and v in dep for v in operands],
             len(bm.jaxpr.eqns),
         )
         red, why = classify(bm, bf, terms[0], m, body_dep)
         if red not in ("sum", "mean"):
-            return "", why or f"its scan adds a batch {red} to a carry"
+            return "", why or f"its {em.primitive.name} loop adds a batch {red} to a carry"
         kinds.add(red)
     if len(kinds) != 1:
-        return "", "its scan totals a batch sum and a batch mean"
-    return kinds.pop(), "scan over time"
+        return "", f"its {em.primitive.name} loop totals a batch sum and a batch mean"
+    return kinds.pop(), f"{em.primitive.name} over time"
+
+
+def _loop_condition_reads(em) -> list:
+    """The operands of ``while`` equation ``em`` that its condition reads: its own
+    constants and the carries its condition's body looks at."""
+    cj, cn, bn = em.params["cond_jaxpr"].jaxpr, em.params["cond_nconsts"], em.params["body_nconsts"]
+    carries = em.invars[cn + bn :]
+    used = {v for e in cj.eqns for v in e.invars if not is_literal(v)} | set(cj.outvars)
+    return [
+        op
+        for op, inner in zip([*em.invars[:cn], *carries], cj.invars, strict=True)
+        if inner in used and not is_literal(op)
+    ]
 
 
 def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
@@ -561,6 +619,38 @@ def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
             f"{' in one, '.join(sorted(whys))} in another"
         )
     return kinds.pop(), "a lax.cond on a value the same on every micro-batch"
+
+
+#: Calls of a function with a custom derivative: their body is the primal function.
+_CUSTOM_CALLS = ("custom_vjp_call", "custom_jvp_call")
+
+
+def _custom_call_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+    """How a call of a function with a custom derivative (a fused cross-entropy kernel
+    under ``jax.custom_vjp``) that reduces the batch combines: as the primal function in
+    its body does (:func:`classify`), whose derivative the custom one is taken to be."""
+    bm, bf = em.params["call_jaxpr"], ef.params["call_jaxpr"]
+    where = _at_user_line(em)
+    if not same_program(bm, bf):
+        return "", (
+            f"the function with a custom derivative{where} traces to different programs at "
+            "micro-batch and full-batch shape"
+        )
+    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
+    body_dep = batch_dependent(
+        bm.jaxpr, [not is_literal(v) and v in dep for v in em.invars], len(bm.jaxpr.eqns)
+    )
+    kinds, why = set(), ""
+    for a, b, out in zip(em.outvars, ef.outvars, bm.jaxpr.outvars, strict=True):
+        if a not in needed or _shape(a) != _shape(b):
+            continue
+        red, why = ("mean", "a constant") if is_literal(out) else classify(bm, bf, out, m, body_dep)
+        if red not in ("sum", "mean"):
+            return "", f"in the function with a custom derivative{where}, {why or f'a batch {red}'}"
+        kinds.add(red)
+    if len(kinds) != 1:
+        return "", f"the function with a custom derivative{where} returns a batch sum and a mean"
+    return kinds.pop(), why
 
 
 def _cast_of(v, made: dict):
@@ -964,13 +1054,17 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset
         ins, outs = batch_shape_changes(em, ef)
         # a loop's total beside its batch rows; a lax.cond's loss beside the residuals
         # its branches keep for the backward
-        if outs and em.primitive.name in ("scan", "cond"):
+        if outs and em.primitive.name in _BODIED:
             outs = any(
                 _shape(a) != _shape(b)
                 for a, b in zip(em.outvars, ef.outvars, strict=True)
                 if a in needed
             )
         yield em, ef, ins, outs
+
+
+#: Primitives with bodies whose outputs may hold a batch total beside per-row values.
+_BODIED = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call"})
 
 
 def batch_shape_changes(em, ef) -> tuple[bool, bool]:
@@ -1140,10 +1234,11 @@ def resolve(
 def term_share_paths(micro: ClosedJaxpr, full: ClosedJaxpr, var, m: int, dep: set) -> tuple:
     """:func:`share_paths` of the terms of ``var`` (refused as it stands) that, taken as
     1/M shares, make it a sum over micro-batches (a batch sum plus a batch mean or a
-    constant); ``()`` when none do."""
+    constant), or a mean when that sum is then divided by the batch size; ``()`` when
+    none do."""
     shares: dict = {}
     red, _ = classify(micro, full, var, m, dep, shares)
-    if red != "sum" or not shares:
+    if red not in ("sum", "mean") or not shares:
         return ()
     paths = share_paths(micro, var, shares)
     return paths if len(paths) == len(shares) else ()

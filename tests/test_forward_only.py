@@ -112,6 +112,56 @@ def test_forward_only_replicas_concatenate_their_rows(threads_cluster, m):
     assert verify(step.plan) == []
 
 
+def _rnn_eval(params, batch, loop):
+    """An evaluation that runs a recurrent cell over the features with ``loop`` and
+    returns the error summed over steps and examples, its mean, and the last state's
+    sum: totals carried beside per-row states."""
+
+    def cell(t, h, total):
+        x_t = jax.lax.dynamic_slice_in_dim(batch["x"], t, 1, axis=1)
+        h = jnp.tanh(h @ params["w"] + x_t * params["u"])
+        err = jnp.sum((h @ params["v"] - batch["y"]) ** 2)
+        return h, total + err
+
+    return loop(cell, batch["x"].shape[1], jnp.zeros((batch["x"].shape[0], 8)))
+
+
+def _while_loop(cell, n, h0):
+    def body(c):
+        t, h, total = c
+        return (t + 1, *cell(t, h, total))
+
+    _, h, total = jax.lax.while_loop(lambda c: c[0] < n, body, (0, h0, 0.0))
+    return {"total": total, "mean": total / h0.shape[0], "h": jnp.sum(h)}
+
+
+def _fori_loop_unrolled_by_jax(cell, n, h0):
+    h, total = h0, 0.0
+    for t in range(n):
+        h, total = cell(t, h, total)
+    return {"total": total, "mean": total / h0.shape[0], "h": jnp.sum(h)}
+
+
+@pytest.mark.parametrize("loop", [_while_loop, _fori_loop_unrolled_by_jax])
+def test_forward_only_totals_carried_by_a_while_loop_match_jit(threads_cluster, loop):
+    """A while loop's outputs hold per-row states beside the totals, so the loop was not
+    seen to reduce the batch: its totals were traced as the same on every micro-batch
+    and averaged (half jax.jit's sum at M=2)."""
+    _, batch = setup()
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {
+        "w": jax.random.normal(k[0], (8, 8)) * 0.3,
+        "u": jax.random.normal(k[1], (1, 8)),
+        "v": jax.random.normal(k[2], (8, batch["y"].shape[1])) * 0.3,
+    }
+
+    def step(params, batch):
+        return _rnn_eval(params, batch, loop)
+
+    par = meshshard.parallelize(step, method=DataParallel((1, 2), num_micro_batches=2))
+    assert_trees_close(jax.jit(step)(params, batch), meshshard.fetch(par(params, batch)))
+
+
 def test_forward_only_result_mixing_examples_is_refused():
     """A per-example result normalized by the batch's own mean is not a concatenation."""
     state, batch = setup()

@@ -414,6 +414,64 @@ def test_a_cond_whose_branches_do_not_combine_alike_is_refused(step, why):
         par.lower(state, BATCHES[0], cluster=CLUSTER)
 
 
+def total_from_zero_step(state, batch):
+    """A loss totalled from 0.0 over the outputs in a Python loop, then divided by the
+    number of examples: the 0.0 is a constant added to a batch sum."""
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        total = 0.0
+        for j in range(pred.shape[1]):
+            total = total + jnp.sum((pred[:, j] - batch["y"][:, j]) ** 2)
+        return total / pred.shape[0]
+
+    loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_total_from_zero_divided_by_the_batch_size_equals_jit(threads_cluster):
+    """The 0.0 made the total a sum with a constant term, taken as 1/M shares, and the
+    division by the batch size after it was overlooked: the loss was summed over the
+    micro-batches, so loss and gradients came back M times jax.jit's."""
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(total_from_zero_step, method, state, BATCHES)
+    assert (
+        "gradients and loss: mean over 2 micro-batches (traced: a mean over the batch of a sum"
+        in str(par.plan)
+    )
+
+
+def _custom_vjp_loss(reduce):
+    """A squared error under ``jax.custom_vjp`` with a hand-written backward, as fused
+    loss kernels are: ``reduce`` (jnp.mean or jnp.sum) over the batch."""
+
+    @jax.custom_vjp
+    def loss(pred, y):
+        return reduce((pred - y) ** 2)
+
+    def fwd(pred, y):
+        return loss(pred, y), (pred, y)
+
+    def bwd(res, g):
+        pred, y = res
+        scale = 2.0 / pred.size if reduce is jnp.mean else 2.0
+        return g * scale * (pred - y), None
+
+    loss.defvjp(fwd, bwd)
+    return lambda pred, y, p: loss(pred, y)
+
+
+@pytest.mark.parametrize("reduce,how", [(jnp.mean, "mean"), (jnp.sum, "sum")], ids=["mean", "sum"])
+def test_a_loss_with_a_custom_derivative_equals_jit(threads_cluster, reduce, how):
+    """It was refused ("it reduces the batch with ['custom_vjp_call']"): the reduction
+    inside the function with a custom derivative is now read from its primal body."""
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(_loss_step(_custom_vjp_loss(reduce)), method, state, BATCHES)
+    assert f"gradients and loss: {how} over 2 micro-batches (traced" in str(par.plan)
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
