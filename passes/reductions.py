@@ -504,7 +504,8 @@ def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[
     """How a ``scan`` or ``while`` loop that reduces the batch combines: ``sum`` or
     ``mean`` when each of its reducing outputs that ``var`` reads is a carry that starts
     at zero and adds, every step, a term that is a batch sum or mean (a loss summed over
-    time steps: ``total + sum(...)``); else ('', why).  The term is classified in the
+    time steps: ``total + sum(...)``), or a scan's stacked per-step terms, each such a
+    term, that ``var`` sums over the steps (:func:`_summed_over_steps`); else ('', why).  The term is classified in the
     loop body, paired with the full-batch trace's (:func:`classify`).  A ``while``
     loop's trip count must not read the batch."""
     if em.primitive.name == "while":  # operands: cond consts, body consts, carries
@@ -529,28 +530,50 @@ def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[
             f"it reduces the batch in a {em.primitive.name} loop other than by adding to a "
             "carry that starts at zero"
         )
-        if k >= ncar or not all_zeros(operands[nc + k], made) or not same_program(bm, bf):
+        if not same_program(bm, bf):
             return "", why
-        carry_in, carry_out = bm.jaxpr.invars[nc + k], bm.jaxpr.outvars[k]
-        body_made = {v: e for e in bm.jaxpr.eqns for v in e.outvars}
-        add = body_made.get(carry_out)
-        if add is None or add.primitive.name not in ("add", "add_any"):
+        if k >= ncar:  # stacked per-step totals (lax.map of a chunk's loss)
+            if not _summed_over_steps(a, producers):
+                return "", why
+            term = bm.jaxpr.outvars[k]
+        elif not all_zeros(operands[nc + k], made):
             return "", why
-        terms = [v for v in add.invars if _cast_of(v, body_made) is not carry_in]
-        if len(terms) != 1 or is_literal(terms[0]) or len(add.invars) != 2:
+        else:
+            carry_in, carry_out = bm.jaxpr.invars[nc + k], bm.jaxpr.outvars[k]
+            body_made = {v: e for e in bm.jaxpr.eqns for v in e.outvars}
+            add = body_made.get(carry_out)
+            if add is None or add.primitive.name not in ("add", "add_any"):
+                return "", why
+            terms = [v for v in add.invars if _cast_of(v, body_made) is not carry_in]
+            if len(terms) != 1 or is_literal(terms[0]) or len(add.invars) != 2:
+                return "", why
+            term = terms[0]
+        if is_literal(term):
             return "", why
         body_dep = batch_dependent(
             bm.jaxpr,
             [not is_literal(v) and v in dep for v in operands],
             len(bm.jaxpr.eqns),
         )
-        red, why = classify(bm, bf, terms[0], m, body_dep)
+        red, why = classify(bm, bf, term, m, body_dep)
         if red not in ("sum", "mean"):
             return "", why or f"its {em.primitive.name} loop adds a batch {red} to a carry"
         kinds.add(red)
     if len(kinds) != 1:
         return "", f"its {em.primitive.name} loop totals a batch sum and a batch mean"
     return kinds.pop(), f"{em.primitive.name} over time"
+
+
+def _summed_over_steps(stacked, producers) -> bool:
+    """Whether every equation among ``producers`` that reads a scan's ``stacked`` output
+    sums it over the steps (``jnp.sum(lax.map(chunk_loss, chunks))``).  Only that total
+    is the batch's: a step's own value is not when the chunks cut the batch (its rows
+    ``reshape(n, -1)``: each micro-batch's chunk ``j`` holds other rows than the
+    batch's)."""
+    readers = [e for e, *_ in producers if stacked in e.invars]
+    return bool(readers) and all(
+        e.primitive.name == "reduce_sum" and 0 in e.params["axes"] for e in readers
+    )
 
 
 def _loop_condition_reads(em) -> list:

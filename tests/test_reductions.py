@@ -472,6 +472,37 @@ def test_a_loss_with_a_custom_derivative_equals_jit(threads_cluster, reduce, how
     assert f"gradients and loss: {how} over 2 micro-batches (traced" in str(par.plan)
 
 
+def _chunk_losses(pred, y):
+    """Squared errors summed per chunk of the examples, one chunk at a time (lax.map: a
+    scan with stacked outputs), as a memory-saving loss over a large output does."""
+    chunks = (pred.reshape(2, -1, pred.shape[1]), y.reshape(2, -1, y.shape[1]))
+    return jax.lax.map(lambda c: jnp.sum((c[0] - c[1]) ** 2), chunks)
+
+
+def test_a_loss_summed_over_lax_map_chunks_equals_jit(threads_cluster):
+    """It was refused ("it reduces the batch in a scan loop other than by adding to a
+    carry that starts at zero"): the stacked per-chunk sums, summed over the chunks, are
+    the batch's sum."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _loss_step(lambda pred, y, p: jnp.sum(_chunk_losses(pred, y)) / pred.shape[0])
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(step, method, state, BATCHES)
+    assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
+
+
+def test_one_lax_map_chunk_of_the_batch_is_refused():
+    """A micro-batch's first chunk holds other examples than the batch's first chunk."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _loss_step(lambda pred, y, p: _chunk_losses(pred, y)[0])
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines over micro-batches: it reduces the batch "
+        r"in a scan loop other than",
+    ):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
