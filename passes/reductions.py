@@ -1034,11 +1034,34 @@ def _nonlinear_after_reduction(micro: ClosedJaxpr, tail, keep_order=False) -> tu
             # jnp.where(step < warmup, 0.5 * loss, loss): a predicate the same on every
             # micro-batch picks one case everywhere; _mixed_terms checks the cases agree
             or (name == "select_n" and 0 not in which)
+            # lax.cond(step < warmup, lambda l: 0.5 * l, lambda l: l, loss): the same on
+            # every micro-batch, each branch linear in the one reduced operand
+            or (name == "cond" and 0 not in which and _linear_branches(em, which, keep_order))
         )
         if not linear or (keep_order and _may_reverse(em, which)):
             return name, _at_user_line(em)
         reduced.update(em.outvars)
     return "", ""
+
+
+def _linear_branches(em, which, keep_order: bool) -> bool:
+    """Whether every branch of ``cond`` equation ``em`` computes each output linearly from
+    its one reduced operand (``which``: its position among ``em``'s operands, after the
+    predicate), so whichever branch the step takes combines as that operand does."""
+    if len(which) != 1:  # two reduced operands may combine differently
+        return False
+    for branch in em.params["branches"]:
+        inner = branch.jaxpr.invars[which[0] - 1]
+        bad, _ = _nonlinear_after_reduction(branch, (branch.jaxpr.eqns, {inner}), keep_order)
+        if bad:
+            return False
+        reach = {inner}
+        for e in branch.jaxpr.eqns:
+            if any(not is_literal(v) and v in reach for v in e.invars):
+                reach.update(e.outvars)
+        if any(is_literal(v) or v not in reach for v in branch.jaxpr.outvars):
+            return False  # a constant in one branch: a sum picked against it is no sum
+    return True
 
 
 def _may_reverse(em, which) -> bool:

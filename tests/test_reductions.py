@@ -503,6 +503,48 @@ def test_one_lax_map_chunk_of_the_batch_is_refused():
         par.lower(state, BATCHES[0], cluster=CLUSTER)
 
 
+def _cond_on_the_loss(make_loss, second):
+    """``lax.cond`` on the step count over a loss reduced before it: the first step takes
+    ``second`` of it, later ones the loss itself."""
+
+    def step(state, batch):
+        def loss_fn(params):
+            loss = make_loss(state.apply_fn({"params": params}, batch["x"]), batch["y"])
+            return jax.lax.cond(state.step < 1, second, lambda v: v, loss)
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "make_loss,how", [(_mean_sq, "mean"), (_masked_mean_sq, "sum")], ids=["mean", "masked_mean"]
+)
+def test_a_cond_on_the_step_count_over_a_reduced_loss_equals_jit(threads_cluster, make_loss, how):
+    """It was refused ("it applies cond to a value reduced over the batch"), as
+    jnp.where was before it; each branch is linear in the loss.  (A masked mean is a sum
+    once its count is taken over the full batch.)"""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _cond_on_the_loss(make_loss, lambda v: 0.5 * v)
+    method = PipeshardParallel(num_micro_batches=2, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(step, method, state, BATCHES)
+    assert f"gradients and loss: {how} over 2 micro-batches (traced" in str(par.plan)
+
+
+def test_a_cond_between_a_summed_loss_and_a_constant_is_refused():
+    """Each micro-batch would count the constant once."""
+    state = sgd_state(BATCHES[0]["x"])
+    step = _cond_on_the_loss(_sum_sq, lambda v: jnp.float32(1.0))
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
+    with pytest.raises(
+        MeshshardInputError,
+        match=r"cannot tell how the loss combines over micro-batches: it applies cond to a "
+        r"value reduced over the batch \(at test_reductions\.py:",
+    ):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
