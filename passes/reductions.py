@@ -297,6 +297,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
                 return "", why
             kinds.add("reduce_sum")
             norms += red == "mean"
+            normalizers += [em] * (red == "mean")
             continue
         if ins and not outs and em.primitive.name in ("cond", *_CUSTOM_CALLS):
             total = _cond_total if em.primitive.name == "cond" else _custom_call_total
@@ -305,6 +306,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
                 return "", why
             kinds.add("reduce_sum")
             norms += red == "mean"
+            normalizers += [em] * (red == "mean")
             continue
         if ins and not outs:
             kinds.add(em.primitive.name)
@@ -324,6 +326,13 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     mixed = _mixed_examples(micro, producers)
     if mixed:
         return "", mixed
+    twice = _normalized_twice(micro, producers, normalizers, var)
+    if twice is not None:
+        return "", (
+            "it divides by the batch size twice (a mean divided by the batch size again: the "
+            "batch's sum over its size squared), which no combination of the micro-batches' "
+            f"values reproduces{_at_user_line(twice)}"
+        )
     tail = _tail(producers, var)
     shares_read = (
         {v for em in tail[0] for v in em.invars if not is_literal(v)} & memo[_SHARED]
@@ -410,6 +419,55 @@ SHARED_MEAN = (
     "a mean over the batch of a sum plus terms that are not (a batch mean, a value the "
     "same on every micro-batch), which each micro-batch adds as 1/M shares"
 )
+
+
+#: Primitives with bodies whose outputs may hold a batch total beside per-row values.
+_BODIED = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call"})
+
+
+#: Operations whose result scales as their operands do: a division by the batch size
+#: before them divides their result too.
+_SCALES_LINEARLY = LINEAR_AFTER | {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "div",
+    "reduce_sum",
+    "dot_general",
+    "select_n",
+    "concatenate",
+    "cumsum",
+    *_BODIED,  # their bodies are classified on their own; a mean's body counts once
+}
+
+
+def _normalized_twice(micro: ClosedJaxpr, producers, normalizers: list, var):
+    """The second of ``normalizers`` (equations dividing by the batch size, among
+    ``var``'s ``producers``) on one path to ``var``, or None: ``sum(x) / n / n`` or
+    ``jnp.mean(x) / n``.  Normalizers on separate terms (``mean(a) + mean(b)``) count
+    once each."""
+    if len(normalizers) < 2:
+        return None
+    ids = {id(e) for e, *_ in producers}
+    norm = {id(e) for e in normalizers}
+    depth: dict = {}
+    for e in micro.jaxpr.eqns:
+        if id(e) not in ids:
+            continue
+        if is_marker(e):  # the identity per position, carrying unrelated values too
+            for v, o in zip(e.invars, e.outvars, strict=True):
+                depth[o] = 0 if is_literal(v) else depth.get(v, 0)
+            continue
+        ins = (depth.get(v, 0) for v in e.invars if not is_literal(v))
+        # a non-linear step (jnp.sign of an input gradient, a square) rescales no sum
+        d = max(ins, default=0) if e.primitive.name in _SCALES_LINEARLY else 0
+        d += id(e) in norm
+        if d > 1:
+            return e
+        for o in e.outvars:
+            depth[o] = d
+    return None
 
 
 def _feeds(micro: ClosedJaxpr, values: set, eqns: list) -> bool:
@@ -1109,10 +1167,6 @@ def paired_producers(micro: ClosedJaxpr, full: ClosedJaxpr, var, stop: frozenset
         yield em, ef, ins, outs
 
 
-#: Primitives with bodies whose outputs may hold a batch total beside per-row values.
-_BODIED = frozenset({"scan", "while", "cond", "custom_vjp_call", "custom_jvp_call"})
-
-
 def batch_shape_changes(em, ef) -> tuple[bool, bool]:
     """Whether the inputs, and whether the outputs, of equation ``em`` of the micro-batch
     trace change shape in its twin ``ef`` of the full-batch trace: inputs that do and
@@ -1159,10 +1213,16 @@ def paired_prefix(mj, fj) -> int:
 
 
 def same_program(micro: ClosedJaxpr, full: ClosedJaxpr) -> bool:
-    """Whether two traces of one step run the same primitives in the same order (so their
-    equations pair up by position)."""
+    """Whether two traces of one step run the same primitives in the same order, each
+    with as many operands and results (so their equations pair up by position).  A
+    ``lax.cond``'s residuals for the backward may differ in number: JAX keeps one copy of
+    residuals that are the same value, which a micro-batch's shapes can make them."""
     me, fe = micro.jaxpr.eqns, full.jaxpr.eqns
-    return [e.primitive for e in me] == [e.primitive for e in fe]
+    return [_arity(e) for e in me] == [_arity(e) for e in fe]
+
+
+def _arity(eqn) -> tuple:
+    return eqn.primitive, len(eqn.invars), len(eqn.outvars)
 
 
 def _divides_by_batch_total(producers, tail, dep) -> bool:

@@ -474,14 +474,20 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sin
     """Two traces whose batch sizes differ ``m``-fold (none for the second when ``m`` is
     1), for ``resolve`` to tell how the loss and aux values combine over micro-batches.
 
-    Normally the micro-batch and the full batch.  JAX specializes a dimension of size 1,
-    so a one-row micro-batch often traces other equations than the full batch, and the
-    two cannot be paired: there the step is traced again at 2 and ``2 m`` rows, both
-    cut where the first of them is (``cuts``: the micro-batch's :class:`LayerCuts`)."""
-    if m == 1:
-        return micro, None
+    Normally the micro-batch and the full batch.  Where those two do not pair, the step
+    is traced again at 2 and ``2 m`` rows, or else 3 and ``3 m``, each pair cut where its
+    first trace is (``cuts``: the micro-batch's :class:`LayerCuts`).  JAX specializes a
+    dimension of size 1, so a one-row micro-batch often traces other equations than the
+    full batch; and a ``lax.cond`` keeps one copy of residuals for its backward that are
+    the same value, which the micro-batch's shapes can make two of them (its rows equal
+    to a layer's width): the same operations, with other numbers of operands.  A step
+    whose operations differ otherwise (Python code on the batch size) is not traced at
+    other sizes, where it might pair and hide that its batch's program is another."""
+    if m == 1 or same_program(micro, full):
+        return micro, full
     rows = {a.shape[0] for a, b in zip(micro_abs, is_batch, strict=True) if b and a.shape}
-    if rows != {1} or same_program(micro, full):
+    same_ops = [e.primitive for e in micro.jaxpr.eqns] == [e.primitive for e in full.jaxpr.eqns]
+    if rows != {1} and not same_ops:  # Python code on the batch size: other sizes may hide it
         return micro, full
 
     def at(n):
@@ -491,12 +497,15 @@ def _reduction_traces(fn, treedef, micro, full, micro_abs, is_batch, m: int, sin
         ]
 
     shared = LayerCuts(cuts.chosen)
-    two = sink(_trace(fn, treedef, at(2), shared)[0])
-    many = sink(_trace(fn, treedef, at(2 * m), shared)[0])
-    if not same_program(two, many):
-        return micro, full
-    found = find_statistics(two, many, is_batch)  # as the micro-batch reads them
-    return (hoist_statistics(two, found), hoist_statistics(many, found)) if found else (two, many)
+    for n in (k for k in (2, 3) if {k} != rows):
+        few = sink(_trace(fn, treedef, at(n), shared)[0])
+        many = sink(_trace(fn, treedef, at(n * m), shared)[0])
+        if same_program(few, many):
+            found = find_statistics(few, many, is_batch)  # as the micro-batch reads them
+            if found:
+                return hoist_statistics(few, found), hoist_statistics(many, found)
+            return few, many
+    return micro, full
 
 
 def _trace(

@@ -545,6 +545,28 @@ def test_a_cond_between_a_summed_loss_and_a_constant_is_refused():
         par.lower(state, BATCHES[0], cluster=CLUSTER)
 
 
+def test_a_cond_whose_residuals_coincide_at_the_micro_batch_size_equals_jit(threads_cluster):
+    """At 4 micro-batches of 4 rows the predictions are (4, 4), as the last kernel is
+    (16, 4) against (16, 4) predictions at full size: the lax.cond kept another number of
+    residuals in the two traces, and pairing them failed with a bare "zip() argument 2
+    is shorter than argument 1".  The reductions are now read from traces at 2 and 8
+    rows, which pair."""
+
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            penalty = lambda pred, y: 1e-3 * sum(jnp.sum(a**2) for a in jax.tree.leaves(params))  # noqa: E731
+            return jax.lax.cond(state.step < 1, penalty, _mean_sq, pred, batch["y"])
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)])
+    par = check_step_parity(step, method, state, BATCHES)
+    assert "gradients and loss: mean over 4 micro-batches (traced" in str(par.plan)
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
@@ -590,12 +612,27 @@ def test_a_share_of_a_batch_sum_is_still_refused():
             lambda pred, y, p: jnp.sum(jnp.mean(pred, 0) * jnp.mean(jnp.tanh(pred), 0)),
             r"it applies mul to a value reduced over the batch",
         ),
+        (  # the batch's sum over its size squared: was combined as a mean (M times jit's)
+            lambda pred, y, p: jnp.mean((pred - y) ** 2) / pred.shape[0],
+            r"it divides by the batch size twice",
+        ),
+        (  # the same with the means taken in a scan's body (one per output column)
+            lambda pred, y, p: (
+                jax.lax.scan(
+                    lambda total, col: (total + jnp.mean(col), None), 0.0, ((pred - y) ** 2).T
+                )[0]
+                / pred.shape[0]
+            ),
+            r"it divides by the batch size twice",
+        ),
     ],
     ids=[
         "in_batch_negatives",
         "cumsum_over_batch",
         "hardest_half_top_k",
         "product_of_batch_means",
+        "mean_over_batch_size",
+        "scan_mean_over_batch_size",
     ],
 )
 def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):
