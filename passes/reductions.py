@@ -984,10 +984,15 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
         kinds = []
         cases = em.invars[1:] if em.primitive.name == "select_n" else em.invars
         for v in cases:
-            if is_literal(v) or (v not in dep and v not in memo[_SHARED]):
+            if is_literal(v):
                 kinds.append("const")
                 continue
             red, why = _classify(micro, full, v, m, dep, memo)
+            if v not in dep and v not in memo[_SHARED]:  # the same on every micro-batch...
+                if not red:  # ... unless divided by the batch size: each divides by its own
+                    return SCALED_CONSTANT + _at_user_line(em)
+                kinds.append("const")
+                continue
             if not red:
                 return why
             kinds.append(red)
@@ -1011,6 +1016,14 @@ def _mixed_terms(micro: ClosedJaxpr, full: ClosedJaxpr, producers, tail, m: int,
         if len(terms) > 1 and terms[0] in ("max", "min") and not (joins or picks):
             return f"it adds two batch {terms[0]}ima"
     return ""
+
+
+#: Why a sum with a term that divides a value independent of the batch by the batch
+#: size is refused: each micro-batch divides it by its own size, M times the batch's.
+SCALED_CONSTANT = (
+    "it adds a value that does not depend on the batch divided by the batch size (a "
+    "penalty over the batch size), which each micro-batch would divide by its own size"
+)
 
 
 def _shareable(em, kinds: list, shares: dict | None) -> bool:

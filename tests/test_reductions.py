@@ -625,6 +625,10 @@ def test_a_share_of_a_batch_sum_is_still_refused():
             ),
             r"it divides by the batch size twice",
         ),
+        (  # each micro-batch divided the penalty by its own size: M times jit's penalty
+            lambda pred, y, p: jnp.mean((pred - y) ** 2) + _penalty(p) / pred.shape[0],
+            r"it adds a value that does not depend on the batch divided by the batch size",
+        ),
     ],
     ids=[
         "in_batch_negatives",
@@ -633,6 +637,7 @@ def test_a_share_of_a_batch_sum_is_still_refused():
         "product_of_batch_means",
         "mean_over_batch_size",
         "scan_mean_over_batch_size",
+        "penalty_over_batch_size",
     ],
 )
 def test_a_loss_whose_terms_combine_differently_is_refused(make_loss, why):

@@ -162,3 +162,39 @@ def test_random_losses_are_refused_or_equal_jit(threads_cluster, state):
     assert not wrong, "\n".join(wrong)
     # not vacuous: the combinable losses run (14 of these 48 seeds; a quarter at least)
     assert len(ran) >= len(SEEDS) // 4, ran
+
+
+#: Seeds of the forward-only results checked (71: a masked mean plus a penalty over the
+#: batch size, whose penalty each micro-batch divided by its own size).
+FORWARD_SEEDS = range(48, 96)
+
+
+def test_random_forward_results_are_refused_or_equal_jit(threads_cluster, state):
+    """The same expressions as results of a forward-only step (an evaluation), whose
+    sums of batch sums and constants combine by 1/M shares too."""
+    ran, wrong = [], []
+    for seed in FORWARD_SEEDS:
+        r = random.Random(seed)
+        text, value = _expr(r, 3)
+        m = r.choice([2, 4])
+
+        def evaluate(params, batch, value=value):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            return [_scalar(value(pred, batch["y"], params, jnp.int32(s))) for s in (0, 1)]
+
+        method = meshshard.DataParallel((1, 2), num_micro_batches=m)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got = meshshard.fetch(
+                    meshshard.parallelize(evaluate, method=method)(state.params, BATCHES[0])
+                )
+        except MeshshardInputError:
+            continue
+        want = jax.jit(evaluate)(state.params, BATCHES[0])
+        err = max(_relative_error(a, b) for a, b in zip(want, got, strict=True))
+        ran.append(text)
+        if err > 1e-4:
+            wrong.append(f"seed {seed}, M={m}: {text}: relative error {err:.2e}")
+    assert not wrong, "\n".join(wrong)
+    assert len(ran) >= len(FORWARD_SEEDS) // 4, ran
