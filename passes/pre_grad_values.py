@@ -111,3 +111,26 @@ def refuse_update_batch_reads(closed: ClosedJaxpr, is_batch, wheres) -> None:
         for v in eqn.invars:
             if not is_literal(v) and v in leaf:
                 raise MeshshardInputError(update_reads_batch_message(wheres[leaf[v]], eqn))
+
+
+def literals_past_grad(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` whose reads after the ``grad_end`` marker of an aux value that is a
+    literal (``{"examples": jnp.float32(x.shape[0])}`` returned as aux) read the literal
+    itself, not the marker's result for it: a constant needs no mesh to come from (its
+    marker result was computed on none, and the update's placement failed on it), and
+    a literal after the marker takes the full batch's value where the batch size made
+    it (:mod:`~meshshard.passes.update_constants`)."""
+    marker = next((e for e in closed.jaxpr.eqns if is_marker(e, "grad_end")), None)
+    if marker is None or not any(is_literal(v) for v in marker.invars):
+        return closed
+
+    def hook(i, eqn, env, extra) -> bool:
+        if not is_marker(eqn, "grad_end"):
+            return False
+        outs = bind_eqn(eqn, [read_var(env, a) for a in eqn.invars])
+        for a, v, o in zip(eqn.invars, eqn.outvars, outs, strict=True):
+            if not is_dropvar(v):
+                env[v] = a.val if is_literal(a) else o
+        return True
+
+    return retrace(closed, hook)

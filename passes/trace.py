@@ -70,6 +70,7 @@ from meshshard.passes.loss_seed import seed_micro_batch_shares
 from meshshard.passes.narrow_gradients import narrow_padded_gradients
 from meshshard.passes.physical_keys import physical_keys
 from meshshard.passes.pre_grad_values import (
+    literals_past_grad,
     pass_through_grad,
     read_after_grad,
     refuse_update_batch_reads,
@@ -371,7 +372,7 @@ def _trace_step_once(
     def through(closed):  # batch values from before the grad read after it: as aux
         if m > 1:  # a running total scattered into: total + a histogram of the batch
             closed = split_scatter_totals(closed, is_batch)
-        return pass_through_grad(closed, is_batch)
+        return literals_past_grad(pass_through_grad(closed, is_batch))
 
     micro, full = (through(micro),) * 2 if m == 1 else (through(micro), through(full))
     batch_aux = batch_aux_positions(micro, full) if m > 1 else frozenset()
@@ -384,7 +385,7 @@ def _trace_step_once(
     micro, full = (sink(micro),) * 2 if m == 1 else (sink(micro), sink(full))
     refuse_update_batch_reads(micro, is_batch, wheres)
     if m > 1:  # the update runs once per step: constants of the full batch's size
-        micro = use_full_batch_constants(micro, full)
+        micro = use_full_batch_constants(micro, full, is_batch)
     found = find_statistics(micro, full, is_batch) if m > 1 else None
     statistics = statistics_program(full, found, is_batch) if found else None
     if found:  # the batch data's statistics: new inputs, computed from the full batch

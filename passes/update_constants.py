@@ -31,6 +31,7 @@ import numpy as np
 
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
+from meshshard.passes.hoist import batch_dependent
 
 
 def after_grad_end(jaxpr) -> int | None:
@@ -46,17 +47,51 @@ def _differs(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and not np.array_equal(a, b)
 
 
-def update_constant_overrides(micro: ClosedJaxpr, full: ClosedJaxpr) -> dict:
+def update_constant_overrides(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch=None) -> dict:
     """``{(equation index in micro, operand index): full value}`` for the update part's
     literals and constants whose value differs from the full-batch trace's; empty when
-    the two update parts do not pair up (other primitives), or there is no update."""
+    the two update parts do not pair up (other primitives), or there is no update.  A
+    forward-only step (no ``grad_end`` marker; ``is_batch`` flags the batch inputs) has
+    no update, but its results that do not depend on the batch (``x.shape[0]``, a count
+    of examples to weigh the step's mean by) are computed once, as the update is: the
+    equations they are computed by take the full batch's constants."""
     mj, fj = micro.jaxpr, full.jaxpr
     start_m, start_f = after_grad_end(mj), after_grad_end(fj)
+    if start_m is None and start_f is None and is_batch is not None:
+        if [e.primitive for e in mj.eqns] != [e.primitive for e in fj.eqns]:
+            return {}
+        keep = _batch_free_result_slice(mj, is_batch)
+        return {key: val for key, val in _overrides(micro, full, 0, 0).items() if key[0] in keep}
     if start_m is None or start_f is None:
         return {}
     me, fe = mj.eqns[start_m:], fj.eqns[start_f:]
     if [e.primitive for e in me] != [e.primitive for e in fe]:
         return {}
+    return _overrides(micro, full, start_m, start_f)
+
+
+def _batch_free_result_slice(jaxpr, is_batch) -> set:
+    """Indices of the equations that the results not depending on the batch are
+    computed by (none of which depends on the batch)."""
+    dep = batch_dependent(jaxpr, is_batch, len(jaxpr.eqns))
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    stack = [v for v in jaxpr.outvars if not is_literal(v) and v not in dep]
+    seen = set()
+    while stack:
+        v = stack.pop()
+        i = producer.get(v)
+        if i is None or i in seen:
+            continue
+        seen.add(i)
+        stack += [u for u in jaxpr.eqns[i].invars if not is_literal(u)]
+    return seen
+
+
+def _overrides(micro: ClosedJaxpr, full: ClosedJaxpr, start_m: int, start_f: int) -> dict:
+    """:func:`update_constant_overrides` of the equations from ``start_m`` on in
+    ``micro`` and ``start_f`` on in ``full``, which pair up by primitive."""
+    mj, fj = micro.jaxpr, full.jaxpr
+    me, fe = mj.eqns[start_m:], fj.eqns[start_f:]
     consts_m = dict(zip(mj.constvars, micro.consts, strict=True))
     consts_f = dict(zip(fj.constvars, full.consts, strict=True))
     found = {}
@@ -75,11 +110,14 @@ def update_constant_overrides(micro: ClosedJaxpr, full: ClosedJaxpr) -> dict:
     return found
 
 
-def use_full_batch_constants(micro: ClosedJaxpr, full: ClosedJaxpr) -> ClosedJaxpr:
+def use_full_batch_constants(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch=None) -> ClosedJaxpr:
     """``micro`` whose update part reads the full-batch trace's constants where they
-    differ (:func:`update_constant_overrides`); ``micro`` itself when none does."""
-    overrides = update_constant_overrides(micro, full)
-    if not overrides:
+    differ (:func:`update_constant_overrides`), and whose results that are literals take
+    the full trace's (a step returning ``x.shape[0]``); ``micro`` itself when none
+    differs."""
+    overrides = update_constant_overrides(micro, full, is_batch)
+    results = _literal_results(micro, full)
+    if not overrides and not results:
         return micro
 
     changed = {i for i, _ in overrides}
@@ -93,4 +131,20 @@ def use_full_batch_constants(micro: ClosedJaxpr, full: ClosedJaxpr) -> ClosedJax
                 env[v] = out
         return True
 
-    return retrace(micro, hook)
+    def finish(values):
+        return [results.get(k, x) for k, x in enumerate(values)]
+
+    return retrace(micro, hook, finish=finish)
+
+
+def _literal_results(micro: ClosedJaxpr, full: ClosedJaxpr) -> dict:
+    """``{result position: full value}`` for the results that are literals in both
+    traces, with other values (``x.shape[0]`` returned as it is)."""
+    mo, fo = micro.jaxpr.outvars, full.jaxpr.outvars
+    if len(mo) != len(fo):
+        return {}
+    return {
+        k: b.val
+        for k, (a, b) in enumerate(zip(mo, fo, strict=True))
+        if is_literal(a) and is_literal(b) and _differs(a.val, b.val)
+    }

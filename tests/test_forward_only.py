@@ -162,6 +162,28 @@ def test_forward_only_totals_carried_by_a_while_loop_match_jit(threads_cluster, 
     assert_trees_close(jax.jit(step)(params, batch), meshshard.fetch(par(params, batch)))
 
 
+def test_forward_results_computed_from_the_batch_size_are_the_full_batch_s(threads_cluster):
+    """An evaluation returning its number of examples (to weigh its mean by across
+    batches) returned the micro-batch's: 8 of 16 rows, as did values computed from it."""
+    state, batch = setup()
+
+    def evaluate(state, batch):
+        pred = state.apply_fn({"params": state.params}, batch["x"])
+        n = batch["x"].shape[0]
+        return {
+            "mse": jnp.mean((pred - batch["y"]) ** 2),
+            "examples": n,
+            "as_float": jnp.float32(n),
+            "inverse": 1.0 / n,
+            "filled": jnp.full((2,), n),
+        }
+
+    step = meshshard.parallelize(evaluate, method=DataParallel((1, 2), num_micro_batches=2))
+    got = meshshard.fetch(step(state, batch))
+    assert int(got["examples"]) == batch["x"].shape[0] == 16
+    assert_trees_close(jax.jit(evaluate)(state, batch), got)
+
+
 def test_forward_only_result_mixing_examples_is_refused():
     """A per-example result normalized by the batch's own mean is not a concatenation."""
     state, batch = setup()

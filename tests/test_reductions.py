@@ -334,6 +334,17 @@ def test_a_where_on_the_step_count_over_a_mean_loss_equals_jit(threads_cluster):
     assert "gradients and loss: mean over 2 micro-batches (traced" in str(par.plan)
 
 
+def _assert_loss_refused(step, why: str, m: int = 2) -> None:
+    """``step`` with ``m`` micro-batches is refused: meshshard cannot tell how its loss
+    combines, for the reason matching the regex ``why``."""
+    state = sgd_state(BATCHES[0]["x"])
+    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=m))
+    with pytest.raises(
+        MeshshardInputError, match=r"cannot tell how the loss combines over micro-batches: " + why
+    ):
+        par.lower(state, BATCHES[0], cluster=CLUSTER)
+
+
 def _cond_step(first, second, pick=lambda state, pred: state.step % 2 == 0):
     """A loss that ``lax.cond`` picks, by ``pick``, from the two its branches compute."""
 
@@ -406,12 +417,7 @@ def test_a_cond_on_the_step_count_between_two_batch_losses_equals_jit(
 )
 def test_a_cond_whose_branches_do_not_combine_alike_is_refused(step, why):
     """These ran, combined as means, and returned other numbers than jax.jit."""
-    state = sgd_state(BATCHES[0]["x"])
-    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
-    with pytest.raises(
-        MeshshardInputError, match=r"cannot tell how the loss combines over micro-batches: " + why
-    ):
-        par.lower(state, BATCHES[0], cluster=CLUSTER)
+    _assert_loss_refused(step, why)
 
 
 def total_from_zero_step(state, batch):
@@ -492,15 +498,10 @@ def test_a_loss_summed_over_lax_map_chunks_equals_jit(threads_cluster):
 
 def test_one_lax_map_chunk_of_the_batch_is_refused():
     """A micro-batch's first chunk holds other examples than the batch's first chunk."""
-    state = sgd_state(BATCHES[0]["x"])
-    step = _loss_step(lambda pred, y, p: _chunk_losses(pred, y)[0])
-    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"cannot tell how the loss combines over micro-batches: it reduces the batch "
-        r"in a scan loop other than",
-    ):
-        par.lower(state, BATCHES[0], cluster=CLUSTER)
+    _assert_loss_refused(
+        _loss_step(lambda pred, y, p: _chunk_losses(pred, y)[0]),
+        r"it reduces the batch in a scan loop other than",
+    )
 
 
 def _cond_on_the_loss(make_loss, second):
@@ -534,15 +535,10 @@ def test_a_cond_on_the_step_count_over_a_reduced_loss_equals_jit(threads_cluster
 
 def test_a_cond_between_a_summed_loss_and_a_constant_is_refused():
     """Each micro-batch would count the constant once."""
-    state = sgd_state(BATCHES[0]["x"])
-    step = _cond_on_the_loss(_sum_sq, lambda v: jnp.float32(1.0))
-    par = meshshard.parallelize(step, method=PipeshardParallel(num_micro_batches=2))
-    with pytest.raises(
-        MeshshardInputError,
-        match=r"cannot tell how the loss combines over micro-batches: it applies cond to a "
-        r"value reduced over the batch \(at test_reductions\.py:",
-    ):
-        par.lower(state, BATCHES[0], cluster=CLUSTER)
+    _assert_loss_refused(
+        _cond_on_the_loss(_sum_sq, lambda v: jnp.float32(1.0)),
+        r"it applies cond to a value reduced over the batch \(at test_reductions\.py:",
+    )
 
 
 def test_a_cond_whose_residuals_coincide_at_the_micro_batch_size_equals_jit(threads_cluster):
@@ -565,6 +561,32 @@ def test_a_cond_whose_residuals_coincide_at_the_micro_batch_size_equals_jit(thre
     method = PipeshardParallel(num_micro_batches=4, stages=[(1, 2), (1, 2)])
     par = check_step_parity(step, method, state, BATCHES)
     assert "gradients and loss: mean over 4 micro-batches (traced" in str(par.plan)
+
+
+def batch_size_aux_step(state, batch):
+    """Returns the number of examples as aux, as a literal result and through the
+    update: constants that the batch's size makes."""
+
+    def loss_fn(params):
+        pred = state.apply_fn({"params": params}, batch["x"])
+        return jnp.mean((pred - batch["y"]) ** 2), {"examples": jnp.float32(batch["x"].shape[0])}
+
+    (loss, aux), grads = meshshard.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux, batch["x"].shape[0]
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_the_batch_size_returned_as_aux_or_a_result_equals_jit(threads_cluster, m):
+    """A literal aux value failed the update's placement ("step output %93 could not be
+    placed on a mesh; this is a bug"), and a literal result came back as the
+    micro-batch's size (8 of 16)."""
+    state = sgd_state(BATCHES[0]["x"])
+    method = PipeshardParallel(num_micro_batches=m, stages=[(1, 2), (1, 2)])
+    par = meshshard.parallelize(batch_size_aux_step, method=method)
+    want = jax.jit(batch_size_aux_step)(state, BATCHES[0])
+    got = meshshard.fetch(par(state, BATCHES[0]))
+    assert float(got[2]["examples"]) == 16.0 and int(got[3]) == 16, got[2:]
+    assert_trees_close(want, got)
 
 
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
