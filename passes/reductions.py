@@ -563,9 +563,9 @@ def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[
     ``mean`` when each of its reducing outputs that ``var`` reads is a carry that starts
     at zero and adds, every step, a term that is a batch sum or mean (a loss summed over
     time steps: ``total + sum(...)``), or a scan's stacked per-step terms, each such a
-    term, that ``var`` sums over the steps (:func:`_summed_over_steps`); else ('', why).  The term is classified in the
-    loop body, paired with the full-batch trace's (:func:`classify`).  A ``while``
-    loop's trip count must not read the batch."""
+    term, that ``var`` sums over the steps (:func:`_summed_over_steps`); else ('',
+    why).  The term is classified in the loop body, paired with the full-batch trace's
+    (:func:`classify`).  A ``while`` loop's trip count must not read the batch."""
     if em.primitive.name == "while":  # operands: cond consts, body consts, carries
         skip, nc, ncar = em.params["cond_nconsts"], em.params["body_nconsts"], len(em.outvars)
         bm, bf = em.params["body_jaxpr"], ef.params["body_jaxpr"]
