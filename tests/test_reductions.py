@@ -589,6 +589,27 @@ def test_the_batch_size_returned_as_aux_or_a_result_equals_jit(threads_cluster, 
     assert_trees_close(want, got)
 
 
+def test_a_sum_plus_a_penalty_inside_a_users_checkpoint_says_the_shares_found_no_place():
+    """The refusal said such a sum "is combined for you", which it is not inside the
+    user's own jax.checkpoint: the re-trace does not enter its body."""
+
+    def step(state, batch):
+        def loss_fn(params):
+            pred = state.apply_fn({"params": params}, batch["x"])
+            return jax.checkpoint(lambda pred, y, p: _sum_sq(pred, y) + _penalty(p))(
+                pred, batch["y"], params
+            )
+
+        loss, grads = meshshard.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    _assert_loss_refused(
+        step,
+        r"it adds a value that does not depend on the batch to a batch sum .*could not put "
+        r"the shares on these terms \(inside your own jax\.checkpoint",
+    )
+
+
 def test_a_where_between_a_batch_sum_and_a_constant_says_why():
     fn = lambda x: jax.lax.select(_WARM, jnp.sum(x), jnp.float32(0.0))  # noqa: E731
     x_full = jnp.arange(32.0).reshape(8, 4)
