@@ -36,6 +36,7 @@ from meshshard.jaxpr_util import (
 )
 from meshshard.passes.hoist import batch_dependent
 from meshshard.passes.reductions import PRE_GRAD_LABEL, marker_reductions
+from meshshard.passes.update_constants import after_grad_end
 
 #: The label of a value this pass passes through the ``grad_end`` marker (``#k`` in order).
 LABEL = PRE_GRAD_LABEL
@@ -103,11 +104,11 @@ def refuse_update_batch_reads(closed: ClosedJaxpr, is_batch, wheres) -> None:
     the grad's results, which no micro-batch can compute.  Checked before the passes
     that give the update the full batch's constants, which such a read breaks."""
     jaxpr = closed.jaxpr
-    g = next((i for i, e in enumerate(jaxpr.eqns) if is_marker(e, "grad_end")), None)
-    if g is None:
+    start = after_grad_end(jaxpr)
+    if start is None:
         return
     leaf = {v: k for k, (v, b) in enumerate(zip(jaxpr.invars, is_batch, strict=False)) if b}
-    for eqn in jaxpr.eqns[g + 1 :]:
+    for eqn in jaxpr.eqns[start:]:
         for v in eqn.invars:
             if not is_literal(v) and v in leaf:
                 raise MeshshardInputError(update_reads_batch_message(wheres[leaf[v]], eqn))

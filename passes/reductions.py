@@ -283,7 +283,7 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         return _share_kind(micro, full, var, m, dep, memo)
     if full_batch_shape(micro, full, var) != _shape(var):
         return "batch", f"it has the batch as a dimension ({list(_shape(var))} per micro-batch)"
-    kinds, norms, normalizers = set(), 0, []
+    kinds, normalizers = set(), []
     producers = list(paired_producers(micro, full, var, memo[_STATISTICS]))
     ranked = _ranked_producer(producers)  # first: a median's arithmetic is beside the point
     if ranked:
@@ -291,22 +291,14 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
     for em, ef, ins, outs in producers:
         if is_marker(em) or em.primitive is aux_reduce_p:
             continue
-        if ins and not outs and em.primitive.name in ("scan", "while"):
-            red, why = _scan_total(micro, full, em, ef, producers, var, m, dep)
+        if ins and not outs and em.primitive.name in _BODY_TOTALS:
+            needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
+            total = _BODY_TOTALS[em.primitive.name]
+            red, why = total(em, ef, producers, needed, m, dep)
             if not red:
                 return "", why
             kinds.add("reduce_sum")
-            norms += red == "mean"
-            normalizers += [em] * (red == "mean")
-            continue
-        if ins and not outs and em.primitive.name in ("cond", *_CUSTOM_CALLS):
-            total = _cond_total if em.primitive.name == "cond" else _custom_call_total
-            red, why = total(em, ef, producers, var, m, dep)
-            if not red:
-                return "", why
-            kinds.add("reduce_sum")
-            norms += red == "mean"
-            normalizers += [em] * (red == "mean")
+            normalizers += [em] * (red == "mean")  # the body's mean divides by the batch
             continue
         if ins and not outs:
             kinds.add(em.primitive.name)
@@ -320,9 +312,9 @@ def _classify_once(micro, full, var, m: int, dep: set, memo: dict) -> tuple[str,
         how = _normalizes(em, ef, m)
         if how == "other":
             return "", f"{em.primitive.name} by a literal that changes with the batch size"
-        norms += how == "norm"
         if how == "norm":
             normalizers.append(em)
+    norms = len(normalizers)
     mixed = _mixed_examples(micro, producers)
     if mixed:
         return "", mixed
@@ -396,6 +388,17 @@ LOSS_TERMS_FIX = (
     "make each term of the loss a mean or a sum over the batch (a batch sum plus means "
     "and constants is combined for you); declaring loss_reduce would combine every term "
     "alike, which is wrong for these"
+)
+
+
+#: The fix for a loss whose terms need 1/M shares that could not be put on them: the
+#: addition sits inside a function whose body the loss's re-trace does not enter.
+UNSHARED_TERMS_FIX = (
+    "meshshard combines a batch sum plus means and constants by taking the means and "
+    "constants as 1/M shares of each micro-batch's loss, but could not put the shares on "
+    "these terms (inside your own jax.checkpoint, custom derivative or loop?): add the "
+    "terms outside it, or make each a mean or a sum over the batch; declaring "
+    "loss_reduce would combine every term alike, which is wrong for these"
 )
 
 
@@ -558,9 +561,10 @@ def _at_line(producer) -> str:
     return f" ({os.path.basename(f.file_name)}:{f.line_num})" if f is not None else ""
 
 
-def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+def _scan_total(em, ef, producers, needed: set, m: int, dep: set) -> tuple[str, str]:
     """How a ``scan`` or ``while`` loop that reduces the batch combines: ``sum`` or
-    ``mean`` when each of its reducing outputs that ``var`` reads is a carry that starts
+    ``mean`` when each of its reducing outputs in ``needed`` (those the classified value
+    reads, as the other totals take it) is a carry that starts
     at zero and adds, every step, a term that is a batch sum or mean (a loss summed over
     time steps: ``total + sum(...)``), or a scan's stacked per-step terms, each such a
     term, that ``var`` sums over the steps (:func:`_summed_over_steps`); else ('',
@@ -579,11 +583,9 @@ def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[
         bm, bf = em.params["jaxpr"], ef.params["jaxpr"]
     operands = em.invars[skip:]
     made = {v: e for e, *_ in producers for v in e.outvars}
-    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
     kinds = set()
-    for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True)):
-        if _shape(a) != _shape(b) or is_dropvar(a) or a not in needed:
-            continue
+    for k in _reduced_outputs(em, ef, needed):
+        a = em.outvars[k]
         why = (
             f"it reduces the batch in a {em.primitive.name} loop other than by adding to a "
             "carry that starts at zero"
@@ -608,12 +610,7 @@ def _scan_total(micro, full, em, ef, producers, var, m: int, dep: set) -> tuple[
             term = terms[0]
         if is_literal(term):
             return "", why
-        body_dep = batch_dependent(
-            bm.jaxpr,
-            [not is_literal(v) and v in dep for v in operands],
-            len(bm.jaxpr.eqns),
-        )
-        red, why = classify(bm, bf, term, m, body_dep)
+        red, why = classify(bm, bf, term, m, _body_dep(bm, operands, dep))
         if red not in ("sum", "mean"):
             return "", why or f"its {em.primitive.name} loop adds a batch {red} to a carry"
         kinds.add(red)
@@ -647,10 +644,10 @@ def _loop_condition_reads(em) -> list:
     ]
 
 
-def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+def _cond_total(em, ef, producers, needed: set, m: int, dep: set) -> tuple[str, str]:
     """How a ``lax.cond`` whose branches reduce the batch combines: ``sum`` or ``mean``
     when the predicate is the same on every micro-batch (it does not read the batch) and
-    every branch's output that ``var`` reads is a batch sum, or every one a batch mean
+    every branch's output in ``needed`` is a batch sum, or every one a batch mean
     (or a constant), each classified in its branch, paired with the full-batch trace's
     (:func:`classify`); else ('', why).  A branch that takes a masked mean divides by its
     micro-batch's own count, so it is refused, as are branches that combine differently
@@ -671,33 +668,16 @@ def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
             "branches meshshard cannot follow from one micro-batch to the batch; reduce "
             "inside the branches, or pick with jnp.where"
         )
-    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
-    kinds, whys = set(), set()
-    for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True)):
-        if a not in needed or _shape(a) != _shape(b):
-            continue
-        for bm, bf in zip(em.params["branches"], ef.params["branches"], strict=True):
-            if not same_program(bm, bf):
-                return "", (
-                    f"a branch of its lax.cond{where} traces to different programs at "
-                    "micro-batch and full-batch shape"
-                )
-            out = bm.jaxpr.outvars[k]
-            if is_literal(out):
-                red, why = "mean", "a constant"
-            else:
-                body_dep = batch_dependent(
-                    bm.jaxpr, [not is_literal(v) and v in dep for v in operands], len(bm.jaxpr.eqns)
-                )
-                red, why = classify(bm, bf, out, m, body_dep)
-            if red not in ("sum", "mean"):
-                return "", f"in a branch of its lax.cond{where}, {why or f'a batch {red}'}"
-            kinds.add(red)
-            whys.add(why)
+    branches = list(zip(em.params["branches"], ef.params["branches"], strict=True))
+    kinds, whys, refused = _body_totals(
+        em, ef, branches, operands, needed, m, dep, f"a branch of its lax.cond{where}"
+    )
+    if refused:
+        return "", refused
     if len(kinds) != 1:
         return "", (
             f"its lax.cond's branches{where} combine differently over micro-batches: "
-            f"{' in one, '.join(sorted(whys))} in another"
+            f"{' in one, '.join(sorted(set(whys)))} in another"
         )
     return kinds.pop(), "a lax.cond on a value the same on every micro-batch"
 
@@ -706,32 +686,75 @@ def _cond_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
 _CUSTOM_CALLS = ("custom_vjp_call", "custom_jvp_call")
 
 
-def _custom_call_total(em, ef, producers, var, m: int, dep: set) -> tuple[str, str]:
+def _custom_call_total(em, ef, producers, needed: set, m: int, dep: set) -> tuple[str, str]:
     """How a call of a function with a custom derivative (a fused cross-entropy kernel
     under ``jax.custom_vjp``) that reduces the batch combines: as the primal function in
     its body does (:func:`classify`), whose derivative the custom one is taken to be."""
-    bm, bf = em.params["call_jaxpr"], ef.params["call_jaxpr"]
     where = _at_user_line(em)
-    if not same_program(bm, bf):
-        return "", (
-            f"the function with a custom derivative{where} traces to different programs at "
-            "micro-batch and full-batch shape"
-        )
-    needed = {var} | {v for e, *_ in producers for v in e.invars if not is_literal(v)}
-    body_dep = batch_dependent(
-        bm.jaxpr, [not is_literal(v) and v in dep for v in em.invars], len(bm.jaxpr.eqns)
+    body = [(em.params["call_jaxpr"], ef.params["call_jaxpr"])]
+    kinds, whys, refused = _body_totals(
+        em, ef, body, em.invars, needed, m, dep, f"the function with a custom derivative{where}"
     )
-    kinds, why = set(), ""
-    for a, b, out in zip(em.outvars, ef.outvars, bm.jaxpr.outvars, strict=True):
-        if a not in needed or _shape(a) != _shape(b):
-            continue
-        red, why = ("mean", "a constant") if is_literal(out) else classify(bm, bf, out, m, body_dep)
-        if red not in ("sum", "mean"):
-            return "", f"in the function with a custom derivative{where}, {why or f'a batch {red}'}"
-        kinds.add(red)
+    if refused:
+        return "", refused
     if len(kinds) != 1:
         return "", f"the function with a custom derivative{where} returns a batch sum and a mean"
-    return kinds.pop(), why
+    return kinds.pop(), whys[-1]
+
+
+def _body_totals(em, ef, bodies, operands, needed: set, m: int, dep: set, what: str):
+    """``(kinds, whys, refusal)``: each output of ``em`` in ``needed`` that reduces the
+    batch (:func:`_reduced_outputs`), classified in each of ``bodies`` (pairs of the
+    micro-batch and full-batch traces' bodies, whose inputs are ``operands``) as a
+    ``sum`` or a ``mean`` (a constant output counts as a mean), in order, or why one of
+    them is neither; ``what`` names the body in that reason."""
+    kinds, whys = set(), []
+    for k in _reduced_outputs(em, ef, needed):
+        for bm, bf in bodies:
+            if not same_program(bm, bf):
+                return (
+                    kinds,
+                    whys,
+                    (f"{what} traces to different programs at micro-batch and full-batch shape"),
+                )
+            out = bm.jaxpr.outvars[k]
+            red, why = (
+                ("mean", "a constant")
+                if is_literal(out)
+                else classify(bm, bf, out, m, _body_dep(bm, operands, dep))
+            )
+            if red not in ("sum", "mean"):
+                return kinds, whys, f"in {what}, {why or f'a batch {red}'}"
+            kinds.add(red)
+            whys.append(why)
+    return kinds, whys, ""
+
+
+def _reduced_outputs(em, ef, needed: set) -> list[int]:
+    """Positions of the outputs of a body equation ``em`` (its twin ``ef`` in the full
+    trace) that the classified value reads (``needed``) and that do not keep the batch."""
+    return [
+        k
+        for k, (a, b) in enumerate(zip(em.outvars, ef.outvars, strict=True))
+        if not is_dropvar(a) and a in needed and _shape(a) == _shape(b)
+    ]
+
+
+def _body_dep(body, operands, dep: set) -> set:
+    """The batch-dependent values of ``body`` (a ``ClosedJaxpr`` whose inputs are
+    ``operands`` of the equation holding it), from ``dep``, the outer ones."""
+    return batch_dependent(
+        body.jaxpr, [not is_literal(v) and v in dep for v in operands], len(body.jaxpr.eqns)
+    )
+
+
+#: How each primitive with a body that reduces the batch combines (see each function).
+_BODY_TOTALS = {
+    "scan": _scan_total,
+    "while": _scan_total,
+    "cond": _cond_total,
+    **{name: _custom_call_total for name in _CUSTOM_CALLS},
+}
 
 
 def _cast_of(v, made: dict):
@@ -1126,10 +1149,8 @@ def _linear_branches(em, which, keep_order: bool) -> bool:
         bad, _ = _nonlinear_after_reduction(branch, (branch.jaxpr.eqns, {inner}), keep_order)
         if bad:
             return False
-        reach = {inner}
-        for e in branch.jaxpr.eqns:
-            if any(not is_literal(v) and v in reach for v in e.invars):
-                reach.update(e.outvars)
+        flags = [v is inner for v in branch.jaxpr.invars]
+        reach = batch_dependent(branch.jaxpr, flags, len(branch.jaxpr.eqns))  # what it reads
         if any(is_literal(v) or v not in reach for v in branch.jaxpr.outvars):
             return False  # a constant in one branch: a sum picked against it is no sum
     return True

@@ -78,6 +78,7 @@ from meshshard.passes.pre_grad_values import (
 from meshshard.passes.random_draws import INDEX_PATH, find_batch_draws, slice_batch_draws
 from meshshard.passes.reductions import (
     LOSS_TERMS_FIX,
+    UNSHARED_TERMS_FIX,
     LossTermShares,
     resolve,
     same_program,
@@ -323,17 +324,6 @@ def _trace_step(fn, m: int, treedef, wheres, full_abs, in_batch) -> TracedStep:
                 if LOSS_TERMS_FIX not in str(e):
                     raise
                 raise MeshshardInputError(str(e).replace(LOSS_TERMS_FIX, UNSHARED_TERMS_FIX)) from e
-
-
-#: The fix for a loss whose terms need 1/M shares that could not be put on them: the
-#: addition sits inside a function whose body the loss's re-trace does not enter.
-UNSHARED_TERMS_FIX = (
-    "meshshard combines a batch sum plus means and constants by taking the means and "
-    "constants as 1/M shares of each micro-batch's loss, but could not put the shares on "
-    "these terms (inside your own jax.checkpoint, custom derivative or loop?): add the "
-    "terms outside it, or make each a mean or a sum over the batch; declaring "
-    "loss_reduce would combine every term alike, which is wrong for these"
-)
 
 
 #: A forward-only step's result terms to take as 1/M shares while tracing: (scale,

@@ -32,6 +32,7 @@ import numpy as np
 from meshshard._compat import ClosedJaxpr
 from meshshard.jaxpr_util import bind_eqn, is_dropvar, is_literal, is_marker, read_var, retrace
 from meshshard.passes.hoist import batch_dependent
+from meshshard.passes.reductions import _slice
 
 
 def after_grad_end(jaxpr) -> int | None:
@@ -72,19 +73,12 @@ def update_constant_overrides(micro: ClosedJaxpr, full: ClosedJaxpr, is_batch=No
 
 def _batch_free_result_slice(jaxpr, is_batch) -> set:
     """Indices of the equations that the results not depending on the batch are
-    computed by (none of which depends on the batch)."""
+    computed by (none of which depends on the batch; a boundary marker they cross counts
+    for their own position only: :func:`~meshshard.passes.reductions._slice`)."""
     dep = batch_dependent(jaxpr, is_batch, len(jaxpr.eqns))
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    stack = [v for v in jaxpr.outvars if not is_literal(v) and v not in dep]
-    seen = set()
-    while stack:
-        v = stack.pop()
-        i = producer.get(v)
-        if i is None or i in seen:
-            continue
-        seen.add(i)
-        stack += [u for u in jaxpr.eqns[i].invars if not is_literal(u)]
-    return seen
+    return {
+        i for v in jaxpr.outvars if not is_literal(v) and v not in dep for i, _ in _slice(jaxpr, v)
+    }
 
 
 def _overrides(micro: ClosedJaxpr, full: ClosedJaxpr, start_m: int, start_f: int) -> dict:
