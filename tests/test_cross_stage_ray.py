@@ -11,12 +11,13 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.mark.jax_groups(2)
-@pytest.mark.parametrize("opt", ["clip_adamw", "multisteps"])
-def test_update_across_two_host_meshes(ray_cluster, opt):
+def test_update_across_two_host_meshes(ray_cluster):
     """Two stages, each a 2-host x 2-device mesh: a mesh's two workers contribute its
-    partial once (the leader) and the identity (the other)."""
+    partial once (the leader) and the identity (the other).  Global-norm clipping sums
+    every mesh's partial; the other optimizers' cross-stage updates run the same
+    reduction instructions (test_cross_stage, on one-host meshes)."""
     method = PipeshardParallel(num_micro_batches=2, stages=[(2, 2), (2, 2)])
-    step = check(mlp_setup(OPTIMIZERS[opt]()), method)
+    step = check(mlp_setup(OPTIMIZERS["clip_adamw"]()), method)
     assert [m.hosts for m in step.plan.meshes] == [(0, 1), (2, 3)]
     assert all(r.group == (0, 1, 2, 3) and r.leaders == (0, 2) for r in step.plan.reductions)
     assert verify(step.plan) == []

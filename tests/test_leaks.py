@@ -54,7 +54,7 @@ def held(state) -> dict[int, int]:
 def test_dropped_steps_and_arrays_free_everything(threads_cluster):
     state0, batch = setup()
     base = settle(threads_cluster)
-    for _ in range(3):  # a re-run notebook cell: a new step, a new state, the old ones dropped
+    for _ in range(2):  # a re-run notebook cell: a new step, a new state, the old ones dropped
         step = meshshard.parallelize(mlp.train_step, method=METHOD)
         state, _ = step(state0, batch)
         state, loss = step(state, batch)
@@ -169,13 +169,15 @@ def test_ray_actors_free_dropped_steps_and_stay_flat(ray_cluster):
     for _ in range(10):
         state, _ = step(state, batch)
     at10 = settle(ray_cluster)
-    for _ in range(190):
+    # the counts are exact, so a per-step leak of any entry shows within these 30 steps
+    # (the threads cluster's test runs 300)
+    for _ in range(30):
         state, _ = step(state, batch)
-    at200 = settle(ray_cluster)
+    at40 = settle(ray_cluster)
     flat = [(s["store"], s["live_buffers"], s["compiled"]) for s in at10.values()] == [
-        (s["store"], s["live_buffers"], s["compiled"]) for s in at200.values()
+        (s["store"], s["live_buffers"], s["compiled"]) for s in at40.values()
     ]
-    assert flat, (at10, at200)
+    assert flat, (at10, at40)
     del step, state
     after = settle(ray_cluster)
     for h in base:

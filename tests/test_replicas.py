@@ -142,7 +142,7 @@ def test_replicas_match_single_device_gpt(threads_cluster):
     method = PipeshardParallel(
         num_micro_batches=4, stages=[(1, 1)] * 2, schedule="gpipe", data_parallel=2
     )
-    step = check_parity("gpt", method, steps=2)
+    step = check_parity("gpt_small", method, steps=2)
     assert len(step.plan.meshes) == 4
 
 
