@@ -85,6 +85,29 @@ def test_mlp_inference_micro_batches(threads_cluster):
     assert step.plan.schedule.name == "inference"
 
 
+def test_outputs_of_a_step_without_arguments(threads_cluster):
+    # origin: tests/pipeline_parallel/test_inference_only.py::test_output (a step of no
+    # arguments, two stages, returning arrays it makes and a Python int)
+    def func():
+        a = jnp.ones(32)
+        meshshard.mark_pipeline_boundary()
+        b = jnp.ones(32) * 2
+        return a, b, 3
+
+    step = meshshard.parallelize(
+        func, method=PipeshardParallel(num_micro_batches=1, stages=[(1, 2)] * 2)
+    )
+    a, b, c = step()
+    np.testing.assert_array_equal(np.asarray(a), np.ones(32, np.float32))
+    np.testing.assert_array_equal(np.asarray(b), np.full(32, 2.0, np.float32))
+    assert int(c) == 3 and np.asarray(c).dtype == np.int32
+    ref = jax.jit(func)()
+    assert [(np.shape(x), np.asarray(x).dtype) for x in (a, b, c)] == [
+        (np.shape(x), x.dtype) for x in ref
+    ]
+    assert len(step.plan.meshes) == 2
+
+
 @pytest.mark.parametrize(
     "method",
     [
