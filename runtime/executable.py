@@ -315,6 +315,15 @@ class RemoteArray:
         where = ",".join(f"w{w}" for w in self.keys) or "driver"
         return f"RemoteArray({self.dtype}{list(self.shape)} on {where})"
 
+    def __reduce__(self):
+        """Pickled by value, as ``jax.Array`` is: it unpickles as the ``jax.Array`` that
+        ``jax.jit`` would have returned, a copy that outlives the cluster (``pickle.dump``
+        of a training state, ``copy.deepcopy`` of the best one so far)."""
+        return (as_result, (self.fetch(), self.weak_type))
+
+    def __copy__(self) -> RemoteArray:
+        return self  # immutable: a shallow copy is the same array, as for a tuple
+
     def _release(self) -> None:
         if not self.deleted:
             self.deleted = True
