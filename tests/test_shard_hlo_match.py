@@ -62,8 +62,9 @@ def _plan(model_name, method, cluster):
 @pytest.mark.parametrize(
     "model, how",
     [(m, h) for m in ("mlp", "gpt") for h in ("shard14", "pipe_auto")]
-    + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2"), ("gpt", "shard14_as_2x2")]
-    + [("gpt", "shard22")],
+    # the GPT's 2-D ILP runs to its time limit: once, on two hosts (the MLP takes the
+    # one-host 2 x 2 view)
+    + [("mlp_dp", "pipe_auto"), ("mlp", "shard14_as_2x2"), ("gpt", "shard22")],
 )
 def test_compiled_collectives_match_the_prediction(model, how, monkeypatch):
     method, cluster = METHODS[how]
