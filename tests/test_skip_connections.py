@@ -87,10 +87,10 @@ def _state(model, *inputs):
 
 def _check(step_fn, state, batches, method):
     """Parameters and loss after each step equal ``jax.jit``'s; returns the plan."""
-    step = meshshard.parallelize(step_fn, method=method)
+    step, ref_step = meshshard.parallelize(step_fn, method=method), jax.jit(step_fn)
     ref, got = state, state
     for batch in batches:
-        ref, ref_loss = jax.jit(step_fn)(ref, batch)
+        ref, ref_loss = ref_step(ref, batch)
         got, loss = step(got, batch)
         # per element, with an absolute floor: an attention key bias gets a gradient
         # of exactly zero (softmax ignores a shift), so both runs hold rounding noise
